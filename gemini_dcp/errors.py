@@ -1,0 +1,90 @@
+"""The exception hierarchy of gemini_dcp.
+
+Every error the package raises on purpose derives from :class:`GeminiError`, and
+its message says what happened *and* what to do about it.
+
+Note on ``dcp.save`` / ``dcp.load``: DCP runs the storage layer's planning and
+I/O steps inside its own collective wrappers and re-raises any failure as a
+``torch.distributed.checkpoint.api.CheckpointException`` that carries each
+rank's original exception. Errors detected before DCP's wrappers run (in the
+writer/reader constructors and in ``reset(checkpoint_id)``) reach the caller
+unwrapped; use :func:`find_gemini_error` to get ours out of a
+``CheckpointException``.
+"""
+
+from __future__ import annotations
+
+
+class GeminiError(Exception):
+    """Root of every error raised by gemini_dcp."""
+
+
+class ConfigError(GeminiError, ValueError):
+    """An argument or environment setting is invalid."""
+
+
+class InvalidStepError(ConfigError):
+    """A ``checkpoint_id`` that is not a training step (a non-negative int)."""
+
+
+class TierRootError(GeminiError):
+    """A tier root is missing, not a directory, or not writable."""
+
+
+class TierFullError(GeminiError):
+    """The tier has not enough free space (or budget) for the checkpoint."""
+
+
+class CheckpointNotFoundError(GeminiError):
+    """No committed checkpoint (for this job, or for this step) can be found."""
+
+
+class StepNotFoundError(CheckpointNotFoundError):
+    """The requested step is not committed in any reachable tier."""
+
+
+class ChecksumMismatchError(GeminiError):
+    """Stored bytes do not match the checksum recorded at save time."""
+
+
+class ShardUnavailableError(GeminiError):
+    """Some shards of a step are held by no reachable copy."""
+
+
+class WorldSizeError(GeminiError):
+    """The process layout does not match what an operation needs."""
+
+
+class PeerError(GeminiError):
+    """Peer replication or a peer transfer failed or timed out."""
+
+
+class PersistentTierError(GeminiError):
+    """The persistent (fsspec) tier is unreachable, misconfigured or failed."""
+
+
+def find_gemini_error(exc: BaseException) -> GeminiError | None:
+    """Return the first :class:`GeminiError` inside ``exc``.
+
+    Looks at ``exc`` itself, its ``__cause__``/``__context__`` chain, and, for a
+    DCP ``CheckpointException``, at every rank's wrapped failure.
+    """
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, GeminiError):
+            return cur
+        failures = getattr(cur, "failures", None)
+        if isinstance(failures, dict):
+            for wrapped in failures.values():
+                inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+                if isinstance(inner, BaseException):
+                    stack.append(inner)
+        for nxt in (cur.__cause__, cur.__context__):
+            if nxt is not None:
+                stack.append(nxt)
+    return None

@@ -1,0 +1,311 @@
+"""The peer CPU-memory tier: replicate each node's shards to peers, serve them back.
+
+Transfers run over the checkpoint control group (gloo; never the training
+group). Replication sends each rank's whole slot, in one message, straight
+into a pre-faulted slot of the receiving node (no staging copy); the receiver
+verifies every item's checksum before the copy may count as a replica, so a
+corrupt replica can never be committed silently.
+
+Restore-side routing is decided by the coordinator (``assign_sources``) from
+the collective restore decision; chunks whose copy fails verification are
+re-fetched from another holder in further collective rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+
+from .checksum import as_bytes, checksum
+from .comm import Comm
+from .errors import GeminiError, PeerError, ShardUnavailableError
+from .placement import assign_positions, place
+from .records import RankSlot, ShardRef, StepRecord
+from .restore_plan import RestoreDecision
+
+if TYPE_CHECKING:
+    from .reader import GeminiStorageReader, ItemKey
+    from .writer import GeminiStorageWriter, _RankReport
+
+log = logging.getLogger(__name__)
+
+MAX_REPAIR_ROUNDS = 4
+
+
+# ---- save side -------------------------------------------------------------------------------
+def node_order(writer: "GeminiStorageWriter", comm: Comm, reports: list["_RankReport"]) -> list[str]:
+    """Positions of nodes in the placement, stable for surviving nodes (decided on rank 0)."""
+    current = list(dict.fromkeys(rep.node_id for rep in reports))
+    order: list[str] | None = None
+    if comm.rank == 0:
+        previous = getattr(writer, "_node_order", None)
+        if previous is None:
+            steps = writer.tier.steps()
+            rec = writer.tier.record(steps[-1]) if steps else None
+            previous = list(rec.nodes) if rec is not None else None
+        order = assign_positions(previous, current)
+    order = comm.broadcast_object(order, src=0)
+    writer._node_order = order  # type: ignore[attr-defined]
+    return order  # type: ignore[return-value]
+
+
+def replication_routes(order: list[str], reports: list["_RankReport"], replicas: int, strategy: str) -> list[tuple[int, int]]:
+    """(sender rank, receiver rank) pairs: each rank's slot goes to one rank of every peer node."""
+    ranks_of: dict[str, list[int]] = {}
+    for rep in reports:
+        ranks_of.setdefault(rep.node_id, []).append(rep.rank)
+    m = min(replicas, len(order))
+    placement = place(len(order), m, strategy)  # type: ignore[arg-type]
+    pos = {n: i for i, n in enumerate(order)}
+    routes: list[tuple[int, int]] = []
+    for rep in reports:
+        for peer in placement.peers_of(pos[rep.node_id]):
+            targets = ranks_of[order[peer]]
+            routes.append((rep.rank, targets[rep.rank % len(targets)]))
+    return routes
+
+
+def replicate(
+    writer: "GeminiStorageWriter", comm: Comm, step: int, reports: list["_RankReport"]
+) -> tuple[tuple[RankSlot, ...], dict[str, Any]]:
+    """Collective: copy every rank's slot into its peers' memory; returns the replicas this rank stored.
+
+    A transfer error raises PeerError, or (``on_peer_failure="degrade"``) is
+    logged and the step commits with fewer replicas.
+    """
+    t0 = time.perf_counter()
+    order = node_order(writer, comm, reports)
+    routes = replication_routes(order, reports, writer.options.replicas, writer.options.placement)
+    me = comm.rank
+    works: list[Any] = []
+    received: list[tuple[int, int, Any]] = []
+    sent = recv_bytes = 0
+    error: str | None = None
+    try:
+        for src, dst in sorted(routes):
+            nbytes = reports[src].nbytes
+            if nbytes == 0:
+                continue
+            if src == me:
+                slot = writer._slot(me, reports[me].slot)
+                works.append(dist.isend(slot.view(0, nbytes), dst=comm.global_rank(dst), group=comm.group))
+                sent += nbytes
+            elif dst == me:
+                idx = writer.tier.choose_slot(src, writer.options.keep)
+                slot = writer._slot(src, idx)
+                slot.ensure_capacity(nbytes, budget_check=writer._budget_check)
+                works.append(dist.irecv(slot.view(0, nbytes), src=comm.global_rank(src), group=comm.group))
+                received.append((src, idx, slot))
+                recv_bytes += nbytes
+        for w in works:
+            w.wait()
+    except RuntimeError as exc:  # gloo timeout / peer gone
+        error = f"peer transfer failed on rank {me}: {exc}"
+    replica_slots: list[RankSlot] = []
+    if error is None:
+        for src, idx, slot in received:
+            bad = _verify_items(slot, reports[src].results)
+            if bad:
+                error = f"replica of rank {src} received by rank {me} failed checksum for {bad}"
+                break
+            replica_slots.append(RankSlot(src, idx, reports[src].nbytes))
+    errors = [e for e in comm.all_gather_object(error) if e]
+    if errors:
+        msg = (
+            f"step {step}: could not place {writer.options.replicas} replicas in peer memory: {errors[0]}"
+            f"{f' (+{len(errors) - 1} more)' if len(errors) > 1 else ''}. "
+            "Check that every node is alive and reachable, or pass on_peer_failure='degrade' to commit with fewer copies."
+        )
+        if writer.options.on_peer_failure == "raise":
+            raise PeerError(msg)
+        log.warning("%s Committing with fewer replicas.", msg)
+    dt = time.perf_counter() - t0
+    stats = {"sent_bytes": sent, "received_bytes": recv_bytes, "seconds": dt, "degraded": bool(errors)}
+    return tuple(replica_slots), stats
+
+
+def _verify_items(slot: Any, results: tuple[Any, ...]) -> list[str]:
+    bad: list[str] = []
+    for wr in results:
+        ref: ShardRef = wr.storage_data
+        if checksum(slot.view(ref.offset, ref.length), ref.algo) != ref.checksum:
+            bad.append(wr.index.fqn)
+    return bad
+
+
+# ---- restore side ----------------------------------------------------------------------------
+def _refs_by_key(record: StepRecord) -> dict["ItemKey", ShardRef]:
+    return {(ref.rank, ref.offset): ref for ref in record.metadata.storage_data.values()}
+
+
+def assign_sources(
+    needs: list[list["ItemKey"]],
+    decision: RestoreDecision,
+    record: StepRecord,
+    exclude: set[tuple[int, "ItemKey", str]],
+    local_ok: bool = True,
+) -> list[dict[str, Any]]:
+    """Routes per group rank: ``{"recv": {key: server}, "serve": [(requester, key)], "none": [key]}``.
+
+    A chunk held by the requester's own node is read locally (no route) unless
+    ``local_ok`` is False; otherwise it is assigned to the least-loaded rank of
+    a holder node not in ``exclude``; chunks with no holder left go to ``"none"``.
+    """
+    node_of = {r: n for n, rs in decision.node_ranks.items() for r in rs}
+    refs = _refs_by_key(record)
+    load: dict[int, int] = {}
+    routes: list[dict[str, Any]] = [{"recv": {}, "serve": [], "none": []} for _ in needs]
+    for requester, keys in enumerate(needs):
+        my_node = node_of.get(requester)
+        for key in keys:
+            holders = decision.holders.get(key[0], ())
+            if local_ok and my_node in holders and (requester, key, my_node) not in exclude:
+                continue
+            candidates = [
+                r
+                for n in holders
+                if n != my_node or not local_ok
+                if (requester, key, n) not in exclude
+                for r in decision.node_ranks.get(n, ())
+                if r != requester
+            ]
+            if not candidates:
+                routes[requester]["none"].append(key)
+                continue
+            server = min(candidates, key=lambda r: (load.get(r, 0), r))
+            load[server] = load.get(server, 0) + refs[key].length
+            routes[requester]["recv"][key] = server
+            routes[server]["serve"].append((requester, key))
+    return routes
+
+
+def _transfer(
+    reader: "GeminiStorageReader",
+    comm: Comm,
+    route: dict[str, Any],
+    by_key: dict["ItemKey", list[ReadItem]],
+    planner: LoadPlanner,
+    refs: dict["ItemKey", ShardRef],
+) -> dict["ItemKey", bool]:
+    """Run one round of sends/receives; returns key -> verified-and-applied for received chunks."""
+    works: list[Any] = []
+    for requester, key in sorted(route["serve"]):
+        ref = refs[key]
+        if ref.length == 0:
+            continue
+        buf = reader._local_bytes(ref)
+        if buf is None:  # keep the protocol in step; the receiver's checksum will reject it
+            buf = torch.zeros(ref.length, dtype=torch.uint8)
+        works.append(dist.isend(buf, dst=comm.global_rank(requester), group=comm.group))
+    incoming: list[tuple["ItemKey", torch.Tensor]] = []
+    for key, server in sorted(route["recv"].items()):
+        ref = refs[key]
+        buf = torch.empty(ref.length, dtype=torch.uint8)
+        if ref.length:
+            works.append(dist.irecv(buf, src=comm.global_rank(server), group=comm.group))
+        incoming.append((key, buf))
+    for w in works:
+        w.wait()
+    ok: dict["ItemKey", bool] = {}
+    for key, buf in incoming:
+        ok[key] = reader._apply(by_key[key], refs[key], buf, planner)
+    return ok
+
+
+def fetch_remote(
+    reader: "GeminiStorageReader",
+    comm: Comm,
+    plan: LoadPlan,
+    planner: LoadPlanner,
+    by_key: dict["ItemKey", list[ReadItem]],
+    routes: dict[str, Any],
+    failed: dict["ItemKey", str],
+    counts: dict[str, int],
+) -> None:
+    """Collective: receive the chunks routed to peers, then repair failures round by round.
+
+    Every rank runs the same number of rounds (driven by all-gathered failures).
+    Chunks no memory copy can serve go to the persistent tier, else raise.
+    """
+    decision, record = reader._decision, reader._record
+    assert decision is not None and record is not None
+    refs = _refs_by_key(record)
+    route = routes or {"recv": {}, "serve": []}
+    for key, ok in _transfer(reader, comm, route, by_key, planner, refs).items():
+        if ok:
+            counts["peer"] += refs[key].length
+        else:
+            failed[key] = f"checksum from rank {route['recv'][key]}"
+    node_of = {r: n for n, rs in decision.node_ranks.items() for r in rs}
+    exclude: set[tuple[int, "ItemKey", str]] = set()
+    for key, srv in route["recv"].items():
+        if key in failed:
+            exclude.add((comm.rank, key, node_of[srv]))
+    for key in failed:
+        exclude.add((comm.rank, key, reader.node_id))
+    given_up: set["ItemKey"] = set()
+    for _ in range(MAX_REPAIR_ROUNDS):
+        # Never raise inside this loop: every rank must run the same rounds.
+        pending = sorted(k for k in failed if k not in given_up)
+        all_failed = comm.all_gather_object((pending, sorted(exclude)))
+        if not any(f for f, _ in all_failed):
+            break
+        needs = [f for f, _ in all_failed]
+        excl = {e for _, ex in all_failed for e in ex}
+        mine = assign_sources(needs, decision, record, excl, local_ok=False)[comm.rank]
+        for key, ok in _transfer(reader, comm, mine, by_key, planner, refs).items():
+            if ok:
+                counts["peer"] += refs[key].length
+                failed.pop(key, None)
+            else:
+                exclude.add((comm.rank, key, node_of[mine["recv"][key]]))
+        if mine["none"]:
+            _from_persistent(reader, planner, by_key, set(mine["none"]), failed, counts)
+            given_up.update(k for k in mine["none"] if k in failed)
+    if failed:
+        _raise_unservable(reader, by_key, refs, failed)
+
+
+def _from_persistent(
+    reader: "GeminiStorageReader",
+    planner: LoadPlanner,
+    by_key: dict["ItemKey", list[ReadItem]],
+    keys: set["ItemKey"],
+    failed: dict["ItemKey", str],
+    counts: dict[str, int],
+) -> None:
+    if reader.persistent is None or reader._decision is None:
+        return
+    step = reader._decision.step
+    for k in keys:
+        try:
+            counts["persistent"] += reader.persistent.read_items(step, LoadPlan(by_key[k]), planner)
+        except GeminiError as exc:
+            log.warning("persistent copy of %s unusable: %s", by_key[k][0].storage_index.fqn, exc)
+            continue
+        failed.pop(k, None)
+
+
+def _raise_unservable(
+    reader: "GeminiStorageReader",
+    by_key: dict["ItemKey", list[ReadItem]],
+    refs: dict["ItemKey", ShardRef],
+    failed: dict["ItemKey", str],
+) -> None:
+    from .reader import corrupt_error  # noqa: PLC0415
+
+    step = reader._decision.step if reader._decision else -1
+    corrupt = [k for k, why in failed.items() if why != "missing"]
+    if corrupt:
+        k = corrupt[0]
+        raise corrupt_error(by_key[k][0], refs[k], step, f"{failed[k]}; {len(failed)} chunk(s) affected")
+    names = sorted({f"{by_key[k][0].storage_index.fqn}@rank{k[0]}" for k in failed})
+    raise ShardUnavailableError(
+        f"step {step}: no surviving copy of {len(failed)} chunk(s): {names[:20]}"
+        f"{' ...' if len(names) > 20 else ''}. Load an older step, or configure persistent=<url>."
+    )

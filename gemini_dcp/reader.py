@@ -1,0 +1,313 @@
+"""GeminiStorageReader: DCP StorageReader that restores from the fastest surviving copy.
+
+Call order (driven by ``dcp.load``; **all ranks must call dcp.load together**):
+
+1. ``reset(checkpoint_id)`` — optional: a step to load (default: the newest restorable).
+2. ``read_metadata`` — collective: every rank reports what its node holds, all
+   ranks run the same decision (:func:`restore_plan.decide`) and agree on one
+   step; the step record is broadcast from a node that has it.
+3. ``prepare_global_plan`` (coordinator) — assigns, for each chunk a rank needs
+   and its node does not hold, a peer rank that holds it, spreading bytes over
+   the holders.
+4. ``read_data`` — collective: local chunks are verified and copied from the
+   mmap'd slot files (zero copy until the final copy into the live tensors);
+   peer chunks arrive over the checkpoint control group; a chunk whose checksum
+   fails is fetched again from another copy (peer, then persistent); finally the
+   per-tier byte counts are summed over all ranks into ``restored_from``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import time
+from torch.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, LoadItemType, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+
+from .checksum import as_bytes, checksum, checksum_then_copy
+from .comm import Comm, get_comm
+from .config import parse_step, resolve_node_id
+from .errors import ChecksumMismatchError, GeminiError, ShardUnavailableError
+from .local_tier import LocalTier
+from .records import ShardRef, StepRecord
+from .restore_plan import NodeView, RestoreDecision, StepView, decide
+from .slots import ReadOnlySlot
+
+log = logging.getLogger(__name__)
+
+TIERS = ("local", "peer", "persistent")
+ItemKey = tuple[int, int]  # (saving rank, offset in its slot): one stored item
+
+
+class GeminiStorageReader(StorageReader):
+    """Load DCP checkpoints from node memory, peer memory, then persistent storage.
+
+    After ``dcp.load``: ``restored_step`` is the step loaded, ``restored_from``
+    maps tier name → bytes read from it summed over all ranks (``rank_restored_from``:
+    this rank only), ``restore_seconds`` the wall time of the restore.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        job_id: str | None = None,
+        *,
+        persistent: str | None = None,
+        timeout_s: float = 300.0,
+        process_group: Any = None,
+    ) -> None:
+        super().__init__()
+        self.tier = LocalTier(root, job_id)
+        self.root: Path = self.tier.root
+        self.job_id: str = self.tier.job_id
+        self.node_id = resolve_node_id(self.root)
+        self.timeout_s = timeout_s
+        self.process_group = process_group
+        self.persistent = None
+        if persistent is not None:
+            from .persistent import PersistentTier  # noqa: PLC0415
+
+            self.persistent = PersistentTier(persistent, self.job_id)
+        self._requested: int | None = None
+        self._decision: RestoreDecision | None = None
+        self._record: StepRecord | None = None
+        self._local: dict[int, Path] = {}
+        self._maps: dict[Path, ReadOnlySlot] = {}
+        self._t0 = 0.0
+        self.restored_step: int | None = None
+        self.restored_from: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.rank_restored_from: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.restore_seconds: float | None = None
+
+    # ---- StorageReader API -------------------------------------------------------------
+    @property
+    def checkpoint_id(self) -> int | None:
+        return self._requested
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
+        """Select a step. With a step given (as ``dcp.load(..., checkpoint_id=step)`` does
+        on every rank), the collective restore decision runs here, so an unknown or
+        unrestorable step raises our error directly instead of inside DCP's wrapper."""
+        self._requested = None if checkpoint_id is None else parse_step(checkpoint_id)
+        self._decision = None
+        self._record = None
+        if self._requested is not None:
+            self._decide()
+
+    def read_metadata(self) -> Metadata:
+        """Collective: agree on the step to restore and return its DCP metadata."""
+        if self._decision is None:
+            self._decide()
+        if self._record is None:
+            assert self.persistent is not None and self._decision is not None
+            return self.persistent.read_metadata(self._decision.step)
+        return self._record.metadata
+
+    def _decide(self) -> None:
+        """Collective: gather every node's view, decide, broadcast the chosen record."""
+        self._t0 = time.perf_counter()
+        comm = self._comm()
+        view: NodeView | None = None
+        local_error: BaseException | None = None
+        try:
+            view = self._node_view(comm.rank)
+        except GeminiError as exc:
+            local_error = exc
+        persisted: list[int] = []
+        if self.persistent is not None and comm.rank == 0:
+            persisted = self.persistent.committed_steps()
+        views = comm.all_gather_object(view)
+        persisted = comm.broadcast_object(persisted, src=0)
+        if local_error is not None:
+            raise local_error
+        if any(v is None for v in views):
+            raise ShardUnavailableError("another rank could not read its tier root; see its error.")
+        decision = decide(views, self._requested, self.job_id, persisted)  # same result on every rank
+        self._local = {}
+        if decision.fingerprint is None:
+            self._decision, self._record = decision, None
+            return
+        record = self.tier.record(decision.step) if comm.rank == decision.record_src else None
+        record = comm.broadcast_object(record, src=decision.record_src)  # type: ignore[arg-type]
+        assert record is not None
+        mine = self.tier.record(decision.step)
+        if mine is not None and mine.fingerprint() == decision.fingerprint:
+            for s in mine.slots:
+                self._local[s.rank] = self.tier.slot_path(s.rank, s.slot)
+        self._decision, self._record = decision, record
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Coordinator: pick a peer source for every chunk a rank's node does not hold."""
+        if self._decision is None or self._record is None or not self._decision.node_ranks:
+            return plans
+        from .peer import assign_sources  # noqa: PLC0415
+
+        needs = [sorted({self._key(it) for it in p.items}) for p in plans]
+        routes = assign_sources(needs, self._decision, self._record, set())
+        return [dataclasses.replace(p, storage_data=routes[r]) for r, p in enumerate(plans)]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Collective: restore this rank's chunks from local memory, peers, then persistent."""
+        comm = self._comm()
+        counts = dict.fromkeys(TIERS, 0)
+        error: BaseException | None = None
+        try:
+            self._read_all(plan, planner, comm, counts)
+        except GeminiError as exc:
+            error = exc
+        totals = comm.all_gather_object((counts, error is None))
+        if error is not None:
+            raise error
+        if not all(ok for _, ok in totals):
+            raise ShardUnavailableError("another rank failed to restore its shards; see its error.")
+        self.rank_restored_from = counts
+        self.restored_from = {t: sum(c[t] for c, _ in totals) for t in TIERS}
+        assert self._decision is not None
+        self.restored_step = self._decision.step
+        self.restore_seconds = time.perf_counter() - self._t0
+        self._maps.clear()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str] | int) -> bool:
+        from .writer import GeminiStorageWriter  # noqa: PLC0415
+
+        return GeminiStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _comm(self) -> Comm:
+        return get_comm(self.timeout_s, self.process_group)
+
+    def _node_view(self, rank: int) -> NodeView:
+        steps: list[StepView] = []
+        for step, rec in self.tier.records().items():
+            steps.append(
+                StepView(
+                    step=step,
+                    fingerprint=rec.fingerprint(),
+                    world_size=rec.world_size,
+                    held_ranks=rec.held_ranks(),
+                    rank_nodes=rec.rank_nodes,
+                    rank_nbytes=rec.rank_nbytes,
+                    created_unix=rec.created_unix,
+                    complete=rec.complete,
+                )
+            )
+        return NodeView(rank, self.node_id, tuple(steps), tuple(self.tier.other_jobs()), str(self.root))
+
+    def _ref(self, index: MetadataIndex) -> ShardRef:
+        assert self._record is not None
+        return self._record.metadata.storage_data[index]
+
+    def _key(self, item: ReadItem) -> ItemKey:
+        ref = self._ref(item.storage_index)
+        return (ref.rank, ref.offset)
+
+    def _local_bytes(self, ref: ShardRef) -> torch.Tensor | None:
+        path = self._local.get(ref.rank)
+        if path is None:
+            return None
+        m = self._maps.get(path)
+        if m is None:
+            try:
+                m = ReadOnlySlot(path)
+            except FileNotFoundError:
+                return None
+            self._maps[path] = m
+        if ref.offset + ref.length > m.size:
+            return None
+        return m.view(ref.offset, ref.length)
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner, comm: Comm, counts: dict[str, int]) -> None:
+        if self._record is None:  # persistent only
+            assert self.persistent is not None and self._decision is not None
+            counts["persistent"] += self.persistent.read_items(self._decision.step, plan, planner)
+            return
+        by_key: dict[ItemKey, list[ReadItem]] = {}
+        for item in plan.items:
+            by_key.setdefault(self._key(item), []).append(item)
+        routes = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+        remote: set[ItemKey] = set(routes.get("recv", {}))
+        failed: dict[ItemKey, str] = {}
+        for key, items in by_key.items():
+            if key in remote:
+                continue
+            ref = self._ref(items[0].storage_index)
+            buf = self._local_bytes(ref)
+            if buf is None:
+                failed[key] = "missing"
+                continue
+            if self._apply(items, ref, buf, planner):
+                counts["local"] += ref.length
+            else:
+                failed[key] = "checksum"
+                log.warning("local copy of %s is corrupt; fetching another copy", _describe(items[0], ref, self._record.step))
+        from .peer import fetch_remote  # noqa: PLC0415
+
+        fetch_remote(self, comm, plan, planner, by_key, routes, failed, counts)
+
+    def _apply(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor, planner: LoadPlanner) -> bool:
+        """Verify ``buf`` against ``ref`` and copy it into every destination; False on checksum mismatch."""
+        whole = _whole_item(items, ref)
+        if whole is not None:
+            item, dest = whole, planner.resolve_tensor(whole)
+            dst_bytes = as_bytes(dest)
+            if dst_bytes is not None and dst_bytes.numel() == ref.length:
+                if checksum_then_copy(dst_bytes, buf, ref.algo) != ref.checksum:
+                    return False
+                planner.commit_tensor(item, dest)
+                return True
+        if checksum(buf, ref.algo) != ref.checksum:
+            return False
+        for item in items:
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(buf.numpy().tobytes()))
+                continue
+            stored = buf.view(getattr(torch, ref.dtype or "uint8")).view(ref.shape or (-1,))
+            src = stored
+            for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                src = src.narrow(dim, off, length)
+            dest = planner.resolve_tensor(item).detach()
+            dest.copy_(src)
+            planner.commit_tensor(item, dest)
+        return True
+
+
+def _whole_item(items: list[ReadItem], ref: ShardRef) -> ReadItem | None:
+    """The single tensor ReadItem covering all of the stored chunk, if that is the case."""
+    if len(items) != 1 or ref.shape is None:
+        return None
+    item = items[0]
+    if item.type != LoadItemType.TENSOR:
+        return None
+    if any(o != 0 for o in item.storage_offsets) or tuple(item.lengths) != tuple(ref.shape):
+        return None
+    return item
+
+
+def _describe(item: ReadItem, ref: ShardRef, step: int) -> str:
+    idx = item.storage_index
+    return f"shard {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step}, saved by rank {ref.rank}"
+
+
+def corrupt_error(item: ReadItem, ref: ShardRef, step: int, sources: str) -> ChecksumMismatchError:
+    return ChecksumMismatchError(
+        f"{_describe(item, ref, step)} failed its {ref.algo} checksum in every copy tried ({sources}); "
+        "the checkpoint bytes were corrupted in memory. Load an older step (checkpoint_id=...) or the persistent tier."
+    )

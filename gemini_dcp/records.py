@@ -1,0 +1,129 @@
+"""Plan data and step records: what a committed step is made of.
+
+A :class:`StepRecord` is written by every node that holds bytes of the step,
+only after every rank's shards were written and checksummed (see
+``GeminiStorageWriter.write_data``). Its global part (DCP metadata with one
+:class:`ShardRef` per stored item, rank→node map, placement) is identical on all
+nodes; ``slots`` is node-specific: which slot file on *this* node holds which
+rank's bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import xxhash
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .errors import ChecksumMismatchError
+from .layout import atomic_write_bytes
+
+RECORD_MAGIC = b"GEMREC01"
+_HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of payload
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRef:
+    """Where one stored item (tensor chunk or pickled bytes) lives: ``storage_data`` of a WriteResult.
+
+    ``offset``/``length`` are bytes inside the owning rank's slot for the step;
+    ``dtype``/``shape`` describe a tensor chunk (None for a bytes item).
+    """
+
+    rank: int
+    offset: int
+    length: int
+    checksum: int
+    algo: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankSlot:
+    """Bytes of ``rank`` for a step live in ``slot`` (``nbytes`` used) on the node writing the record."""
+
+    rank: int
+    slot: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    job_id: str
+    step: int
+    world_size: int
+    metadata: Metadata
+    rank_nodes: tuple[str, ...]          # node id of each saving rank
+    rank_nbytes: tuple[int, ...]         # bytes each rank stored
+    holders: dict[str, tuple[str, ...]]  # origin node id -> node ids holding a copy (incl. itself)
+    replicas: int
+    placement: str
+    slots: tuple[RankSlot, ...] = ()     # node-specific
+    node_id: str = ""                    # the node that wrote this record
+    created_unix: float = field(default_factory=time.time)
+    complete: bool = True                # False: written without the coordinator's final metadata
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.rank_nodes))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.rank_nbytes)
+
+    def ranks_of(self, node_id: str) -> tuple[int, ...]:
+        return tuple(r for r, n in enumerate(self.rank_nodes) if n == node_id)
+
+    def held_ranks(self) -> tuple[int, ...]:
+        return tuple(s.rank for s in self.slots)
+
+    def slot_of(self, rank: int) -> RankSlot | None:
+        for s in self.slots:
+            if s.rank == rank:
+                return s
+        return None
+
+    def for_node(self, node_id: str, slots: tuple[RankSlot, ...]) -> "StepRecord":
+        return replace(self, node_id=node_id, slots=slots)
+
+    def fingerprint(self) -> str:
+        """Hash of the global (node-independent) part: equal on every node for one save."""
+        h = hashlib.sha256()
+        h.update(f"{self.job_id}|{self.step}|{self.world_size}|{self.rank_nodes}|{self.rank_nbytes}".encode())
+        for idx, ref in sorted(self.metadata.storage_data.items(), key=lambda kv: (kv[0].fqn, tuple(kv[0].offset or ()))):
+            h.update(f"{idx.fqn}|{tuple(idx.offset or ())}|{ref.rank}|{ref.offset}|{ref.length}|{ref.checksum}".encode())
+        return h.hexdigest()[:16]
+
+
+def encode_record(record: StepRecord) -> bytes:
+    payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(RECORD_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+
+
+def decode_record(data: bytes, *, source: str = "<bytes>") -> StepRecord:
+    if len(data) < _HEADER.size:
+        raise ChecksumMismatchError(f"step record {source} is truncated ({len(data)} bytes).")
+    magic, length, digest = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size : _HEADER.size + length]
+    if magic != RECORD_MAGIC or len(payload) != length or xxhash.xxh3_64_intdigest(payload) != digest:
+        raise ChecksumMismatchError(
+            f"step record {source} is corrupt (bad magic, length or checksum); another copy will be used if one exists."
+        )
+    record = pickle.loads(payload)
+    if not isinstance(record, StepRecord):
+        raise ChecksumMismatchError(f"step record {source} does not hold a StepRecord.")
+    return record
+
+
+def write_record(path: Path, record: StepRecord) -> None:
+    atomic_write_bytes(path, encode_record(record))
+
+
+def read_record(path: Path) -> StepRecord:
+    return decode_record(path.read_bytes(), source=str(path))

@@ -1,0 +1,131 @@
+"""Which step to restore, and from where: a pure decision over every node's view.
+
+Every rank reports what its node holds (:class:`NodeView`); after an
+all-gather every rank runs :func:`decide` on the same input and reaches the
+same answer, so ranks never split between steps or tiers (Orbax-style
+collective fallback, with no extra round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .errors import CheckpointNotFoundError, ShardUnavailableError, StepNotFoundError
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True, slots=True)
+class StepView:
+    step: int
+    fingerprint: str
+    world_size: int
+    held_ranks: tuple[int, ...]
+    rank_nodes: tuple[str, ...]
+    rank_nbytes: tuple[int, ...]
+    created_unix: float
+    complete: bool
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """What one rank's node holds for a job (every rank of a node reports the same)."""
+
+    rank: int
+    node_id: str
+    steps: tuple[StepView, ...] = ()
+    other_jobs: tuple[str, ...] = ()
+    root: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreDecision:
+    step: int
+    fingerprint: str | None          # None: restore purely from the persistent tier
+    world_size: int
+    record_src: int | None           # group rank whose node has the record to broadcast
+    holders: dict[int, tuple[str, ...]] = field(default_factory=dict)  # saving rank -> node ids in memory
+    node_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node id -> group ranks now
+    missing_ranks: tuple[int, ...] = ()  # saving ranks held by no memory copy (served by persistent)
+    use_persistent: bool = False
+
+
+def _memory_candidates(views: Sequence[NodeView]) -> dict[tuple[int, str], list[tuple[NodeView, StepView]]]:
+    out: dict[tuple[int, str], list[tuple[NodeView, StepView]]] = {}
+    for v in views:
+        for sv in v.steps:
+            if sv.complete:
+                out.setdefault((sv.step, sv.fingerprint), []).append((v, sv))
+    return out
+
+
+def decide(
+    views: Sequence[NodeView],
+    requested: int | None,
+    job_id: str,
+    persistent_steps: Sequence[int] = (),
+) -> RestoreDecision:
+    """Choose the newest restorable step (or check ``requested``) from all nodes' views.
+
+    A step is restorable from memory when every saving rank's bytes are held by
+    at least one surviving node with the same record fingerprint; otherwise it
+    is restorable if the persistent tier has the same step (memory serves what
+    it has, persistent the rest).
+    """
+    node_ranks: dict[str, list[int]] = {}
+    for v in views:
+        node_ranks.setdefault(v.node_id, []).append(v.rank)
+    cands = _memory_candidates(views)
+    persisted = set(persistent_steps)
+    all_steps = sorted({s for s, _ in cands} | persisted, reverse=True)
+
+    if not all_steps:
+        others = sorted({j for v in views for j in v.other_jobs})
+        roots = sorted({v.root for v in views if v.root})
+        hint = f" Jobs present there: {others}." if others else ""
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint of job {job_id!r} in any tier (tier roots {roots}"
+            f"{', persistent tier included' if persistent_steps is not None else ''}).{hint} "
+            "Check job_id (default $TORCHELASTIC_RUN_ID) and root ($GEMINI_DCP_ROOT), or start from scratch."
+        )
+    if requested is not None and requested not in all_steps:
+        raise StepNotFoundError(
+            f"step {requested} of job {job_id!r} is not committed in any reachable tier; "
+            f"committed steps: {sorted(all_steps)}. Load one of those, or omit checkpoint_id for the newest."
+        )
+
+    problems: list[str] = []
+    for step in ([requested] if requested is not None else all_steps):
+        fps = sorted(
+            ((fp, entries) for (s, fp), entries in cands.items() if s == step),
+            key=lambda kv: -max(sv.created_unix for _, sv in kv[1]),
+        )
+        for fp, entries in fps:
+            sv0 = entries[0][1]
+            holders: dict[int, set[str]] = {r: set() for r in range(sv0.world_size)}
+            for v, sv in entries:
+                for r in sv.held_ranks:
+                    if r in holders:
+                        holders[r].add(v.node_id)
+            missing = tuple(r for r, h in holders.items() if not h)
+            src = min(v.rank for v, _ in entries)
+            frozen = {r: tuple(sorted(h)) for r, h in holders.items()}
+            nr = {n: tuple(rs) for n, rs in node_ranks.items()}
+            if not missing:
+                return RestoreDecision(step, fp, sv0.world_size, src, frozen, nr)
+            if step in persisted:
+                return RestoreDecision(step, fp, sv0.world_size, src, frozen, nr, missing, use_persistent=True)
+            lost = sorted({sv0.rank_nodes[r] for r in missing})
+            gib = sum(sv0.rank_nbytes[r] for r in missing) / GIB
+            problems.append(
+                f"step {step}: shards of saving ranks {list(missing)} ({gib:.3f} GiB, saved on nodes {lost}) "
+                "are held by no surviving node"
+            )
+        if not fps and step in persisted:
+            return RestoreDecision(step, None, 0, None, {}, {n: tuple(rs) for n, rs in node_ranks.items()}, use_persistent=True)
+    raise ShardUnavailableError(
+        f"job {job_id!r}: no step can be restored from memory"
+        f"{' or the persistent tier' if persisted else ''}: " + "; ".join(problems)
+        + ". Every copy of these shards was lost; configure persistent=<url> to survive this, or raise replicas."
+    )

@@ -1,0 +1,361 @@
+"""GeminiStorageWriter: DCP StorageWriter into node CPU memory (+ peers, + persistent).
+
+Call order (driven by ``dcp.save``; **all ranks must call dcp.save together**):
+
+1. ``reset(checkpoint_id)`` — the training step (int) being saved.
+2. ``set_up_storage_writer(is_coordinator, ...)``.
+3. ``prepare_local_plan`` / ``prepare_global_plan`` — sizes are checked against
+   the free space of the tier root here, before any byte is written.
+4. ``write_data`` — every rank copies its items into a pre-faulted slot of the
+   node's tier and checksums them, replicates the slot to peer nodes, then all
+   ranks exchange their write results (a collective on the checkpoint control
+   group). Only after that exchange, which proves every rank's shards are
+   written and checksummed, does each node's leader atomically write the step
+   record (DCP metadata + all checksums) — the commit — and evict old steps.
+5. ``finish`` (coordinator) — confirms the commit and hands the step to the
+   persistent drain.
+
+A SIGKILL anywhere before (4)'s record rename leaves the previous step as the
+newest restorable one; records are renamed into place, never edited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import time
+from torch.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from .checksum import as_bytes, checksum, copy_and_checksum
+from .comm import Comm, get_comm
+from .config import TierOptions, parse_step, resolve_node_id
+from .errors import ConfigError, InvalidStepError, TierFullError
+from .local_tier import LocalTier
+from .records import RankSlot, ShardRef, StepRecord
+from .slots import ALIGN, SlotFile, align, free_bytes, round_capacity, tier_full_message
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RankReport:
+    """What each rank tells every other rank when sealing a step."""
+
+    rank: int
+    node_id: str
+    slot: int
+    nbytes: int
+    results: tuple[WriteResult, ...]
+    replica_slots: tuple[RankSlot, ...] = ()  # peer replicas this rank stored for other nodes
+
+
+class GeminiStorageWriter(StorageWriter):
+    """Write DCP checkpoints into the CPU memory of this node (and of peers).
+
+    Args:
+        root: tier root on a memory-backed filesystem (default ``$GEMINI_DCP_ROOT``
+            or ``/dev/shm/gemini_dcp``). Ranks sharing a root are one node.
+        job_id: isolates jobs sharing a root (default ``$TORCHELASTIC_RUN_ID`` or ``"default"``).
+        keep: committed steps retained in memory (default 2).
+        replicas: copies of each node's shards in CPU memory, the node's own included
+            (1 = local only; 2 = one peer copy).
+        placement: peer placement strategy: ``"mixed"`` (default), ``"group"`` or ``"ring"``.
+        checksum: ``"xxh3"`` (default) or ``"crc32c"``.
+        capacity_bytes: optional budget for this job's slots on this node.
+        timeout_s: timeout of checkpoint collectives and peer transfers.
+        on_peer_failure: ``"raise"`` (default) fails the save when a peer copy
+            cannot be made; ``"degrade"`` commits with fewer replicas and warns.
+        persistent: optional fsspec URL of the persistent tier.
+        persist_every: drain every K-th committed step to ``persistent``.
+        process_group: the group ``dcp.save`` runs on (default WORLD).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        job_id: str | None = None,
+        *,
+        keep: int = 2,
+        replicas: int = 1,
+        placement: str = "mixed",
+        checksum: str = "xxh3",
+        capacity_bytes: int | None = None,
+        timeout_s: float = 300.0,
+        on_peer_failure: str = "raise",
+        persistent: str | None = None,
+        persist_every: int = 10,
+        persist_keep: int | None = 2,
+        persist_keep_every: int | None = None,
+        process_group: Any = None,
+    ) -> None:
+        super().__init__()
+        self.options = TierOptions(
+            keep=keep,
+            replicas=replicas,
+            placement=placement,  # type: ignore[arg-type]
+            checksum=checksum,  # type: ignore[arg-type]
+            capacity_bytes=capacity_bytes,
+            timeout_s=timeout_s,
+            on_peer_failure=on_peer_failure,  # type: ignore[arg-type]
+        )
+        self.tier = LocalTier(root, job_id)
+        self.root: Path = self.tier.root
+        self.job_id: str = self.tier.job_id
+        self.node_id = resolve_node_id(self.root)
+        self.process_group = process_group
+        self._step: int | None = None
+        self._is_coordinator = True
+        self._rank = 0
+        self._slots: dict[tuple[int, int], SlotFile] = {}
+        self._pending_record: StepRecord | None = None
+        self.last_committed_step: int | None = None
+        self.last_save_seconds: float | None = None
+        self.last_replication: dict[str, Any] = {}
+        self.persistent = None
+        if persistent is not None:
+            from .persistent import PersistentTier  # noqa: PLC0415 - optional tier
+
+            self.persistent = PersistentTier(
+                persistent,
+                self.job_id,
+                keep=persist_keep,
+                keep_every=persist_keep_every,
+            )
+        if not isinstance(persist_every, int) or persist_every < 1:
+            raise ConfigError(f"persist_every={persist_every!r}: drain every K-th step with K an int >= 1.")
+        self.persist_every = persist_every
+        self._drainer = None
+
+    # ---- StorageWriter API -------------------------------------------------------------
+    @property
+    def checkpoint_id(self) -> int | None:
+        return self._step
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
+        self._step = None if checkpoint_id is None else parse_step(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+        self._rank = int(kwargs.get("rank", _default_rank()))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._require_step()
+        self._check_space(plan)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Copy this rank's items into the tier and commit the step collectively.
+
+        Collective over the checkpoint control group: all ranks call it (DCP does).
+        """
+        t0 = time.perf_counter()
+        step = self._require_step()
+        comm = get_comm(self.options.timeout_s, self.process_group)
+        rank = comm.rank
+        error: BaseException | None = None
+        report: _RankReport | None = None
+        try:
+            slot_idx, slot, results, nbytes = self._write_local(plan, planner, step, rank)
+            report = _RankReport(rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results)
+        except BaseException as exc:  # reported to every rank below, then re-raised
+            error = exc
+        reports = comm.all_gather_object(report)
+        self._raise_if_failed(error, reports, "writing shards into the local tier")
+        assert report is not None
+        if self.options.replicas > 1 and comm.distributed:
+            from .peer import replicate  # noqa: PLC0415
+
+            replica_slots, self.last_replication = replicate(self, comm, step, reports)
+            reports = comm.all_gather_object(dataclasses.replace(report, replica_slots=replica_slots))
+        meta = getattr(planner, "metadata", None) if rank == 0 else None
+        meta = comm.broadcast_object(meta if isinstance(meta, Metadata) else None, src=0)
+        record = self._build_record(step, comm, reports, meta)
+        self._commit_on_node(record, reports, rank)
+        self.last_save_seconds = time.perf_counter() - t0
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(list(report.results))
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator only: confirm the commit (writing the final metadata if the
+        planner did not expose it during ``write_data``) and schedule the drain."""
+        step = self._require_step()
+        rec = self._pending_record
+        if rec is not None and not rec.complete:
+            storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
+            final = dataclasses.replace(rec, metadata=dataclasses.replace(metadata, storage_data=storage_data), complete=True)
+            self.tier.write_record(final)
+        self.last_committed_step = step
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"gemini://{self.job_id}/step-{self._step}")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str] | int) -> bool:
+        try:
+            parse_step(checkpoint_id)
+        except InvalidStepError:
+            return False
+        return True
+
+    # ---- internals -----------------------------------------------------------------------
+    def _require_step(self) -> int:
+        if self._step is None:
+            raise InvalidStepError(
+                "no step given: call dcp.save(state_dict, storage_writer=writer, checkpoint_id=step) "
+                "with the training step as an int."
+            )
+        return self._step
+
+    @staticmethod
+    def _raise_if_failed(error: BaseException | None, reports: list[Any], what: str) -> None:
+        if error is not None:
+            raise error
+        failed = [r for r, rep in enumerate(reports) if rep is None]
+        if failed:
+            from .errors import PeerError  # noqa: PLC0415
+
+            raise PeerError(f"ranks {failed} failed while {what}; the step was not committed (see their errors).")
+
+    def _slot(self, rank: int, idx: int) -> SlotFile:
+        key = (rank, idx)
+        slot = self._slots.get(key)
+        if slot is None:
+            path = self.tier.slot_path(rank, idx)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            slot = SlotFile(path)
+            self._slots[key] = slot
+        return slot
+
+    def _budget_check(self, delta: int) -> None:
+        cap = self.options.capacity_bytes
+        if cap is not None:
+            used = self.tier.usage_bytes()
+            if used + delta > cap:
+                raise TierFullError(
+                    f"job {self.job_id!r} would use {(used + delta) / 2**30:.3f} GiB in {self.root}, over its "
+                    f"capacity_bytes budget of {cap / 2**30:.3f} GiB: raise capacity_bytes or lower keep."
+                )
+
+    def _check_space(self, plan: SavePlan) -> None:
+        """Fail before writing when the ring of slots cannot fit in the tier root."""
+        need = sum(_planned_bytes(item) for item in plan.items) + ALIGN * len(plan.items)
+        cap = round_capacity(need)
+        rank = self._rank
+        missing = 0
+        for idx in range(self.options.keep + 1):
+            path = self.tier.slot_path(rank, idx)
+            have = path.stat().st_size if path.exists() else 0
+            missing += max(0, cap - have)
+        if missing:
+            self._budget_check(missing)
+            free = free_bytes(self.root)
+            if missing > free:
+                raise TierFullError(
+                    tier_full_message(self.root, missing, free, f"{self.options.keep + 1} slots of {cap / 2**20:.1f} MiB for rank {rank}")
+                )
+
+    def _write_local(
+        self, plan: SavePlan, planner: SavePlanner, step: int, rank: int
+    ) -> tuple[int, SlotFile, tuple[WriteResult, ...], int]:
+        algo = self.options.checksum
+        entries: list[tuple[WriteItem, torch.Tensor, str | None, tuple[int, ...] | None]] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
+                entries.append((item, torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8), None, None))
+            else:
+                t = planner.resolve_data(item)
+                assert isinstance(t, torch.Tensor)
+                t = t.detach()
+                entries.append((item, t, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+        offsets: list[int] = []
+        total = 0
+        for _, t, _, _ in entries:
+            offsets.append(total)
+            total = align(total + t.numel() * t.element_size())
+        slot_idx = self.tier.choose_slot(rank, self.options.keep)
+        slot = self._slot(rank, slot_idx)
+        with slot.lock:
+            slot.ensure_capacity(total, budget_check=self._budget_check)
+            results: list[WriteResult] = []
+            for (item, t, dtype, shape), off in zip(entries, offsets):
+                n = t.numel() * t.element_size()
+                dst = slot.view(off, n)
+                src = as_bytes(t)
+                if src is not None:
+                    cs = copy_and_checksum(dst, src, algo)
+                else:
+                    dst.view(t.dtype).view(t.shape).copy_(t)
+                    cs = checksum(dst, algo)
+                ref = ShardRef(rank=rank, offset=off, length=n, checksum=cs, algo=algo, dtype=dtype, shape=shape)
+                results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=ref))
+        return slot_idx, slot, tuple(results), total
+
+    def _build_record(self, step: int, comm: Comm, reports: list[_RankReport], meta: Metadata | None) -> StepRecord:
+        storage_data = {wr.index: wr.storage_data for rep in reports for wr in rep.results}
+        complete = meta is not None
+        if meta is None:
+            meta = Metadata(state_dict_metadata={})
+        metadata = dataclasses.replace(meta, storage_data=storage_data)
+        rank_nodes = tuple(rep.node_id for rep in reports)
+        holders: dict[str, set[str]] = {n: {n} for n in rank_nodes}
+        for rep in reports:
+            for rs in rep.replica_slots:
+                holders[rank_nodes[rs.rank]].add(rep.node_id)
+        return StepRecord(
+            job_id=self.job_id,
+            step=step,
+            world_size=comm.world_size,
+            metadata=metadata,
+            rank_nodes=rank_nodes,
+            rank_nbytes=tuple(rep.nbytes for rep in reports),
+            holders={k: tuple(sorted(v)) for k, v in holders.items()},
+            replicas=self.options.replicas,
+            placement=self.options.placement,
+            complete=complete,
+        )
+
+    def _commit_on_node(self, record: StepRecord, reports: list[_RankReport], rank: int) -> None:
+        """The node leader (lowest rank on this node) writes the record and evicts old steps."""
+        mine = [rep for rep in reports if rep.node_id == self.node_id]
+        node_record = record.for_node(
+            self.node_id,
+            tuple(RankSlot(rep.rank, rep.slot, rep.nbytes) for rep in mine)
+            + tuple(rs for rep in mine for rs in rep.replica_slots),
+        )
+        self._pending_record = node_record
+        if rank == min(rep.rank for rep in mine):
+            self.tier.write_record(node_record)
+            evicted = self.tier.retain(self.options.keep, record.step)
+            if evicted:
+                log.debug("node %s evicted steps %s", self.node_id, evicted)
+
+
+def _planned_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    numel = 1
+    for d in item.tensor_data.chunk.sizes:
+        numel *= d
+    dtype = item.tensor_data.properties.dtype
+    return numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def _default_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
