@@ -183,6 +183,7 @@ class GeminiStorageWriter(StorageWriter):
         meta = comm.broadcast_object(meta if isinstance(meta, Metadata) else None, src=0)
         record = self._build_record(step, comm, reports, meta)
         self._commit_on_node(record, reports, rank)
+        self._after_commit(self._pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(list(report.results))
@@ -198,6 +199,14 @@ class GeminiStorageWriter(StorageWriter):
             final = dataclasses.replace(rec, metadata=dataclasses.replace(metadata, storage_data=storage_data), complete=True)
             self.tier.write_record(final)
         self.last_committed_step = step
+
+    def _after_commit(self, record: StepRecord, rank: int) -> None:
+        """Hook run on every rank once ``record`` is committed on this node (end of write_data).
+
+        The persistent tier schedules its background drain from here.
+        """
+        if self.persistent is None:
+            return
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"gemini://{self.job_id}/step-{self._step}")
