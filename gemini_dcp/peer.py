@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from .checksum import as_bytes, checksum
 from .comm import Comm
 from .errors import GeminiError, PeerError, ShardUnavailableError
-from .placement import assign_positions, place
 from .records import RankSlot, ShardRef, StepRecord
 from .restore_plan import RestoreDecision
 
@@ -43,6 +42,8 @@ def node_order(writer: "GeminiStorageWriter", comm: Comm, reports: list["_RankRe
     current = list(dict.fromkeys(rep.node_id for rep in reports))
     order: list[str] | None = None
     if comm.rank == 0:
+        from .placement import assign_positions  # noqa: PLC0415
+
         previous = getattr(writer, "_node_order", None)
         if previous is None:
             steps = writer.tier.steps()
@@ -59,6 +60,8 @@ def replication_routes(order: list[str], reports: list["_RankReport"], replicas:
     ranks_of: dict[str, list[int]] = {}
     for rep in reports:
         ranks_of.setdefault(rep.node_id, []).append(rep.rank)
+    from .placement import place  # noqa: PLC0415
+
     m = min(replicas, len(order))
     placement = place(len(order), m, strategy)  # type: ignore[arg-type]
     pos = {n: i for i, n in enumerate(order)}

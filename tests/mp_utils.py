@@ -1,0 +1,70 @@
+"""Run real multi-process gloo groups for tests: each rank a fresh spawned process.
+
+``run_ranks(fn, world_size, roots, **kw)`` starts ``world_size`` processes with
+torch.distributed initialized over gloo (TCP on 127.0.0.1), calls
+``fn(rank, world_size, root, **kw)`` in each, and returns the list of their
+return values (pickled through a result file). ``roots[r]`` is the tier root
+of rank r: ranks sharing a root form one simulated node.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, roots: list[str], port: int, out_dir: str, kw: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    result: Any
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            result = ("ok", fn(rank, world_size, roots[rank], **kw))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # reported to the parent test
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, roots: list[str] | str, timeout: float = 240, **kw: Any) -> list[Any]:
+    if isinstance(roots, str):
+        roots = [roots] * world_size
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, list(roots), free_port(), out_dir, kw), nprocs=world_size,
+            join=False, start_method="spawn",
+        )
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"ranks did not finish in {timeout}s")
+        results = []
+        for r in range(world_size):
+            status, value = pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes())
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results
