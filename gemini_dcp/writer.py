@@ -28,7 +28,7 @@ import os
 import time
 from torch.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -134,6 +134,9 @@ class GeminiStorageWriter(StorageWriter):
             raise ConfigError(f"persist_every={persist_every!r}: drain every K-th step with K an int >= 1.")
         self.persist_every = persist_every
         self._drainer = None
+        # Called with the step once this rank's bytes are in the tier (before the
+        # commit collectives): the async snapshot guard releases the optimizer here.
+        self.on_local_copy_done: Callable[[int], None] | None = None
 
     # ---- StorageWriter API -------------------------------------------------------------
     @property
@@ -171,6 +174,9 @@ class GeminiStorageWriter(StorageWriter):
             report = _RankReport(rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results)
         except BaseException as exc:  # reported to every rank below, then re-raised
             error = exc
+        finally:
+            if self.on_local_copy_done is not None:
+                self.on_local_copy_done(step)
         reports = comm.all_gather_object(report)
         self._raise_if_failed(error, reports, "writing shards into the local tier")
         assert report is not None
