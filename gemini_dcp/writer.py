@@ -129,11 +129,17 @@ class GeminiStorageWriter(StorageWriter):
                 self.job_id,
                 keep=persist_keep,
                 keep_every=persist_keep_every,
+                writable=True,
             )
         if not isinstance(persist_every, int) or persist_every < 1:
             raise ConfigError(f"persist_every={persist_every!r}: drain every K-th step with K an int >= 1.")
         self.persist_every = persist_every
         self._drainer = None
+        if self.persistent is not None:
+            from .drain import Drainer  # noqa: PLC0415
+
+            self._drainer = Drainer(self.tier, self.persistent, persist_every)
+            self._drainer.resume()  # drains left pending by a previous worker generation
         # Called with the step once this rank's bytes are in the tier (before the
         # commit collectives): the async snapshot guard releases the optimizer here.
         self.on_local_copy_done: Callable[[int], None] | None = None
@@ -209,10 +215,16 @@ class GeminiStorageWriter(StorageWriter):
     def _after_commit(self, record: StepRecord, rank: int) -> None:
         """Hook run on every rank once ``record`` is committed on this node (end of write_data).
 
-        The persistent tier schedules its background drain from here.
+        The persistent tier schedules its background drain from here: the node
+        leader writes a request on tmpfs and wakes the drain server (~1 ms);
+        training never waits for the upload (see ``gemini_dcp.drain``).
         """
-        if self.persistent is None:
+        if self._drainer is None:
             return
+        try:
+            self._drainer.submit(record, rank)
+        except Exception as exc:  # noqa: BLE001 - the in-memory commit stands; a drain request must not fail it
+            log.warning("step %s: could not schedule the persistent drain: %s", record.step, exc)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"gemini://{self.job_id}/step-{self._step}")
