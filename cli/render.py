@@ -1,0 +1,265 @@
+"""Rich rendering of the library's reports for people (``--json`` bypasses all of this)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "info": "cyan"}
+STATUS_MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO"}
+RESTORE_STYLE = {"memory": "green", "memory+persistent": "green", "persistent": "yellow", "no": "red"}
+
+
+def bytes_h(n: float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def age_h(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 90:
+        return f"{s:.0f}s"
+    if s < 90 * 60:
+        return f"{s / 60:.0f}m"
+    if s < 36 * 3600:
+        return f"{s / 3600:.1f}h"
+    return f"{s / 86400:.1f}d"
+
+
+def ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'; [] -> '-'."""
+    if not xs:
+        return "-"
+    xs = sorted(xs)
+    out, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(out)
+
+
+def node_legend(steps: list[Any]) -> dict[str, str]:
+    """Short names n0, n1, ... for the node ids of a job, in order of first appearance (newest step first)."""
+    names: dict[str, str] = {}
+    for st in sorted(steps, key=lambda s: -s.step):
+        for n in list(st.rank_nodes) + [h for hs in st.holders.values() for h in hs] + ([st.node_id] if st.node_id else []):
+            if n and n not in names:
+                names[n] = f"n{len(names)}"
+    return names
+
+
+@contextlib.contextmanager
+def progress_bar(console: Console, what: str, *, disable: bool = False, unit: str = "bytes") -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar on ``console`` (stderr); yields ``tick(done, total)``."""
+    if disable or not console.is_terminal:
+        yield lambda done, total: None
+        return
+    cols = [TextColumn("[bold]{task.description}"), BarColumn()]
+    cols += [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
+    cols.append(TimeElapsedColumn())
+    with Progress(*cols, console=console, transient=True) as prog:
+        task = prog.add_task(what, total=None)
+
+        def tick(done: int, total: int) -> None:
+            prog.update(task, completed=done, total=total or None)
+
+        yield tick
+
+
+# ---- inspect -------------------------------------------------------------------------------------
+def render_inspect(out: Console, info: Any) -> None:
+    out.print(f"[bold]tier root[/] {escape(info.root)}   [bold]this node[/] {escape(info.node_id)}"
+              + (f"   [bold]persistent[/] {escape(info.persistent)}" if info.persistent else ""))
+    if not info.jobs:
+        out.print("no jobs in this root")
+        return
+    for job in info.jobs:
+        nr = job.newest_restorable
+        out.print()
+        out.print(f"[bold]job {escape(job.job_id)}[/]  {bytes_h(job.usage_bytes)} in memory  "
+                  f"newest restorable step: {nr if nr is not None else '[red]none[/]'}")
+        if job.persistent_error:
+            out.print(f"[yellow]persistent tier unreadable:[/] {escape(job.persistent_error)}")
+        if not job.steps:
+            out.print("  no steps")
+            continue
+        legend = node_legend(job.steps)
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+        show_pst = info.persistent is not None
+        cols = [("step", {"justify": "right"}), ("state", {}), ("local", {}), ("peer", {})]
+        cols += [("persistent", {})] if show_pst else []
+        cols += [("size", {"justify": "right"}), ("here", {"justify": "right"}), ("ranks/nodes", {"justify": "right"}),
+                 ("age", {"justify": "right"}), ("restorable", {})]
+        for col, kw in cols:
+            t.add_column(col, no_wrap=True, **kw)
+        notes: list[str] = []
+        for st in job.steps:
+            if not st.in_memory:
+                state = "persistent only"
+            elif st.world_size is None:
+                state = "[red]unreadable[/]"
+            else:
+                state = "committed" if st.committed else "[yellow]pending[/]"
+            pers = "-" if st.in_persistent is None else ("yes" if st.in_persistent else "no")
+            rn = f"{st.world_size}/{len(st.nodes)}" if st.world_size is not None else "-"
+            style = RESTORE_STYLE.get(st.restorable, "")
+            restorable = f"[{style}]{st.restorable}[/]" if style else st.restorable
+            if st.problem:
+                notes.append(f"step {st.step}: {st.problem}")
+            row = [str(st.step), state, ranges(st.local_ranks), ranges(st.peer_ranks)] + ([pers] if show_pst else [])
+            row += [bytes_h(st.total_bytes), bytes_h(st.bytes_here) if st.in_memory else "-", rn, age_h(st.age_s), restorable]
+            t.add_row(*row)
+        out.print(t)
+        newest = next((s for s in reversed(job.steps) if s.holders), None)
+        if newest is not None and legend:
+            out.print(f"replica placement (step {newest.step}, {newest.placement}, replicas={newest.replicas}):")
+            for origin, holders in newest.holders.items():
+                ranks = [r for r, n in enumerate(newest.rank_nodes) if n == origin]
+                out.print(f"  {legend.get(origin, origin)} (ranks {ranges(ranks)}) -> "
+                          + ", ".join(legend.get(h, h) for h in holders))
+            out.print("nodes: " + "; ".join(f"{short} = {escape(node)}" for node, short in legend.items()))
+        for n in notes:
+            out.print(f"[yellow]note[/] {escape(n)}")
+
+
+# ---- verify --------------------------------------------------------------------------------------
+def render_verify(out: Console, report: Any) -> None:
+    c = report.counts
+    bad = [i for i in report.items if i.status != "ok"]
+    if bad:
+        t = Table(show_edge=False, pad_edge=False)
+        for col in ("step", "tier", "item", "rank", "size", "status", "detail"):
+            t.add_column(col)
+        for i in bad:
+            style = "red" if i.status in ("bad", "missing") else "yellow"
+            off = f"{i.offset}" if i.offset else ""
+            t.add_row(str(i.step), i.tier, escape(f"{i.fqn}{off}"), "-" if i.rank is None else str(i.rank),
+                      bytes_h(i.nbytes), f"[{style}]{i.status}[/]", escape(i.detail))
+        out.print(t)
+    verdict = "[green]OK[/]" if report.ok else "[bold red]FAILED[/]"
+    out.print(f"{verdict} job {escape(report.job_id)}: {len(report.items)} items of steps {report.steps} "
+              f"({bytes_h(report.bytes_checked)}) checked in {report.seconds:.2f}s: "
+              f"{c['ok']} ok, {c['bad']} bad, {c['missing']} missing"
+              + (f", {c['unverified']} without a recorded checksum" if c["unverified"] else ""))
+
+
+# ---- gc ------------------------------------------------------------------------------------------
+def render_gc(out: Console, rep: Any) -> None:
+    verb = "would evict" if rep.dry_run else "evicted"
+    out.print(f"job {escape(rep.job_id)} in {escape(rep.root)} (keep {rep.keep}): {verb} steps {rep.evicted_steps or 'none'}; "
+              f"kept {rep.kept_steps or 'none'}")
+    fverb = "would free" if rep.dry_run else "freed"
+    out.print(f"{fverb} {bytes_h(rep.freed_bytes)} in {len(rep.freed_files)} unused slot file(s)")
+    for path, pids in rep.busy_files.items():
+        out.print(f"[yellow]kept[/] {escape(path)}: open in process(es) {pids} (a running trainer reuses it)")
+
+
+# ---- doctor --------------------------------------------------------------------------------------
+def render_doctor(out: Console, rep: Any) -> None:
+    t = Table(show_edge=False, pad_edge=False)
+    t.add_column("")
+    t.add_column("check")
+    t.add_column("detail", overflow="fold")
+    t.add_column("fix", overflow="fold")
+    for c in rep.checks:
+        style = STATUS_STYLE[c.status]
+        t.add_row(f"[{style}]{STATUS_MARK[c.status]}[/]", c.name, escape(c.detail), escape(c.fix))
+    out.print(t)
+    fails = sum(c.status == "fail" for c in rep.checks)
+    warns = sum(c.status == "warn" for c in rep.checks)
+    out.print(("[green]ready[/]" if not fails else f"[bold red]{fails} check(s) failed[/]")
+              + (f", {warns} warning(s)" if warns else ""))
+
+
+# ---- plan ----------------------------------------------------------------------------------------
+def render_plan(out: Console, res: dict[str, Any]) -> None:
+    out.print(f"[bold]placement[/] {res['strategy']}: {res['nodes']} nodes, {res['replicas']} copies of each node's checkpoint")
+    if res.get("table"):
+        out.print(res["table"])
+    else:
+        t = Table(show_edge=False, pad_edge=False)
+        t.add_column("node", justify="right")
+        t.add_column("its checkpoint is held by")
+        t.add_column("it holds checkpoints of")
+        holds: dict[int, list[int]] = {}
+        for origin, hs in res["holders"].items():
+            for h in hs:
+                holds.setdefault(int(h), []).append(int(origin))
+        for origin, hs in sorted(res["holders"].items(), key=lambda kv: int(kv[0])):
+            t.add_row(str(origin), ", ".join(map(str, hs)), ", ".join(map(str, sorted(holds.get(int(origin), [])))))
+        out.print(t)
+    if res.get("groups"):
+        out.print("groups: " + "  ".join("{" + ", ".join(map(str, g)) + "}" for g in res["groups"]))
+    t = Table(show_edge=False, pad_edge=False, title=None)
+    t.add_column("simultaneous failures k", justify="right")
+    t.add_column("P(recover from memory)", justify="right")
+    for row in res["recovery"]:
+        p = row["p_recover"]
+        style = "green" if p >= 0.999999 else ("yellow" if p >= 0.9 else "red")
+        t.add_row(str(row["failures"]), f"[{style}]{p:.4f}[/]")
+    out.print(t)
+    wt = res.get("wasted_time")
+    if wt:
+        render_wasted(out, res.get("cost_inputs", {}), wt)
+
+
+def _fmt_s(v: Any) -> str:
+    if not isinstance(v, (int, float)):
+        return str(v)
+    if v < 120:
+        return f"{v:.2f} s"
+    if v < 7200:
+        return f"{v / 60:.1f} min"
+    return f"{v / 3600:.2f} h"
+
+
+def render_wasted(out: Console, inputs: dict[str, Any], wt: dict[str, Any]) -> None:
+    """GEMINI's model, one column per system; rows are whatever numeric keys the model returns."""
+    systems = {k: v for k, v in wt.items() if isinstance(v, dict)}
+    scalars = {k: v for k, v in wt.items() if not isinstance(v, dict)}
+    if systems:
+        rows = list(dict.fromkeys(k for v in systems.values() for k in v))
+        t = Table(show_edge=False, pad_edge=False, title="expected wasted time (checkpoint + interval/2 + retrieval)")
+        t.add_column("")
+        for name in systems:
+            t.add_column(name, justify="right")
+        for r in rows:
+            t.add_row(r, *(_fmt_s(systems[s].get(r, "-")) if _is_time(r) else _fmt_num(systems[s].get(r, "-")) for s in systems))
+        out.print(t)
+    for k, v in scalars.items():
+        out.print(f"{k}: {_fmt_s(v) if _is_time(k) else _fmt_num(v)}")
+
+
+def _is_time(key: str) -> bool:
+    return key.endswith("_s") or key.endswith("_seconds") or "time" in key
+
+
+def _fmt_num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
