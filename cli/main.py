@@ -120,9 +120,10 @@ def guarded(fn: F) -> F:
         except Exception as exc:
             # gemini_dcp (and torch) are imported only by the commands, so --help stays fast.
             errors = sys.modules.get("gemini_dcp.errors")
-            if errors is None or not isinstance(exc, errors.GeminiError):
+            found = errors.find_gemini_error(exc) if errors is not None else None  # also inside DCP's wrappers
+            if found is None:
                 raise
-            _fail(type(exc).__name__, str(exc), as_json)
+            _fail(type(found).__name__, str(found), as_json)
 
     return wrapper  # type: ignore[return-value]
 
@@ -315,44 +316,43 @@ def plan_cmd(
     failures: Annotated[Optional[int], typer.Option(
         "--failures", "-k", min=1, help="Show P(recover from memory) for k = 1..K simultaneous node failures "
         "(default: replicas + 1).", show_default=False)] = None,
-    checkpoint_gb: Annotated[Optional[float], typer.Option("--checkpoint-gb", min=0.0,
-                                                           help="Checkpoint size per node (GB).", show_default=False)] = None,
-    iteration_s: Annotated[Optional[float], typer.Option("--iteration-s", min=0.0,
-                                                         help="Training iteration time (s).", show_default=False)] = None,
+    checkpoint_gb: Annotated[Optional[float], typer.Option(
+        "--checkpoint-gb", min=0.0, help="Checkpoint size per node (GB). With --iteration-s, enables the wasted-time model.",
+        show_default=False)] = None,
+    iteration_s: Annotated[Optional[float], typer.Option(
+        "--iteration-s", min=0.0, help="Time of one training iteration (s).", show_default=False)] = None,
     memory_bw_gbps: Annotated[Optional[float], typer.Option(
-        "--memory-bw-gbps", min=0.0, help="Bandwidth to peer CPU memory (Gbit/s, e.g. the NIC).", show_default=False)] = None,
+        "--memory-bw-gbps", min=0.0, help="GB/s (bytes, not bits) at which a node's checkpoint reaches CPU memory, "
+        "peers' included. Default 10 (80 Gbit/s).", show_default=False)] = None,
     persistent_bw_gbps: Annotated[Optional[float], typer.Option(
-        "--persistent-bw-gbps", min=0.0, help="Bandwidth to persistent storage (Gbit/s).", show_default=False)] = None,
+        "--persistent-bw-gbps", min=0.0, help="GB/s each node gets to persistent storage. Default 2.5 (20 Gbit/s).",
+        show_default=False)] = None,
     failures_per_day: Annotated[Optional[float], typer.Option(
-        "--failures-per-day", min=0.0, help="Expected failures per day (for the per-day figure).", show_default=False)] = None,
+        "--failures-per-day", min=0.0, help="Expected failures per day, for the per-day figures. Default 1.",
+        show_default=False)] = None,
+    persistent_interval_s: Annotated[Optional[float], typer.Option(
+        "--persistent-interval-s", min=0.0, help="Seconds between persistent-only checkpoints (default: as often as "
+        "possible).", show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Placement table and P(recover from memory) for k simultaneous failures; with --checkpoint-gb and
     --iteration-s, GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing."""
     from gemini_dcp.inspect import plan
 
-    cost = _cost_inputs(nodes, checkpoint_gb, iteration_s, memory_bw_gbps, persistent_bw_gbps, failures_per_day)
+    figures = {"checkpoint_gb": checkpoint_gb, "iteration_s": iteration_s, "memory_bw_gbps": memory_bw_gbps,
+               "persistent_bw_gbps": persistent_bw_gbps, "failures_per_day": failures_per_day,
+               "persistent_interval_s": persistent_interval_s}
+    cost = {k: v for k, v in figures.items() if v is not None}
+    if cost and (checkpoint_gb is None or iteration_s is None):
+        from gemini_dcp.errors import ConfigError
+
+        raise ConfigError("the wasted-time model needs at least --checkpoint-gb and --iteration-s "
+                          "(the bandwidths and --failures-per-day have defaults).")
     result = plan(nodes, replicas, strategy.value, failures, cost=cost)
     if as_json:
         _emit_json({"ok": True, **result})
         return
     render_plan(_out(), result)
-
-
-def _cost_inputs(nodes: int, checkpoint_gb: float | None, iteration_s: float | None, memory_bw: float | None,
-                 persistent_bw: float | None, per_day: float | None) -> dict[str, Any] | None:
-    given = {"checkpoint_gb": checkpoint_gb, "iteration_s": iteration_s, "memory_bw_gbps": memory_bw,
-             "persistent_bw_gbps": persistent_bw, "failures_per_day": per_day}
-    if all(v is None for v in given.values()):
-        return None
-    if checkpoint_gb is None or iteration_s is None:
-        from gemini_dcp.errors import ConfigError
-
-        raise ConfigError("the wasted-time model needs at least --checkpoint-gb and --iteration-s "
-                          "(bandwidths and --failures-per-day have defaults).")
-    from gemini_dcp.inspect import cost_inputs
-
-    return cost_inputs(nodes=nodes, **{k: v for k, v in given.items() if v is not None})
 
 
 # ---- gc ----------------------------------------------------------------------------------------------

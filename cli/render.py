@@ -198,34 +198,40 @@ def render_doctor(out: Console, rep: Any) -> None:
 
 # ---- plan ----------------------------------------------------------------------------------------
 def render_plan(out: Console, res: dict[str, Any]) -> None:
-    out.print(f"[bold]placement[/] {res['strategy']}: {res['nodes']} nodes, {res['replicas']} copies of each node's checkpoint")
-    if res.get("table"):
-        out.print(res["table"])
-    else:
-        t = Table(show_edge=False, pad_edge=False)
-        t.add_column("node", justify="right")
-        t.add_column("its checkpoint is held by")
-        t.add_column("it holds checkpoints of")
-        holds: dict[int, list[int]] = {}
-        for origin, hs in res["holders"].items():
-            for h in hs:
-                holds.setdefault(int(h), []).append(int(origin))
-        for origin, hs in sorted(res["holders"].items(), key=lambda kv: int(kv[0])):
-            t.add_row(str(origin), ", ".join(map(str, hs)), ", ".join(map(str, sorted(holds.get(int(origin), [])))))
-        out.print(t)
+    out.print(f"[bold]placement[/] {res['strategy']}: {res['nodes']} nodes, {res['replicas']} copies of each "
+              "node's checkpoint (its own included)")
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("node", justify="right")
+    t.add_column("copies on")
+    t.add_column("stores copies of")
+    t.add_column("group/ring", justify="right")
+    for row in res["table"]:
+        g = row.get("group")
+        t.add_row(str(row["node"]), ", ".join(map(str, row["holders"])), ", ".join(map(str, row["stores"])),
+                  "-" if g is None else str(g))
+    out.print(t)
     if res.get("groups"):
-        out.print("groups: " + "  ".join("{" + ", ".join(map(str, g)) + "}" for g in res["groups"]))
-    t = Table(show_edge=False, pad_edge=False, title=None)
-    t.add_column("simultaneous failures k", justify="right")
+        out.print("groups/rings: " + "  ".join("{" + ", ".join(map(str, g)) + "}" for g in res["groups"]))
+    out.print()
+    formula = any("group_formula" in r for r in res["recovery"])
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("failures k", justify="right")
     t.add_column("P(recover from memory)", justify="right")
+    if formula:
+        t.add_column("paper's group formula", justify="right")
     for row in res["recovery"]:
         p = row["p_recover"]
         style = "green" if p >= 0.999999 else ("yellow" if p >= 0.9 else "red")
-        t.add_row(str(row["failures"]), f"[{style}]{p:.4f}[/]")
+        cells = [str(row["failures"]), f"[{style}]{p:.4f}[/]"]
+        if formula:
+            cells.append(f"{row['group_formula']:.4f}")
+        t.add_row(*cells)
     out.print(t)
-    wt = res.get("wasted_time")
-    if wt:
-        render_wasted(out, res.get("cost_inputs", {}), wt)
+    if formula:
+        out.print("(the group formula is exact for k <= replicas and a lower bound above)")
+    if res.get("wasted_time"):
+        out.print()
+        render_wasted(out, res.get("cost_inputs", {}), res["wasted_time"])
 
 
 def _fmt_s(v: Any) -> str:
@@ -238,28 +244,23 @@ def _fmt_s(v: Any) -> str:
     return f"{v / 3600:.2f} h"
 
 
+SYSTEMS = (("gemini", "gemini_dcp (CPU memory)"), ("persistent", "persistent only"))
+ROWS = (("checkpoint_s", "checkpoint time"), ("interval_s", "checkpoint interval"), ("retrieval_s", "retrieval time"),
+        ("wasted_per_failure_s", "wasted per failure"), ("wasted_per_day_s", "wasted per day"))
+
+
 def render_wasted(out: Console, inputs: dict[str, Any], wt: dict[str, Any]) -> None:
-    """GEMINI's model, one column per system; rows are whatever numeric keys the model returns."""
-    systems = {k: v for k, v in wt.items() if isinstance(v, dict)}
-    scalars = {k: v for k, v in wt.items() if not isinstance(v, dict)}
-    if systems:
-        rows = list(dict.fromkeys(k for v in systems.values() for k in v))
-        t = Table(show_edge=False, pad_edge=False, title="expected wasted time (checkpoint + interval/2 + retrieval)")
-        t.add_column("")
-        for name in systems:
-            t.add_column(name, justify="right")
-        for r in rows:
-            t.add_row(r, *(_fmt_s(systems[s].get(r, "-")) if _is_time(r) else _fmt_num(systems[s].get(r, "-")) for s in systems))
-        out.print(t)
-    for k, v in scalars.items():
-        out.print(f"{k}: {_fmt_s(v) if _is_time(k) else _fmt_num(v)}")
-
-
-def _is_time(key: str) -> bool:
-    return key.endswith("_s") or key.endswith("_seconds") or "time" in key
-
-
-def _fmt_num(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    """GEMINI's model: checkpoint time + interval / 2 + retrieval time, for both systems."""
+    if inputs:
+        out.print("inputs: " + ", ".join(f"{k}={v}" for k, v in inputs.items() if v is not None))
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+              title="expected wasted time = checkpoint + interval/2 + retrieval", title_justify="left")
+    t.add_column("")
+    for _, label in SYSTEMS:
+        t.add_column(label, justify="right")
+    for key, label in ROWS:
+        t.add_row(label, *(_fmt_s(wt.get(f"{prefix}_{key}")) for prefix, _ in SYSTEMS))
+    out.print(t)
+    ratio = wt.get("persistent_over_gemini")
+    if isinstance(ratio, (int, float)):
+        out.print(f"persistent-only wastes [bold]{ratio:.1f}x[/] as much time per failure as gemini_dcp")

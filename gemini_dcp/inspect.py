@@ -450,6 +450,11 @@ def verify(
             checks.extend(_memory_checks(layout, s))
     if persistent is not None:
         checks.extend(_persistent_checks(persistent, job, None if step is None else [step]))
+    if not checks and not steps:
+        where = f"tier root {resolve_root(root)}" + (f" or {persistent}" if persistent else "")
+        raise CheckpointNotFoundError(
+            f"nothing of job {job!r} to verify: no step in {where}. Check --job and --root (`gemini-dcp inspect`)."
+        )
     total = sum(c.nbytes for c, _ in checks)
     done = 0
     if progress is not None:
@@ -962,77 +967,43 @@ def plan(
     *,
     cost: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Placement table, P(recover from memory | k simultaneous failures) for k = 1..failures, and
-    GEMINI's wasted-time model given ``cost`` (keyword arguments of ``costmodel.CostInputs``)."""
-    if not isinstance(nodes, int) or nodes < 1:
-        raise ConfigError(f"nodes={nodes!r}: give the number of nodes (an int >= 1).")
-    if not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"replicas={replicas!r}: give the copies of each node's checkpoint (an int >= 1, own copy included).")
-    if replicas > nodes:
-        raise ConfigError(f"replicas={replicas} > nodes={nodes}: each copy needs its own node; use at most {nodes}.")
-    if strategy not in ("mixed", "group", "ring"):
-        raise ConfigError(f"strategy={strategy!r}: choose mixed (default), group or ring.")
-    k_max = min(nodes, replicas + 1 if failures is None else failures)
-    if failures is not None and (not isinstance(failures, int) or failures < 1):
-        raise ConfigError(f"failures={failures!r}: give the largest number of simultaneous failures to show (>= 1).")
-    from .placement import place, recovery_probability  # noqa: PLC0415
+    """Placement table, P(recover from memory | k simultaneous node failures) for k = 1..``failures``
+    (default ``replicas + 1``), and, given ``cost`` (figures for :class:`costmodel.CostInputs`),
+    GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing.
 
-    pl = place(nodes, replicas, strategy)  # type: ignore[arg-type]
-    holders = {int(k): [int(x) for x in v] for k, v in dict(pl.holders).items()} if isinstance(pl.holders, dict) else {
-        i: [int(x) for x in h] for i, h in enumerate(pl.holders)}
-    groups = [[int(x) for x in g] for g in (pl.groups or [])]
-    probs = [{"failures": k, "p_recover": float(recovery_probability(pl, k))} for k in range(1, k_max + 1)]
+    Raises PlacementError / ConfigError with what to change.
+    """
+    from .placement import group_formula, place, recovery_probability  # noqa: PLC0415
+
+    pl = place(nodes, replicas, strategy)  # type: ignore[arg-type] - validates sizes and strategy
+    if failures is not None and (not isinstance(failures, int) or isinstance(failures, bool) or failures < 1):
+        raise ConfigError(f"failures={failures!r}: give the largest number of simultaneous node failures to show (>= 1).")
+    k_max = min(nodes, replicas + 1 if failures is None else failures)
+    recovery = []
+    for k in range(1, k_max + 1):
+        row: dict[str, Any] = {"failures": k, "p_recover": recovery_probability(pl, k)}
+        if nodes % replicas == 0:
+            # The paper's closed form for group placement: exact for k <= m, a lower bound above.
+            row["group_formula"] = group_formula(nodes, replicas, k)
+        recovery.append(row)
     out: dict[str, Any] = {
         "nodes": nodes, "replicas": replicas, "strategy": strategy,
-        "holders": holders, "groups": groups, "recovery": probs,
+        "holders": {i: list(h) for i, h in enumerate(pl.holders)},
+        "groups": [list(g) for g in pl.groups],
+        "table": pl.table(),
+        "recovery": recovery,
     }
     if cost:
         from .costmodel import CostInputs, wasted_time  # noqa: PLC0415
 
-        inputs = make_cost_inputs(CostInputs, cost)
-        out["cost_inputs"] = _asdict(inputs) or dict(cost)
+        try:
+            inputs = CostInputs(**cost)
+        except TypeError as exc:
+            raise ConfigError(f"wasted-time model: {exc}") from exc
+        except ValueError as exc:
+            if isinstance(exc, GeminiError):
+                raise
+            raise ConfigError(f"wasted-time model: {exc}") from exc
+        out["cost_inputs"] = dataclasses.asdict(inputs)
         out["wasted_time"] = wasted_time(inputs)
     return out
-
-
-# Figures the CLI collects, and names a cost model may call them by.
-_COST_ALIASES: dict[str, tuple[str, ...]] = {
-    "nodes": ("nodes", "num_nodes", "n_nodes"),
-    "checkpoint_gb": ("checkpoint_gb", "ckpt_gb", "checkpoint_size_gb", "size_gb"),
-    "iteration_s": ("iteration_s", "iter_s", "iteration_time_s", "t_iter_s"),
-    "memory_bw_gbps": ("memory_bw_gbps", "network_bw_gbps", "peer_bw_gbps", "mem_bw_gbps"),
-    "persistent_bw_gbps": ("persistent_bw_gbps", "remote_bw_gbps", "storage_bw_gbps"),
-    "failures_per_day": ("failures_per_day", "failure_rate_per_day"),
-}
-
-
-def cost_inputs(**figures: Any) -> dict[str, Any]:
-    """The figures given on the command line (None dropped), keyed by the CLI's names."""
-    unknown = set(figures) - set(_COST_ALIASES)
-    if unknown:
-        raise ConfigError(f"unknown cost-model figures {sorted(unknown)}; known: {sorted(_COST_ALIASES)}.")
-    return {k: v for k, v in figures.items() if v is not None}
-
-
-def make_cost_inputs(cls: Any, figures: dict[str, Any]) -> Any:
-    """Build ``cls`` (the cost model's input dataclass) from the CLI's figures, leaving its defaults alone."""
-    if not dataclasses.is_dataclass(cls):
-        return cls(**figures)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in figures.items():
-        name = next((a for a in _COST_ALIASES.get(key, (key,)) if a in fields), None)
-        if name is not None:
-            kwargs[name] = value
-    missing = [n for n, f in fields.items() if n not in kwargs and f.init
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
-    if missing:
-        raise ConfigError(f"the wasted-time model also needs {missing}: give them on the command line.")
-    return cls(**kwargs)
-
-
-def _asdict(obj: Any) -> dict[str, Any] | None:
-    try:
-        return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else None
-    except TypeError:
-        return None

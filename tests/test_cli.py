@@ -344,18 +344,25 @@ def test_plan_placement_and_probabilities() -> None:
     assert mixed["strategy"] == "mixed" and len(mixed["holders"]) == 5
     res = cli("plan", "--nodes", "5", "--replicas", "2", "--strategy", "ring")
     assert res.exit_code == 0 and "P(recover from memory)" in res.output
-    assert_user_error(cli("plan", "--nodes", "2", "--replicas", "3"), "replicas=3 > nodes=2")
+    assert_user_error(cli("plan", "--nodes", "2", "--replicas", "3"), "replicas=3")
+    assert_user_error(cli("plan", "--nodes", "5", "--replicas", "2", "--strategy", "group"), "divide")
 
 
 @pytest.mark.skipif(not (has_module("gemini_dcp.placement") and has_module("gemini_dcp.costmodel")),
                     reason="gemini_dcp.placement / gemini_dcp.costmodel are not in the tree yet")
 def test_plan_wasted_time() -> None:
     out = cli_json("plan", "--nodes", "16", "--replicas", "2", "--checkpoint-gb", "100", "--iteration-s", "60",
-                   "--memory-bw-gbps", "400", "--persistent-bw-gbps", "20", "--failures-per-day", "2")
-    assert out["wasted_time"]
+                   "--memory-bw-gbps", "50", "--persistent-bw-gbps", "2.5", "--failures-per-day", "2")
+    wt = out["wasted_time"]
+    # GEMINI's model: checkpoint time + interval / 2 + retrieval time.
+    assert wt["gemini_wasted_per_failure_s"] == pytest.approx(2 + 60 / 2 + 2)
+    assert wt["persistent_wasted_per_failure_s"] == pytest.approx(40 + 60 / 2 + 40)
+    assert wt["gemini_wasted_per_day_s"] == pytest.approx(2 * 34)
     res = cli("plan", "--nodes", "16", "--replicas", "2", "--checkpoint-gb", "100", "--iteration-s", "60")
-    assert res.exit_code == 0 and "wasted" in res.output, res.output
+    assert res.exit_code == 0 and "wasted per failure" in res.output, res.output
     assert_user_error(cli("plan", "--nodes", "4", "--replicas", "2", "--iteration-s", "60"), "--checkpoint-gb")
+    assert_user_error(cli("plan", "--nodes", "4", "--replicas", "2", "--checkpoint-gb", "0", "--iteration-s", "1"),
+                      "checkpoint_gb")
 
 
 # ---- real subprocesses ---------------------------------------------------------------------------
@@ -368,23 +375,25 @@ def test_subprocess_console_script(root_copy: str) -> None:
     assert p.returncode == 1 and "FAILED" in p.stdout and "model.b" in p.stdout, (p.stdout, p.stderr)
     p = run_cli("verify", "--root", root_copy + "-absent", "--job", "j")
     assert p.returncode == 1 and "does not exist" in p.stderr and "Traceback" not in p.stderr, p.stderr
-    p = run_cli("gc", "--keep", "1", "--root", root_copy, "--job", "j")
-    assert p.returncode == 0 and "evicted steps [2]" in p.stdout, (p.stdout, p.stderr)
 
 
 # ---- two simulated nodes, 2 gloo ranks ---------------------------------------------------------------
-def _save_two_nodes(rank: int, world_size: int, root: str, *, steps: list[int], replicas: int) -> None:
+def _save_two_nodes(rank: int, world_size: int, root: str, *, with_replicas: bool) -> None:
     from workloads import save_steps
 
-    save_steps(rank, world_size, root, job="mp", steps=steps, kind="dtensor", replicas=replicas)
+    save_steps(rank, world_size, root, job="mp", steps=[5, 6], kind="dtensor", replicas=1)
+    if with_replicas:  # one peer copy of each node's shards (needs gemini_dcp.placement)
+        save_steps(rank, world_size, root, job="rep", steps=[1], kind="dtensor", replicas=2)
 
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[list[str]]:
+    """Two simulated nodes (one tier root each), one gloo rank per node: job 'mp' with replicas=1
+    (each node holds only its own shards) and, where placement exists, job 'rep' with replicas=2."""
     from mp_utils import run_ranks
 
     roots = [tempfile.mkdtemp(prefix=f"gemini-cli-node{i}-", dir=_tmp_base()) for i in range(2)]
-    run_ranks(_save_two_nodes, 2, roots, steps=[5, 6], replicas=1)
+    run_ranks(_save_two_nodes, 2, roots, with_replicas=has_module("gemini_dcp.placement"))
     yield roots
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
@@ -418,19 +427,14 @@ def test_two_nodes_partial_flush(two_nodes: list[str], tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not has_module("gemini_dcp.placement"), reason="gemini_dcp.placement (issue 3) is not in the tree yet")
-def test_two_nodes_with_peer_replicas(tmp_path: Path) -> None:
-    from mp_utils import run_ranks
-
-    roots = [tempfile.mkdtemp(prefix=f"gemini-cli-rep{i}-", dir=_tmp_base()) for i in range(2)]
-    try:
-        run_ranks(_save_two_nodes, 2, roots, steps=[1], replicas=2)
-        s = cli_json("inspect", "--root", roots[0], "--job", "mp")["jobs"][0]["steps"][-1]
-        assert s["local_ranks"] == [0] and s["peer_ranks"] == [1] and s["restorable"] == "memory"
-        assert all(len(h) == 2 for h in s["holders"].values())
-        ver = cli_json("verify", "--root", roots[1], "--job", "mp")
-        assert ver["ok"] and {i["rank"] for i in ver["items"]} == {0, 1}
-        out = cli_json("restore", "1", "--to", str(tmp_path / "r"), "--root", roots[1], "--job", "mp")
-        assert out["complete"] and out["from_persistent"] == 0
-    finally:
-        for r in roots:
-            shutil.rmtree(r, ignore_errors=True)
+def test_two_nodes_with_peer_replicas(two_nodes: list[str], tmp_path: Path) -> None:
+    n0, n1 = two_nodes
+    s = cli_json("inspect", "--root", n0, "--job", "rep")["jobs"][0]["steps"][-1]
+    assert s["local_ranks"] == [0] and s["peer_ranks"] == [1] and s["restorable"] == "memory"
+    assert all(len(h) == 2 for h in s["holders"].values())
+    res = cli("inspect", "--root", n0, "--job", "rep")
+    assert "replica placement" in res.output and "n0 (ranks 0) -> n0, n1" in res.output, res.output
+    ver = cli_json("verify", "--root", n1, "--job", "rep")
+    assert ver["ok"] and {i["rank"] for i in ver["items"]} == {0, 1}
+    out = cli_json("restore", "1", "--to", str(tmp_path / "r"), "--root", n1, "--job", "rep")
+    assert out["complete"] and out["from_persistent"] == 0
