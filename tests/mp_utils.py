@@ -68,3 +68,30 @@ def run_ranks(fn: Callable[..., Any], world_size: int, roots: list[str] | str, t
                 raise AssertionError(f"rank {r} failed:\n{value}")
             results.append(value)
         return results
+
+
+def run_until_death(fn: Callable[..., Any], world_size: int, roots: list[str] | str, timeout: float = 180, **kw: Any) -> list[int | None]:
+    """Start ranks like run_ranks; as soon as one dies (e.g. SIGKILLs itself), SIGKILL the rest.
+
+    This is what torchrun does to a worker group when one worker fails. Returns exit codes.
+    """
+    import time
+
+    if isinstance(roots, str):
+        roots = [roots] * world_size
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, list(roots), free_port(), out_dir, kw), nprocs=world_size,
+            join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while all(p.is_alive() for p in ctx.processes):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join()
+        return [p.exitcode for p in ctx.processes]

@@ -1,0 +1,267 @@
+"""Issue 2: the local CPU-memory tier through real dcp.save / dcp.load in spawned gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from gemini_dcp import (
+    ChecksumMismatchError,
+    GeminiStorageReader,
+    GeminiStorageWriter,
+    InvalidStepError,
+    StepNotFoundError,
+    TierFullError,
+    TierRootError,
+    find_gemini_error,
+)
+from gemini_dcp.local_tier import LocalTier
+from mp_utils import run_ranks, run_until_death
+from workloads import load_and_check, plain_state, save_steps
+
+
+@pytest.fixture
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path_factory.getbasetemp()
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="gemini-test-", dir=base)
+    yield d
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_plain_and_nontensor_roundtrip(root: str) -> None:
+    run_ranks(save_steps, 2, root, job="p", steps=[1, 2, 3], kind="plain")
+    out = run_ranks(load_and_check, 2, root, job="p", kind="plain")
+    assert all(o["ok"] and o["step"] == 3 for o in out), out
+    assert out[0]["from"]["local"] > 0 and out[0]["from"]["peer"] == 0
+
+
+def test_dtensor_reshard_2_to_4_and_4_to_2(root: str) -> None:
+    run_ranks(save_steps, 2, root, job="a", steps=[4, 5])
+    out = run_ranks(load_and_check, 4, root, job="a", step=4, expect=4)
+    assert all(o["ok"] for o in out), out
+    run_ranks(save_steps, 4, root, job="b", steps=[7])
+    out = run_ranks(load_and_check, 2, root, job="b", expect=7)
+    assert all(o["ok"] for o in out), out
+
+
+def _torchrec_save_load(rank: int, world_size: int, root: str, *, job: str) -> bool:
+    import torch.distributed as dist
+    import torchrec
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingType
+
+    tables = [
+        torchrec.EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=40, feature_names=[f"f{i}"])
+        for i in range(2)
+    ]
+
+    def build() -> DistributedModelParallel:
+        torch.manual_seed(0)
+        ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        cons = {f"t{i}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for i in range(2)}
+        planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"), constraints=cons)
+        plan = planner.collective_plan(ebc, None, dist.GroupMember.WORLD)
+        return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan)
+
+    model = build()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            for shard in t.local_shards():
+                shard.tensor.copy_(torch.arange(shard.tensor.numel(), dtype=shard.tensor.dtype).reshape(shard.tensor.shape) + hash(name) % 97)
+    sd = model.state_dict()
+    dcp.save(sd, storage_writer=GeminiStorageWriter(root=root, job_id=job), checkpoint_id=3)
+    fresh = build()
+    target = fresh.state_dict()
+    for t in target.values():
+        for shard in t.local_shards():
+            shard.tensor.zero_()
+    dcp.load(target, storage_reader=GeminiStorageReader(root=root, job_id=job))
+    return all(
+        torch.equal(a.tensor, b.tensor)
+        for k in sd
+        for a, b in zip(sd[k].local_shards(), target[k].local_shards())
+    )
+
+
+def test_torchrec_sharded_tensor_roundtrip(root: str) -> None:
+    pytest.importorskip("torchrec")
+    assert all(run_ranks(_torchrec_save_load, 2, root, job="rec"))
+
+
+def test_retention_keeps_last_k_and_slot_ring(root: str) -> None:
+    run_ranks(save_steps, 2, root, job="r", steps=[1, 2, 3, 4, 5], keep=2)
+    tier = LocalTier(root, "r")
+    assert tier.steps() == [4, 5]
+    assert sorted(p.name for p in tier.layout.slot_files(0).values()) == ["slot-0.bin", "slot-1.bin", "slot-2.bin"]
+    mode = stat.S_IMODE(os.stat(tier.layout.job_dir).st_mode)
+    assert mode == 0o700
+
+
+def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> None:
+    """Save step 1 cleanly, then SIGKILL this rank at ``point`` while saving step 2."""
+    import gemini_dcp.checksum as ck
+    import gemini_dcp.layout as layout_mod
+    import gemini_dcp.records as rec_mod
+    import gemini_dcp.writer as wmod
+    from workloads import dtensor_state
+
+    dcp.save(dtensor_state(1, world_size), storage_writer=GeminiStorageWriter(root=root, job_id=job), checkpoint_id=1)
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "mid-copy":
+        orig = ck.copy_and_checksum
+        calls = {"n": 0}
+
+        def copy_then_die(dst, src, algo, block=ck.BLOCK_BYTES):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 2:
+                dst[: dst.numel() // 2].copy_(src[: src.numel() // 2])
+                die()
+            return orig(dst, src, algo, block)
+
+        wmod.copy_and_checksum = copy_then_die
+    elif point == "before-seal":
+        wmod.GeminiStorageWriter._build_record = lambda *a, **k: die()  # type: ignore[method-assign]
+    elif point == "record-tmp-written":
+        orig_replace = os.replace
+
+        def replace_then_die(src, dst):  # type: ignore[no-untyped-def]
+            if str(dst).endswith(".rec"):
+                die()
+            return orig_replace(src, dst)
+
+        layout_mod.os.replace = replace_then_die  # type: ignore[attr-defined]
+    elif point == "after-record":
+        orig_write = rec_mod.write_record
+
+        def write_then_die(path, record):  # type: ignore[no-untyped-def]
+            orig_write(path, record)
+            die()
+
+        import gemini_dcp.local_tier as lt
+
+        lt.write_record = write_then_die
+    dcp.save(dtensor_state(2, world_size), storage_writer=GeminiStorageWriter(root=root, job_id=job), checkpoint_id=2)
+    die()  # the save finished: still die, as a crashed worker would
+
+
+@pytest.mark.parametrize("point", ["mid-copy", "before-seal", "record-tmp-written", "after-record"])
+def test_sigkill_during_save_keeps_previous_step(root: str, point: str) -> None:
+    codes = run_until_death(_killer, 2, root, job="k", point=point)
+    assert any(c == -signal.SIGKILL for c in codes), codes
+    out = run_ranks(load_and_check, 2, root, job="k")
+    assert all(o.get("ok") for o in out), out
+    assert out[0]["step"] == (2 if point == "after-record" else 1)
+    out = run_ranks(load_and_check, 2, root, job="k", step=1, expect=1)
+    assert all(o.get("ok") for o in out), out
+
+
+def test_corrupt_byte_is_detected_and_named(root: str) -> None:
+    run_ranks(save_steps, 2, root, job="c", steps=[1])
+    tier = LocalTier(root, "c")
+    rec = tier.record(1)
+    assert rec is not None
+    idx, ref = next((i, r) for i, r in rec.metadata.storage_data.items() if i.fqn == "model.w" and r.rank == 1)
+    slot = rec.slot_of(1)
+    path = tier.slot_path(1, slot.slot)
+    with open(path, "r+b") as f:
+        f.seek(ref.offset + 5)
+        b = f.read(1)
+        f.seek(ref.offset + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    out = run_ranks(load_and_check, 2, root, job="c")
+    assert all(o.get("error") == "ChecksumMismatchError" for o in out if "error" in o)
+    assert any("model.w" in o.get("message", "") and "checksum" in o.get("message", "") for o in out), out
+
+
+# ---- bad input, single process (no process group needed) ----------------------------------
+def test_missing_root_raises() -> None:
+    with pytest.raises(TierRootError, match="does not exist"):
+        GeminiStorageWriter(root="/nonexistent/gemini-root", job_id="x")
+    with pytest.raises(TierRootError):
+        GeminiStorageReader(root="/nonexistent/gemini-root", job_id="x")
+
+
+def test_root_is_a_file_raises(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(TierRootError, match="not a directory"):
+        GeminiStorageWriter(root=f, job_id="x")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_root_not_writable_raises(tmp_path: Path) -> None:
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(TierRootError, match="not writable"):
+            GeminiStorageWriter(root=tmp_path, job_id="x")
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_checkpoint_id_not_a_step(root: str) -> None:
+    w = GeminiStorageWriter(root=root, job_id="x")
+    with pytest.raises(InvalidStepError, match="not a training step"):
+        dcp.save({"a": torch.ones(2)}, storage_writer=w, checkpoint_id="/some/path")
+    with pytest.raises(InvalidStepError):
+        w.reset(-3)
+    assert not GeminiStorageWriter.validate_checkpoint_id("abc")
+    assert GeminiStorageWriter.validate_checkpoint_id(12)
+
+
+def test_unknown_step_and_wrong_job(root: str) -> None:
+    dcp.save(plain_state(1), storage_writer=GeminiStorageWriter(root=root, job_id="real"), checkpoint_id=1)
+    with pytest.raises(StepNotFoundError, match=r"step 7 .*committed steps: \[1\]"):
+        dcp.load(plain_state(0), storage_reader=GeminiStorageReader(root=root, job_id="real"), checkpoint_id=7)
+    with pytest.raises(BaseException, match="no committed checkpoint of job 'wrong'.*real"):
+        dcp.load(plain_state(0), storage_reader=GeminiStorageReader(root=root, job_id="wrong"))
+
+
+def test_not_enough_space_is_checked_before_writing(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gemini_dcp.writer as wmod
+
+    monkeypatch.setattr(wmod, "free_bytes", lambda path: 1 << 20)  # a 1 MiB tmpfs, as in a small container
+    sd = {"big": torch.zeros(4 << 20, dtype=torch.uint8)}
+    with pytest.raises(BaseException) as ei:
+        dcp.save(sd, storage_writer=GeminiStorageWriter(root=root, job_id="full"), checkpoint_id=1)
+    err = find_gemini_error(ei.value)
+    assert isinstance(err, TierFullError)
+    assert "GiB free" in str(err) and "--shm-size" in str(err)
+    assert LocalTier(root, "full").steps() == []
+
+
+def test_capacity_budget(root: str) -> None:
+    sd = {"big": torch.zeros(8 << 20, dtype=torch.uint8)}
+    with pytest.raises(BaseException) as ei:
+        dcp.save(sd, storage_writer=GeminiStorageWriter(root=root, job_id="b", capacity_bytes=1 << 20), checkpoint_id=1)
+    assert isinstance(find_gemini_error(ei.value), TierFullError)
+
+
+def test_jobs_are_isolated(root: str) -> None:
+    dcp.save({"x": torch.ones(3)}, storage_writer=GeminiStorageWriter(root=root, job_id="j1"), checkpoint_id=1)
+    dcp.save({"x": torch.full((3,), 2.0)}, storage_writer=GeminiStorageWriter(root=root, job_id="j2"), checkpoint_id=1)
+    t = {"x": torch.zeros(3)}
+    r = GeminiStorageReader(root=root, job_id="j1")
+    dcp.load(t, storage_reader=r)
+    assert torch.equal(t["x"], torch.ones(3)) and r.restored_step == 1 and r.restored_from["local"] == 12
+
+
+def test_defaults_from_environment(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEMINI_DCP_ROOT", root)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "envjob")
+    w = GeminiStorageWriter()
+    assert str(w.root) == root and w.job_id == "envjob"
