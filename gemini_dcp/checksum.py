@@ -74,18 +74,31 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor, algo: str, block: int = BLOCK_BYTES) -> int:
-    """Copy ``src`` bytes into ``dst`` (both flat uint8, same size) and return the checksum of the bytes."""
+def copy_and_checksum(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    algo: str,
+    block: int = BLOCK_BYTES,
+    pace: Callable[[int], None] | None = None,
+) -> int:
+    """Copy ``src`` bytes into ``dst`` (both flat uint8, same size) and return the checksum of the bytes.
+
+    ``pace``, if given, is called with each block's size before the block is
+    copied (the async snapshot's interleaving scheduler; it may sleep).
+    """
     n = src.numel()
     if n != dst.numel():
         raise ValueError(f"copy_and_checksum: size mismatch {src.numel()} vs {dst.numel()}")
-    if algo == "crc32c":
+    if algo == "crc32c" and pace is None:
         from . import ext
 
         if ext.load():
             return ext.copy_with_crc32c(dst, src)
     h = _Hasher(algo)
     for start in range(0, n, block):
+        # --- paced copy (gemini_dcp.interleave): one scheduler call per block ---
+        if pace is not None:
+            pace(min(block, n - start))
         d = dst[start : start + block]
         d.copy_(src[start : start + block])
         h.update(d)

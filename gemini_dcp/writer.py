@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from .checksum import as_bytes, checksum, copy_and_checksum
+from .checksum import BLOCK_BYTES, as_bytes, checksum, copy_and_checksum
 from .comm import Comm, get_comm
 from .config import TierOptions, parse_step, resolve_node_id
 from .errors import ConfigError, InvalidStepError, TierFullError
@@ -143,6 +143,9 @@ class GeminiStorageWriter(StorageWriter):
         # Called with the step once this rank's bytes are in the tier (before the
         # commit collectives): the async snapshot guard releases the optimizer here.
         self.on_local_copy_done: Callable[[int], None] | None = None
+        # Optional pacing of the local copy (gemini_dcp.snapshot / interleave): called with
+        # each block's size before it is copied; ``pace.block_bytes`` sets the block size.
+        self.pace: Callable[[int], None] | None = None
 
     # ---- StorageWriter API -------------------------------------------------------------
     @property
@@ -316,6 +319,9 @@ class GeminiStorageWriter(StorageWriter):
             total = align(total + t.numel() * t.element_size())
         slot_idx = self.tier.choose_slot(rank, self.options.keep)
         slot = self._slot(rank, slot_idx)
+        # --- async snapshot pacing: default (pace None) is the unpaced 4 MiB-block copy ---
+        pace = self.pace
+        block = int(getattr(pace, "block_bytes", 0) or BLOCK_BYTES)
         with slot.lock:
             slot.ensure_capacity(total, budget_check=self._budget_check)
             results: list[WriteResult] = []
@@ -324,8 +330,10 @@ class GeminiStorageWriter(StorageWriter):
                 dst = slot.view(off, n)
                 src = as_bytes(t)
                 if src is not None:
-                    cs = copy_and_checksum(dst, src, algo)
+                    cs = copy_and_checksum(dst, src, algo, block, pace=pace)
                 else:
+                    if pace is not None and n:
+                        pace(n)
                     dst.view(t.dtype).view(t.shape).copy_(t)
                     cs = checksum(dst, algo)
                 ref = ShardRef(rank=rank, offset=off, length=n, checksum=cs, algo=algo, dtype=dtype, shape=shape)
