@@ -59,11 +59,13 @@ ENV_MODE = "GEMINI_DCP_DRAIN_MODE"  # "process" (default) or "thread"
 ENV_IDLE = "GEMINI_DCP_DRAIN_IDLE_S"  # a drain server exits after this many idle seconds (default 60)
 ENV_THROTTLE = "GEMINI_DCP_DRAIN_THROTTLE_BPS"  # cap on upload bytes/s (tests; shared links)
 ENV_PEER_TIMEOUT = "GEMINI_DCP_DRAIN_PEER_TIMEOUT_S"  # rank 0's node waits this long for other parts (3600)
-ENV_NICE = "GEMINI_DCP_DRAIN_NICE"  # niceness of the drain process (default 10: training first)
+ENV_NICE = "GEMINI_DCP_DRAIN_NICE"  # niceness of the drain process (default 10: training first), or "idle"
+ENV_THREADS = "GEMINI_DCP_DRAIN_THREADS"  # files written in parallel per node (default 2)
 
 POLL_S = 0.05
 AWAIT_POLL_S = 0.5
 MAX_ATTEMPTS = 5
+SPLIT_BYTES = 64 << 20  # a rank with more than this is written as several files in parallel
 STATUS_KEEP = 64
 
 _THREADS: dict[str, threading.Thread] = {}
@@ -198,17 +200,16 @@ class Drainer:
 def ensure_server(persist_dir: str | os.PathLike[str], mode: str = "process") -> None:
     """Start a drain server for ``persist_dir`` unless one holds its lock."""
     p = Paths(persist_dir)
+    # The lock, not the liveness of a thread or process, says whether a server will see new requests:
+    # a server that is about to exit drops the lock first and then looks for requests once more.
+    if not _lock_free(p):
+        return
     if mode == "thread":
         key = str(p.dir)
         with _THREADS_LOCK:
-            t = _THREADS.get(key)
-            if t is not None and t.is_alive():
-                return
             t = threading.Thread(target=serve, args=(str(p.dir),), kwargs={"idle_s": 0.0}, name="gemini-dcp-drain", daemon=False)
             _THREADS[key] = t
             t.start()
-        return
-    if not _lock_free(p):
         return
     _spawn(p)
 
@@ -289,12 +290,20 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1 and argv[1] not in sys.path:
         sys.path.insert(0, argv[1])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s drain[{os.getpid()}] %(levelname)s %(message)s")
-    try:
-        os.nice(int(os.environ.get(ENV_NICE, "10")))
-    except (OSError, ValueError):
-        pass
+    _lower_priority(os.environ.get(ENV_NICE, "10"))
     idle = float(os.environ.get(ENV_IDLE, "60"))
     serve(persist_dir, idle_s=idle)
+
+
+def _lower_priority(setting: str) -> None:
+    """Training first: ``idle`` (SCHED_IDLE: run only on otherwise idle CPUs) or a nice value."""
+    try:
+        if setting.strip().lower() == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.nice(int(setting))
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def serve(persist_dir: str, *, idle_s: float = 60.0) -> None:
@@ -337,6 +346,7 @@ class _Server:
         self.last_await_poll = 0.0
         self.tiers: dict[tuple[str, str], Any] = {}
         self.throttle = float(os.environ.get(ENV_THROTTLE, "0") or 0) or None
+        self.threads = max(1, int(os.environ.get(ENV_THREADS, "2") or 2))
         self.peer_timeout = float(os.environ.get(ENV_PEER_TIMEOUT, "3600"))
 
     # -- main loop ------------------------------------------------------------------------------
@@ -393,8 +403,7 @@ class _Server:
         t0 = time.monotonic()
         try:
             _private_dir(d)
-            progress = _load_progress(d)
-            todo = [(r, src, n) for r, src, n in req["slots"] if r not in progress.get("ranks", {})]
+            todo = list(req["slots"])
             need = sum(n for _, _, n in todo)
             st = os.statvfs(d)
             free = st.f_bavail * st.f_frsize
@@ -493,7 +502,9 @@ class _Server:
         return t
 
     def _upload(self, req: dict[str, Any]) -> tuple[str, str]:
-        from gemini_dcp.persistent import PartMarker, data_file  # noqa: PLC0415
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        from gemini_dcp.persistent import PartMarker  # noqa: PLC0415
         from gemini_dcp.records import read_record  # noqa: PLC0415
         from gemini_dcp.stock import exact_view, items_of_record, typed, verify, write_rank_file  # noqa: PLC0415
 
@@ -504,48 +515,75 @@ class _Server:
         if record.fingerprint() != req["fingerprint"]:
             return "abandon", "the staged record does not belong to this request"
         staged = json.loads((d / "staged").read_bytes())
+        direct = bool(staged.get("direct"))
         progress = _load_progress(d)
         sd = ptier.step_dir(step)
         node_id = req["node_id"]
         if not progress.get("begun"):
+            if _already_in_store(ptier, step, req["fingerprint"]):
+                return "done", "the store already holds this exact save of the step"
             sd.begin(node_id)
             progress["begun"] = True
+            progress["threads"] = self.threads  # the file split must not change on resume
             _save_progress(d, progress)
+        threads = int(progress.get("threads", self.threads))
         what = f"step {step}"
-        for rank, slot_path, _n in req["slots"]:
-            if rank in progress["ranks"]:
-                continue
+        # One or more data files per saving rank (__<rank>_<k>.distcp, as FileSystemWriter with
+        # thread_count=k names them), written in parallel; progress is kept per file.
+        jobs: list[tuple[str, Path, list[Any]]] = []
+        for rank, slot_path, nbytes in req["slots"]:
             items = items_of_record(record, [rank])
-            path = Path(slot_path) if staged.get("direct") else d / f"rank-{rank:05d}.bin"
+            path = Path(slot_path) if direct else d / f"rank-{rank:05d}.bin"
+            n_files = threads if nbytes >= SPLIT_BYTES and len(req["slots"]) < threads else 1
+            for k, bucket in enumerate(_split_by_size(items, n_files)):
+                jobs.append((f"__{rank}_{k}.distcp", path, bucket))
+        files: dict[str, Any] = progress.setdefault("files", {})
+        lock = threading.Lock()
+
+        def run(job: tuple[str, Path, list[Any]]) -> None:
+            rel, path, items = job
             with _ReadMap(path) as buf:
-                if staged.get("direct"):
+                if direct:
                     read = _private_reader(buf, what)
                 else:
                     def read(it: Any, _buf: Any = buf) -> Any:
                         t = exact_view(_buf.mm, it.offset, it.length)
                         verify(t, it, what)  # checksums verified before upload
                         return typed(t, it)
-                st, cs, n = write_rank_file(sd, data_file(rank), items, read, throttle_bps=self.throttle)
-            progress["ranks"][rank] = (st, cs, n)
-            _save_progress(d, progress)
-            if not staged.get("direct"):
-                try:
-                    os.unlink(path)  # give the tmpfs back as soon as a rank is uploaded
-                except FileNotFoundError:
-                    pass
+                result = write_rank_file(sd, rel, items, read, throttle_bps=self.throttle)
+            with lock:
+                files[rel] = result
+                _save_progress(d, progress)
+
+        t_write = time.monotonic()
+        todo = [j for j in jobs if j[0] not in files]
+        if len(todo) == 1 or threads == 1:
+            for j in todo:
+                run(j)
+        elif todo:
+            with ThreadPoolExecutor(max_workers=min(threads, len(todo)), thread_name_prefix="gemini-drain-io") as ex:
+                for fut in [ex.submit(run, j) for j in todo]:
+                    fut.result()
+        if not direct:
+            self._drop_stage_bytes(step)  # give the tmpfs back as soon as the bytes are in the store
         storage: dict[Any, Any] = {}
         sums: dict[Any, Any] = {}
         total = 0
-        for st, cs, n in progress["ranks"].values():
+        for rel, _path, _items in jobs:
+            st, cs, n = files[rel]
             storage.update(st)
             sums.update(cs)
             total += n
-        ranks = tuple(sorted(progress["ranks"]))
+        ranks = tuple(sorted(r for r, _, _ in req["slots"]))
+        t_marker = time.monotonic()
         sd.write_marker(PartMarker(step, req["fingerprint"], node_id, ranks, storage, sums, total, time.time()))
         progress["marker"] = True
         _save_progress(d, progress)
-        self._set_status(step, "part-written", bytes=total)
+        t_commit = time.monotonic()
+        self._set_status(step, "part-written", bytes=total, write_seconds=round(t_marker - t_write, 4),
+                         marker_seconds=round(t_commit - t_marker, 4), files=len(jobs))
         if self._try_commit(req, record):
+            self._set_status(step, "committed", commit_seconds=round(time.monotonic() - t_commit, 4))
             return "done", ""
         return ("await", "") if req.get("rank0_node") else ("done", "part written; another node commits")
 
@@ -568,6 +606,7 @@ class _Server:
             req["job_id"], prefer_node=dict(enumerate(record.rank_nodes)),
         )
         if ok:
+            self._set_status(step, "committed", committed_unix=time.time())
             log.info("step %d committed to %s", step, ptier.step_url(step))
             protect = set(self.p.pending()) - {step}
             try:
@@ -663,15 +702,39 @@ def _classify(exc: BaseException) -> tuple[str, str]:
     return "retry", text
 
 
+def _already_in_store(ptier: Any, step: int, fingerprint: str) -> bool:
+    """True if ``step`` is complete in the store from the same save (re-draining would only risk it)."""
+    try:
+        if not ptier.is_complete(step):
+            return False
+        index = ptier.read_index(step)
+    except Exception:  # noqa: BLE001 - unreadable: drain it again
+        return False
+    return index is not None and index.fingerprint == fingerprint
+
+
+def _split_by_size(items: list[Any], n: int) -> list[list[Any]]:
+    """Deterministic split into ``n`` buckets of similar bytes (largest first), each kept in slot order."""
+    if n <= 1 or len(items) <= 1:
+        return [items]
+    buckets: list[list[Any]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for it in sorted(items, key=lambda it: (-it.length, it.offset)):
+        i = min(range(n), key=lambda b: (sizes[b], b))
+        buckets[i].append(it)
+        sizes[i] += it.length
+    return [sorted(b, key=lambda it: it.offset) for b in buckets if b]
+
+
 def _load_progress(d: Path) -> dict[str, Any]:
     try:
         obj = pickle.loads((d / "progress.pkl").read_bytes())
         if isinstance(obj, dict):
-            obj.setdefault("ranks", {})
+            obj.setdefault("files", {})
             return obj
     except (FileNotFoundError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, ValueError):
         pass
-    return {"begun": False, "ranks": {}}
+    return {"begun": False, "files": {}}
 
 
 def _save_progress(d: Path, progress: dict[str, Any]) -> None:

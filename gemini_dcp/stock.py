@@ -45,6 +45,7 @@ from .checksum import checksum, copy_and_checksum
 from .config import resolve_node_id
 from .errors import (
     ChecksumMismatchError,
+    ConfigError,
     ShardUnavailableError,
     StepNotFoundError,
     TierRootError,
@@ -378,7 +379,8 @@ def materialize_step(
     ``progress(done_bytes, total_bytes)`` is called as items are written.
 
     Returns ``{"step", "dest", "complete", "bytes", "items", "files", "missing",
-    "from_memory", "from_persistent", "seconds"}``.
+    "from_memory", "from_persistent", "seconds"}`` (plus ``"already_there": True``
+    when ``dest`` already holds this exact save of the step, which is then left as is).
     """
     t0 = time.perf_counter()
     src = open_step(step, root=root, job_id=job_id, persistent=persistent)
@@ -392,6 +394,24 @@ def materialize_step(
             "if the step was drained."
         )
     dest = StepDir.from_url(dest_url)
+    if src.persistent is not None and "persistent" in src.where.values():
+        same = src.persistent.step_dir(src.step)
+        if same.fs.protocol == dest.fs.protocol and same.path == dest.path:
+            raise ConfigError(
+                f"{dest.url} is where step {src.step} is read from in the persistent tier; write it somewhere else."
+            )
+    if dest.is_complete():
+        try:
+            from .persistent import INDEX, SIDE_DIR  # noqa: PLC0415
+            import pickle  # noqa: PLC0415
+
+            done = pickle.loads(dest.fs.cat_file(dest.file(f"{SIDE_DIR}/{INDEX}")))
+        except Exception:  # noqa: BLE001 - not ours / unreadable: rewrite it
+            done = None
+        if isinstance(done, StepIndex) and done.fingerprint == src.fingerprint and done.step == src.step:
+            return {"step": src.step, "dest": dest.url, "complete": True, "bytes": 0, "items": len(done.checksums),
+                    "files": [], "missing": [], "from_memory": 0, "from_persistent": 0,
+                    "seconds": time.perf_counter() - t0, "already_there": True}
     node_id = _this_node(root)
     dest.begin(node_id)
     by_rank: dict[int, list[StockItem]] = {}

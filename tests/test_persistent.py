@@ -72,7 +72,7 @@ def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> Non
         t0 = time.perf_counter()
         dcp.save(plain_state(step), storage_writer=w, checkpoint_id=step)
         t_saves.append(time.perf_counter() - t0)
-        assert wait_idle(_persist_dir(root, job), 60)
+        assert wait_idle(_persist_dir(root, job), 180)
     pt = PersistentTier(url, job)
     # every 2nd step drained; persist_keep=2 kept the newest two complete ones
     assert pt.committed_steps() == [4, 6]
@@ -85,6 +85,13 @@ def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> Non
         assert _equal_plain(sd, 6)
     status = drain_status(_persist_dir(root, job))["steps"]
     assert status["6"]["state"] == "done" and "1" not in status and "3" not in status
+    # the same save of step 6 again (e.g. a retried save): the store already has it, nothing is rewritten
+    mtime = (step_dir / ".metadata").stat().st_mtime_ns
+    w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=2, persist_keep=2)
+    dcp.save(plain_state(6), storage_writer=w, checkpoint_id=6)
+    assert wait_idle(_persist_dir(root, job), 180)
+    assert "already holds" in drain_status(_persist_dir(root, job))["steps"]["6"]["detail"]
+    assert (step_dir / ".metadata").stat().st_mtime_ns == mtime
     assert max(t_saves) < 5.0  # the save never waited for an upload (first includes the store probe)
 
 
@@ -101,7 +108,7 @@ def test_sigkill_during_drain_then_restart_resumes(root: str, store: Path, monke
     w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)
     dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3)
     data = store / job / "step-3" / "__0_0.distcp"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while not (data.exists() and data.stat().st_size > 300_000):
         assert time.monotonic() < deadline, drain_status(pdir)
         time.sleep(0.05)
@@ -122,7 +129,7 @@ def test_sigkill_during_drain_then_restart_resumes(root: str, store: Path, monke
     assert LocalTier(root, job).steps() == [5]
     # "restart": a writer constructed again resumes the pending drain from its staged copy
     GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)
-    assert wait_idle(pdir, 60), drain_status(pdir)
+    assert wait_idle(pdir, 180), drain_status(pdir)
     assert PersistentTier(url, job).committed_steps() == [3]
     sd = _big_state(0)
     dcp.load(sd, checkpoint_id=str(store / job / "step-3"))
@@ -130,37 +137,56 @@ def test_sigkill_during_drain_then_restart_resumes(root: str, store: Path, monke
 
 
 # ---- memory:// (in-process drain thread) + restore with every memory tier wiped --------------------
+def _odd_state(step: int) -> dict[str, Any]:
+    """plain_state plus the awkward tensors: empty, 0-d bfloat16, bool, non-contiguous."""
+    sd = plain_state(step)
+    sd["odd"] = {
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(step + 0.5, dtype=torch.bfloat16),
+        "flags": torch.tensor([True, False, step % 2 == 0]),
+        "strided": torch.arange(40, dtype=torch.int16).reshape(5, 8).t() + step,
+    }
+    return sd
+
+
+def _equal_odd(got: dict[str, Any], step: int) -> bool:
+    want = _odd_state(step)["odd"]
+    return _equal_plain(got, step) and all(
+        torch.equal(got["odd"][k], want[k]) and got["odd"][k].dtype == want[k].dtype for k in want
+    )
+
+
 def test_memory_store_and_restore_after_memory_wiped(root: str) -> None:
     url = f"memory://gemini-test-{os.getpid()}"
     job = "m"
     for step in (5, 10):
         w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=5)
-        dcp.save(plain_state(step), storage_writer=w, checkpoint_id=step)
+        dcp.save(_odd_state(step), storage_writer=w, checkpoint_id=step)
         assert w._drainer is not None and w._drainer.mode == "thread"
-        assert w._drainer.wait(30)
+        assert w._drainer.wait(120)
     pt = PersistentTier(url, job)
     assert pt.committed_steps() == [5, 10]
-    sd = plain_state(0)
+    sd = _odd_state(0)
     dcp.load(sd, checkpoint_id=pt.step_url(10))  # stock FsspecReader on memory://
-    assert _equal_plain(sd, 10)
+    assert _equal_odd(sd, 10)
     LocalTier(root, job).remove_job()  # every memory tier lost
-    sd = plain_state(0)
+    sd = _odd_state(0)
     r = GeminiStorageReader(root=root, job_id=job, persistent=url)
     dcp.load(sd, storage_reader=r)
-    assert r.restored_step == 10 and _equal_plain(sd, 10)
+    assert r.restored_step == 10 and _equal_odd(sd, 10)
     assert r.restored_from["persistent"] > 0 and r.restored_from["local"] == 0
     # an older step on request, still from the store
-    sd = plain_state(0)
+    sd = _odd_state(0)
     r = GeminiStorageReader(root=root, job_id=job, persistent=url)
     dcp.load(sd, storage_reader=r, checkpoint_id=5)
-    assert r.restored_step == 5 and _equal_plain(sd, 5)
+    assert r.restored_step == 5 and _equal_odd(sd, 5)
 
 
 def test_corrupt_object_in_store_is_detected(root: str) -> None:
     url = f"memory://gemini-corrupt-{os.getpid()}"
     w = GeminiStorageWriter(root=root, job_id="c", persistent=url, persist_every=1)
     dcp.save(plain_state(1), storage_writer=w, checkpoint_id=1)
-    assert w._drainer is not None and w._drainer.wait(30)
+    assert w._drainer is not None and w._drainer.wait(120)
     pt = PersistentTier(url, "c")
     md = pt.read_metadata(1)
     info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
@@ -271,7 +297,7 @@ def test_two_nodes_drain_in_parallel_and_restore(tmp_path: Path) -> None:
         codes = run_until_death(_save_then_die, 2, roots, job=job, url=url)
         assert any(c == -signal.SIGKILL for c in codes), codes
         pt = PersistentTier(url, job)
-        assert pt.wait_for_step(2, timeout_s=90), [drain_status(_persist_dir(r, job)) for r in roots]
+        assert pt.wait_for_step(2, timeout_s=240), [drain_status(_persist_dir(r, job)) for r in roots]
         step_dir = store / job / "step-2"
         # each node wrote its own rank's file and part marker
         assert sorted(p.name for p in step_dir.glob("__*")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -328,7 +354,7 @@ def test_s3_drain_stock_load_and_restore(root: str, s3_url: str) -> None:
     job = "s"
     w = GeminiStorageWriter(root=root, job_id=job, persistent=s3_url, persist_every=1)
     dcp.save(plain_state(7), storage_writer=w, checkpoint_id=7)
-    assert wait_idle(_persist_dir(root, job), 60), drain_status(_persist_dir(root, job))
+    assert wait_idle(_persist_dir(root, job), 180), drain_status(_persist_dir(root, job))
     pt = PersistentTier(s3_url, job)
     assert pt.committed_steps() == [7]
     sd = plain_state(0)
