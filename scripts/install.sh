@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install gemini_dcp and its CPU stack (idempotent; quick when already installed).
+# torch 2.13.0 CPU + fbgemm-gpu-cpu 1.8.0 + torchrec 1.8.0 (without its CUDA deps) is a known-good set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+have() { "$PY" - "$1" <<'PYEOF' 2>/dev/null
+import importlib.metadata as m, sys
+name, _, want = sys.argv[1].partition("==")
+v = m.version(name)
+sys.exit(0 if (not want or v.split("+")[0] == want) else 1)
+PYEOF
+}
+pipi() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+if ! have torch; then pipi "torch==2.13.0"; fi
+TORCH_MINOR=$("$PY" -c 'import torch; print(".".join(torch.__version__.split(".")[:2]))')
+if [ "${GEMINI_DCP_SKIP_TORCHREC:-0}" != "1" ] && ! have torchrec; then
+  case "$TORCH_MINOR" in
+    2.13) FBGEMM=1.8.0; TREC=1.8.0 ;;
+    2.14) FBGEMM=1.9.0; TREC=1.9.0 ;;
+    *) FBGEMM=""; TREC="" ;;
+  esac
+  if [ -n "$FBGEMM" ]; then
+    pipi "fbgemm-gpu-cpu==$FBGEMM" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
+    pipi --no-deps "torchrec==$TREC"
+  else
+    echo "install.sh: no known-good torchrec for torch $TORCH_MINOR; torchrec tests will be skipped" >&2
+  fi
+fi
+if ! have gemini-dcp || ! have pytest-timeout || ! have moto; then
+  pipi -e ".[test]"
+fi
+"$PY" -c 'import gemini_dcp, torch; print(f"gemini_dcp {gemini_dcp.__version__} on torch {torch.__version__}")'
