@@ -63,16 +63,25 @@ def bump(sd: dict[str, Any], step: int) -> None:
     sd["step"] = step
 
 
-def calibrate(step_s: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-    a = torch.rand(512, 512)
-    b = torch.rand(512, 512)
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def calibrate(step_s: float, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, int]:
+    size = 4096 if device == "cuda" else 512
+    a = torch.rand(size, size, device=device)
+    b = torch.rand(size, size, device=device)
     for _ in range(5):
         a @ b
+    _sync(device)
     t0 = time.perf_counter()
     n = 0
     while time.perf_counter() - t0 < 0.5:
-        a @ b
-        n += 1
+        for _ in range(10 if device == "cuda" else 1):
+            a @ b
+            n += 1
+        _sync(device)
     per = (time.perf_counter() - t0) / n
     return a, b, max(1, int(step_s / per))
 
@@ -85,9 +94,10 @@ def train(
     out = []
     for step in steps:
         t0 = time.perf_counter()
-        if work == "cpu":
+        if work in ("cpu", "cuda"):
             for _ in range(reps):
                 a @ b
+            _sync(a.device.type)
         else:  # "gpu": the host thread waits for the device, as in cudaStreamSynchronize
             time.sleep(step_s)
         t1 = time.perf_counter()
@@ -106,8 +116,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4, help="persist_every")
     ap.add_argument("--steps", type=int, default=8, help="steps per pass")
     ap.add_argument("--passes", type=int, default=6, help="interleaved baseline/drain pass pairs (ABBA order)")
-    ap.add_argument("--work", nargs="+", default=["gpu", "cpu"], choices=["gpu", "cpu"],
-                    help="gpu: the step's host thread waits (device-bound training); cpu: one core computes")
+    ap.add_argument("--work", nargs="+", default=None, choices=["gpu", "cpu", "cuda"],
+                    help="gpu: the step's host thread waits (device-bound training, simulated); cpu: one core "
+                    "computes; cuda: real GPU matmuls with the state on the GPU (default: cuda if available, gpu, cpu)")
     ap.add_argument("--store", default=None, help="fsspec URL of the store (default: a temp dir on local disk)")
     ap.add_argument("--root", default=None, help="tier root (default: a temp dir in /dev/shm)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "persistent.json"))
@@ -123,8 +134,9 @@ def main() -> None:
         store = args.store
     os.environ.setdefault("GEMINI_DCP_DRAIN_IDLE_S", "120")
     results: dict[str, Any] = {
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
-        "config": {"mib": args.mib, "step_s": args.step_s, "work": args.work, "nice": os.environ.get("GEMINI_DCP_DRAIN_NICE", "10"), "every": args.every, "steps": args.steps, "passes": args.passes,
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "config": {"mib": args.mib, "step_s": args.step_s, "nice": os.environ.get("GEMINI_DCP_DRAIN_NICE", "10"), "every": args.every, "steps": args.steps, "passes": args.passes,
                    "store": store, "root": root},
     }
     # time the part of a save the persistent tier adds to the training path (the drain request)
@@ -147,6 +159,9 @@ def main() -> None:
         sd = make_state(args.mib, 0)
         nbytes = sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
         mats = calibrate(args.step_s)
+        if args.work is None:
+            args.work = (["cuda"] if torch.cuda.is_available() else []) + ["gpu", "cpu"]
+        results["config"]["work"] = args.work
 
         # ---- throughput: warm drain vs FsspecWriter, same state, same store ----------------------------
         job_t = "tput"
@@ -207,6 +222,11 @@ def main() -> None:
         step0 = 100
         for work in args.work:
             passes: dict[str, list[list[dict[str, float]]]] = {"baseline": [], "drain": []}
+            if work == "cuda":  # the training state lives on the GPU; the memory tier copies it out
+                wsd = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+                wmats = calibrate(args.step_s, "cuda")
+            else:
+                wsd, wmats = sd, mats
             for i in range(args.passes):
                 for mode in (("baseline", "drain") if i % 2 == 0 else ("drain", "baseline")):  # ABBA: cancels drift
                     job = f"stall-{work}-{mode}"
@@ -214,9 +234,9 @@ def main() -> None:
                     steps = range(step0, step0 + args.steps)
                     step0 += args.steps + 1
                     # one unmeasured warm-up step (slot files faulted in, drain process running)
-                    train(sd, range(steps.start - 1, steps.start), mats, root, job, url, args.every, work, args.step_s)
+                    train(wsd, range(steps.start - 1, steps.start), wmats, root, job, url, args.every, work, args.step_s)
                     wait_idle(LocalTier(root, job).layout.persist_dir, 600)
-                    passes[mode].append(train(sd, steps, mats, root, job, url, args.every, work, args.step_s))
+                    passes[mode].append(train(wsd, steps, wmats, root, job, url, args.every, work, args.step_s))
                     wait_idle(LocalTier(root, job).layout.persist_dir, 600)
 
             def agg(mode: str, key: str, passes: dict[str, Any] = passes) -> float:

@@ -138,8 +138,7 @@ def inspect_cmd(
     persistent: PersistentOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Jobs and steps held here: committed or not, sizes, ranks/nodes, replica placement, age, and
-    whether each step is restorable from what this host sees."""
+    """Jobs and steps held here: committed or not, sizes, ranks/nodes, replica placement, age, and whether each step is restorable from what this host sees."""
     from gemini_dcp.inspect import inspect_root
 
     info = inspect_root(root, job, persistent)
@@ -162,8 +161,7 @@ def verify_cmd(
         show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Recompute the checksum of every shard held here (memory slots; with --persistent, the store too).
-    Exit 1 if any is bad or missing."""
+    """Recompute the checksum of every shard held here (memory slots; with --persistent, the store too). Exit 1 if any is bad or missing."""
     from gemini_dcp.inspect import verify
 
     with progress_bar(_err(), "verifying", disable=as_json) as tick:
@@ -190,16 +188,23 @@ def flush_cmd(
         "command and the last one to finish commits the step.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a step from this node's memory to a persistent store, in the stock DCP layout of the
-    persistent tier. Refuses, listing the missing shards, if this host cannot see the whole step."""
+    """Write a step from this node's memory to a persistent store, in the stock DCP layout of the persistent tier. Refuses, listing the missing shards, if this host cannot see the whole step."""
     from gemini_dcp.config import resolve_job_id
     from gemini_dcp.persistent import PersistentTier
     from gemini_dcp.stock import materialize_step
 
+    from gemini_dcp.errors import ShardUnavailableError
+
     jid = resolve_job_id(job)
     dest = PersistentTier(to, jid, writable=True).step_url(step)
-    with progress_bar(_err(), f"flushing step {step}", disable=as_json, unit="bytes") as tick:
-        result = materialize_step(step, dest, root=root, job_id=jid, allow_partial=allow_partial, progress=tick)
+    try:
+        with progress_bar(_err(), f"flushing step {step}", disable=as_json, unit="bytes") as tick:
+            result = materialize_step(step, dest, root=root, job_id=jid, allow_partial=allow_partial, progress=tick)
+    except ShardUnavailableError as exc:
+        raise ShardUnavailableError(
+            f"{exc} On the command line: run `gemini-dcp flush {step} --to {to} --allow-partial` on this node and on "
+            "every node holding the missing shards; the last one to finish commits the step."
+        ) from exc
     _report_materialized(result, as_json, "flushed")
 
 
@@ -216,8 +221,7 @@ def restore_cmd(
         show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Materialize a step from whatever tiers hold it (memory here, else --persistent) as a stock DCP
-    checkpoint that plain dcp.load(checkpoint_id=DIR) reads."""
+    """Materialize a step from whatever tiers hold it (memory here, else --persistent) as a stock DCP checkpoint that plain dcp.load(checkpoint_id=DIR) reads."""
     from gemini_dcp.stock import materialize_step
 
     dest = to if "://" in to else os.path.abspath(os.path.expanduser(to))
@@ -335,8 +339,7 @@ def plan_cmd(
         "possible).", show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Placement table and P(recover from memory) for k simultaneous failures; with --checkpoint-gb and
-    --iteration-s, GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing."""
+    """Placement table and P(recover from memory) for k simultaneous failures; with --checkpoint-gb and --iteration-s, GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing."""
     from gemini_dcp.inspect import plan
 
     figures = {"checkpoint_gb": checkpoint_gb, "iteration_s": iteration_s, "memory_bw_gbps": memory_bw_gbps,
@@ -369,8 +372,7 @@ def gc_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be removed; remove nothing.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Evict old steps of a job from this node's memory, never the newest committed one; free slot
-    files no step uses and no process has open. --remove-job drops a finished job entirely."""
+    """Evict old steps of a job from this node's memory, never the newest committed one; free slot files no step uses and no process has open. --remove-job drops a finished job entirely."""
     from gemini_dcp.inspect import collect_garbage, remove_job as remove
 
     me = [os.getpid()]
@@ -406,8 +408,7 @@ def doctor_cmd(
     replicas: Annotated[int, typer.Option("--replicas", "-m", min=1, help="The job's replicas (own copy included).")] = 1,
     as_json: JsonOpt = False,
 ) -> None:
-    """Check the environment a job will run in: tier root, tmpfs, free space, /dev/shm size in containers,
-    memory budget, GPUs, torch and extension versions. Exit 1 if a check fails."""
+    """Check the environment a job will run in: tier root, tmpfs, free space, /dev/shm size in containers, memory budget, GPUs, torch and extension versions. Exit 1 if a check fails."""
     from gemini_dcp.inspect import doctor
 
     rep = doctor(root, expected_gb=expected_gb, keep=keep, replicas=replicas)

@@ -152,7 +152,7 @@ def render_verify(out: Console, report: Any) -> None:
     c = report.counts
     bad = [i for i in report.items if i.status != "ok"]
     if bad:
-        t = Table(show_edge=False, pad_edge=False)
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
         for col in ("step", "tier", "item", "rank", "size", "status", "detail"):
             t.add_column(col)
         for i in bad:
@@ -181,7 +181,7 @@ def render_gc(out: Console, rep: Any) -> None:
 
 # ---- doctor --------------------------------------------------------------------------------------
 def render_doctor(out: Console, rep: Any) -> None:
-    t = Table(show_edge=False, pad_edge=False)
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     t.add_column("")
     t.add_column("check")
     t.add_column("detail", overflow="fold")

@@ -372,7 +372,8 @@ def _memory_checks(layout: JobLayout, step: int) -> list[tuple[ItemCheck, Callab
                 return "missing", f"slot file {path} ends at {m.size}, item needs bytes {ref.offset}+{ref.length}"
             got = checksum(m.view(ref.offset, ref.length), ref.algo)
             if got != ref.checksum:
-                return "bad", f"{ref.algo} {got:#018x} != recorded {ref.checksum:#018x} ({path} @ {ref.offset})"
+                return "bad", (f"{ref.algo} {got:#018x} != recorded {ref.checksum:#018x} "
+                               f"({path.parent.name}/{path.name} @ {ref.offset})")
             return "ok", ""
 
         out.append((check, run))
@@ -802,8 +803,8 @@ def doctor(
     elif mnt[1] in MEMORY_FSTYPES:
         checks.append(Check("tmpfs", "pass", f"{probe} is on {mnt[1]} mounted at {mnt[0]}"))
     else:
-        checks.append(Check("tmpfs", "fail", f"{probe} is on {mnt[1]} (mount {mnt[0]}), not in memory: saves go to disk "
-                            "and do not survive as in-memory checkpoints are meant to",
+        checks.append(Check("tmpfs", "fail", f"{probe} is on {mnt[1]} (mount {mnt[0]}), not memory-backed: every save "
+                            "would go through the page cache to disk at disk speed instead of staying in CPU memory",
                             f"set {ENV_ROOT} to a directory under /dev/shm or another tmpfs"))
 
     # 3. free space vs expected checkpoint
@@ -821,8 +822,11 @@ def doctor(
         checks.append(Check("free space", "pass", f"{_gb(free)} free >= {_gb(need)} needed "
                             f"({expected_gb:g} GiB x {keep + 1} slots x {replicas} replicas)"))
     else:
+        on_shm = str(probe.resolve()).startswith(str(Path(shm_path).resolve()))
+        fix = shm_fix(need) if on_shm else (
+            f"free space on {mnt[0] if mnt else probe}, or set {ENV_ROOT} to a tmpfs with {_gb(need)} free")
         checks.append(Check("free space", "fail", f"{_gb(free)} free < {_gb(need)} needed "
-                            f"({expected_gb:g} GiB x {keep + 1} slots x {replicas} replicas)", shm_fix(need)))
+                            f"({expected_gb:g} GiB x {keep + 1} slots x {replicas} replicas)", fix))
 
     # 4. /dev/shm in a container
     where = in_container()

@@ -308,7 +308,9 @@ def test_doctor(saved_root: str, tmp_path: Path) -> None:
     assert checks["tier root"]["status"] == "pass" and checks["torch"]["status"] == "pass"
     huge = cli_json("doctor", "--root", saved_root, "--expected-gb", "100000", "--replicas", "2", code=1)
     fs = {c["name"]: c for c in huge["checks"]}["free space"]
-    assert fs["status"] == "fail" and "--shm-size" in fs["fix"] and "medium: Memory" in fs["fix"]
+    assert fs["status"] == "fail"
+    if saved_root.startswith("/dev/shm/"):  # the container fix: a bigger /dev/shm
+        assert "--shm-size" in fs["fix"] and "medium: Memory" in fs["fix"]
     assert "x 3 slots x 2 replicas" in fs["detail"]
     res = cli("doctor", "--root", str(tmp_path / "missing"))
     assert res.exit_code == 1 and "FAIL" in res.output and "mkdir -p" in res.output, res.output

@@ -83,7 +83,7 @@ def test_export_and_materialize_across_nodes_and_tiers(tmp_path: Path) -> None:
     job = "x"
     try:
         run_ranks(save_steps, 2, roots, job=job, steps=[1, 2], persistent=url, persist_every=2)
-        assert PersistentTier(url, job).wait_for_step(2, timeout_s=90)
+        assert PersistentTier(url, job).wait_for_step(2, timeout_s=240)
         want_w, want_b = full_weight(2), torch.arange(COLS, dtype=torch.float64) + 2
 
         # node 0's memory alone holds half of every sharded tensor
