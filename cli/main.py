@@ -406,12 +406,14 @@ def doctor_cmd(
         "space and memory as size x (keep+1) slots x replicas.", show_default=False)] = None,
     keep: Annotated[int, typer.Option("--keep", min=1, help="The job's keep (committed steps retained).")] = 2,
     replicas: Annotated[int, typer.Option("--replicas", "-m", min=1, help="The job's replicas (own copy included).")] = 1,
+    build_ext: Annotated[bool, typer.Option(
+        "--build-ext", help="Build the C++/CUDA extension now if this machine has no cached build (takes a while).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Check the environment a job will run in: tier root, tmpfs, free space, /dev/shm size in containers, memory budget, GPUs, torch and extension versions. Exit 1 if a check fails."""
     from gemini_dcp.inspect import doctor
 
-    rep = doctor(root, expected_gb=expected_gb, keep=keep, replicas=replicas)
+    rep = doctor(root, expected_gb=expected_gb, keep=keep, replicas=replicas, build_ext=build_ext)
     if as_json:
         _emit_json(rep.to_dict())
     else:

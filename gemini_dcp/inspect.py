@@ -760,11 +760,14 @@ def doctor(
     replicas: int = 1,
     mounts_file: str = "/proc/mounts",
     shm_path: str = "/dev/shm",
+    build_ext: bool = False,
 ) -> DoctorReport:
     """Check the environment a job will run in; one :class:`Check` per line, never raising for what it finds.
 
     ``expected_gb``: checkpoint bytes per node (GiB) the job will save; the
     memory it needs here is ``expected_gb × (keep + 1) slots × replicas``.
+    ``build_ext``: build the C++ extension if this machine has no cached build
+    (otherwise it is only loaded from the cache, which is fast).
     """
     if not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"keep={keep!r}: give an int >= 1 (the job's keep, default {DEFAULT_KEEP}).")
@@ -874,7 +877,7 @@ def doctor(
 
     # 7. versions
     checks.append(_torch_check())
-    checks.append(_ext_check())
+    checks.append(_ext_check(build_ext))
     return DoctorReport(root=str(path), checks=checks)
 
 
@@ -899,25 +902,25 @@ def _gpu_check() -> Check:
     if mod is None or not hasattr(mod, "gpu_info"):
         return Check("GPUs", "warn", "gemini_dcp.gpuinfo is not available in this build; GPU details skipped")
     try:
-        info = mod.gpu_info()
+        gpus = list(mod.gpu_info())
     except Exception as exc:  # noqa: BLE001 - a driver problem is reported, not raised
         return Check("GPUs", "warn", f"GPU query failed: {type(exc).__name__}: {exc}")
-    gpus = _field(info, "gpus", "devices")
-    if gpus is None and isinstance(info, (list, tuple)):
-        gpus = list(info)
     if not gpus:
-        why = _field(info, "error", "reason", "note")
-        return Check("GPUs", "info", "no GPU visible (CPU-only: gloo transfers, CPU checkpoints)" + (f"; {why}" if why else ""))
+        return Check("GPUs", "info", "no GPU visible through NVML (CPU-only host, no driver, or no nvidia-ml-py): "
+                     "checkpoints travel over gloo from CPU memory")
     parts = []
     for g in gpus:
-        name = _field(g, "name", "model") or "GPU"
-        mem = _field(g, "memory_total_bytes", "memory_bytes", "total_memory", "memory_total")
-        mem_s = f", {_gb(mem)}" if isinstance(mem, (int, float)) and mem > 1 << 20 else ""
-        gen = _field(g, "pcie_gen", "pcie_generation")
-        width = _field(g, "pcie_width", "pcie_link_width")
-        pcie = f", PCIe gen{gen} x{width}" if gen else ""
-        parts.append(f"{name}{mem_s}{pcie}")
-    return Check("GPUs", "pass", f"{len(gpus)}: " + "; ".join(parts))
+        name = _field(g, "name") or "GPU"
+        mem = _field(g, "memory_total_bytes")
+        mem_s = f", {_gb(mem)}" if isinstance(mem, (int, float)) else ""
+        gen = _field(g, "pcie_gen_max", "pcie_gen")
+        width = _field(g, "pcie_width_max", "pcie_width")
+        gbps = _field(g, "pcie_link_gbps")
+        pcie = f", PCIe gen{gen} x{width}" if gen and width else ""
+        pcie += f" (~{gbps:g} GB/s per direction)" if isinstance(gbps, (int, float)) else ""
+        parts.append(f"[{_field(g, 'index')}] {name}{mem_s}{pcie}")
+    driver = _field(gpus[0], "driver_version")
+    return Check("GPUs", "pass", f"{len(gpus)} GPU(s): " + "; ".join(parts) + (f"; driver {driver}" if driver else ""))
 
 
 def _torch_check() -> Check:
@@ -938,28 +941,43 @@ def _torch_check() -> Check:
                  "pip install 'torch>=2.7,<2.15'")
 
 
-def _ext_check() -> Check:
+def _ext_cached(mod: Any) -> bool | None:
+    """Whether a build of the extension for this machine is already in its cache (None: cannot tell)."""
+    loader = getattr(mod, "_LOADER", None)
+    if loader is None or not hasattr(loader, "build_dir"):
+        return None
+    try:
+        import torch  # noqa: PLC0415
+
+        variants = [True, False] if torch.cuda.is_available() else [False]
+        return any((loader.build_dir(cuda) / "BUILD_OK.json").is_file() for cuda in variants)
+    except Exception:  # noqa: BLE001 - sources missing, unreadable cache: cannot tell
+        return None
+
+
+def _ext_check(build: bool = False) -> Check:
+    """The C++/CUDA extension: loaded / loadable from the cache; built only when ``build`` (it takes a while)."""
     mod = _optional("gemini_dcp.ext")
     if mod is None:
         return Check("extension", "warn", "gemini_dcp.ext is not in this build; pure-Python fallbacks are used "
                      "(crc32c via the crc32c package)")
+    loader = getattr(mod, "_LOADER", None)
+    already = bool(getattr(loader, "done", False))
+    disabled = os.environ.get("GEMINI_DCP_EXT", "").strip().lower() in ("0", "off", "false", "no", "never")
+    if not (already or build or disabled) and _ext_cached(mod) is False:
+        cache = getattr(mod, "cache_root", lambda: "its cache")()
+        return Check("extension", "warn", f"gemini_dcp.ext is not built on this machine yet (cache {cache}); the first "
+                     "save that needs it builds it once (about 15 s on 2 cores)",
+                     "gemini-dcp doctor --build-ext builds and checks it now")
     try:
-        loaded = bool(mod.load()) if hasattr(mod, "load") else False
-    except Exception as exc:  # noqa: BLE001
-        return Check("extension", "warn", f"gemini_dcp.ext failed to load: {type(exc).__name__}: {exc}; fallbacks are used")
-    status = None
-    for name in ("status", "info", "describe"):
-        fn = getattr(mod, name, None)
-        if callable(fn):
-            try:
-                status = fn()
-            except Exception:  # noqa: BLE001
-                status = None
-            break
-    text = "" if status is None else f": {status}"
+        loaded = bool(mod.load())
+    except Exception as exc:  # noqa: BLE001 - GEMINI_DCP_EXT=1 and the build failed, or similar
+        return Check("extension", "fail" if build else "warn", f"gemini_dcp.ext failed to load: {type(exc).__name__}: {exc}",
+                     "install a C++ compiler (g++), or set GEMINI_DCP_EXT=0 to use the fallbacks")
+    status = mod.status() if callable(getattr(mod, "status", None)) else ""
     if loaded:
-        return Check("extension", "pass", f"gemini_dcp.ext loaded{text}")
-    return Check("extension", "warn", f"gemini_dcp.ext not built or not loadable{text}; pure-Python fallbacks are used")
+        return Check("extension", "pass", f"gemini_dcp.ext: {status}")
+    return Check("extension", "warn", f"gemini_dcp.ext not loaded ({status}); pure-Python fallbacks are used")
 
 
 # ---- plan -----------------------------------------------------------------------------------------

@@ -27,7 +27,10 @@ if [ "${GEMINI_DCP_SKIP_TORCHREC:-0}" != "1" ] && ! have torchrec; then
     echo "install.sh: no known-good torchrec for torch $TORCH_MINOR; torchrec tests will be skipped" >&2
   fi
 fi
-if ! have gemini-dcp || ! have pytest-timeout || ! have moto; then
+# (Re)install editable when missing, or when installed from another checkout than this one.
+HERE=$(pwd -P)
+FROM=$(cd / && "$PY" -c 'import gemini_dcp, os; print(os.path.dirname(os.path.dirname(os.path.realpath(gemini_dcp.__file__))))' 2>/dev/null || true)
+if [ "$FROM" != "$HERE" ] || ! have pytest-timeout || ! have moto; then
   pipi -e ".[test]"
 fi
 "$PY" -c 'import gemini_dcp, torch; print(f"gemini_dcp {gemini_dcp.__version__} on torch {torch.__version__}")'

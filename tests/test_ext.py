@@ -92,7 +92,7 @@ def test_crc32c_known_answer(impl: str) -> None:
     assert ext.crc32c(torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)) == 0xE3069283
 
 
-@pytest.mark.parametrize("path", ["auto", "crc32", "blocks"])
+@pytest.mark.parametrize("path", ["auto", "crc32", "pclmul", "blocks"])
 def test_every_cpu_code_path_matches_package(built: bool, path: str) -> None:
     """x86 has three kernels: PCLMULQDQ folding (default on long buffers), the 3-way crc32
     instruction loop, and copy-blocks-then-CRC for the fused op; each must agree."""
