@@ -106,11 +106,15 @@ def guarded(fn: F) -> F:
         except (typer.Exit, typer.Abort):
             raise
         except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith("gemini_dcp"):
-                raise
-            _fail("MissingComponent",
-                  f"this command needs {exc.name}, which this installation of gemini-dcp lacks; "
-                  "install a complete release (pip install -U gemini-dcp).", as_json)
+            name = exc.name or str(exc)
+            if name.startswith("gemini_dcp"):
+                _fail("MissingComponent",
+                      f"this command needs {name}, which this installation of gemini-dcp lacks; "
+                      "install a complete release (pip install -U gemini-dcp).", as_json)
+            top = name.split(".", 1)[0]
+            _fail("MissingDependency",
+                  f"this command needs the Python module {top!r}, which is not installed in {sys.prefix}: install "
+                  f"gemini-dcp's dependencies (pip install -e . in the source tree, or pip install {top}).", as_json)
         except (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError) as exc:
             where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
             _fail(type(exc).__name__, f"{exc.strerror or exc}{where}", as_json)

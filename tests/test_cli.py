@@ -312,6 +312,7 @@ def test_doctor(saved_root: str, tmp_path: Path) -> None:
     if saved_root.startswith("/dev/shm/"):  # the container fix: a bigger /dev/shm
         assert "--shm-size" in fs["fix"] and "medium: Memory" in fs["fix"]
     assert "x 3 slots x 2 replicas" in fs["detail"]
+    assert checks["extension"]["status"] in ("pass", "warn")  # never builds without --build-ext
     res = cli("doctor", "--root", str(tmp_path / "missing"))
     assert res.exit_code == 1 and "FAIL" in res.output and "mkdir -p" in res.output, res.output
 
@@ -348,6 +349,11 @@ def test_plan_placement_and_probabilities() -> None:
     assert res.exit_code == 0 and "P(recover from memory)" in res.output
     assert_user_error(cli("plan", "--nodes", "2", "--replicas", "3"), "replicas=3")
     assert_user_error(cli("plan", "--nodes", "5", "--replicas", "2", "--strategy", "group"), "divide")
+
+
+def test_missing_component_is_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gemini_dcp.placement", None)  # as if this install lacked the module
+    assert_user_error(cli("plan", "--nodes", "4", "--replicas", "2"), "gemini_dcp.placement", "lacks")
 
 
 @pytest.mark.skipif(not (has_module("gemini_dcp.placement") and has_module("gemini_dcp.costmodel")),
