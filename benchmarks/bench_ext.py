@@ -105,6 +105,29 @@ def bench_cpu(mib: int, rounds: int) -> dict[str, Any]:
             "ext_copy_with_crc32c_1thread": lambda: ext.copy_with_crc32c(dst, src, num_threads=1),
             "ext_crc32c": lambda: ext.crc32c(src),
         })
+        ops = torch.ops.gemini_dcp
+
+        def with_path(path: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                ops.crc32c_path("auto")
+                ops.crc32c_path(path)
+                try:
+                    return fn()
+                finally:
+                    ops.crc32c_path("auto")
+            return run
+
+        # the x86 kernels side by side (test knob): one-pass PCLMUL copy+fold, copy
+        # blocks then CRC with each CRC kernel; and the CRC kernels alone
+        for path, label in (("pclmul", "onepass_pclmul"), ("blocks", "blocks_calibrated"), ("crc32", "blocks_crc32")):
+            methods[f"ext_copy_with_crc32c_1thread_{label}"] = with_path(
+                path, lambda: ext.copy_with_crc32c(dst, src, num_threads=1))
+        methods["ext_crc32c_pclmul"] = with_path("pclmul", lambda: ext.crc32c(src))
+        methods["ext_crc32c_crc32_3way"] = with_path("crc32", lambda: ext.crc32c(src))
+        nt = torch.get_num_threads()
+        if nt > 4:  # the default caps at 4 threads; show what all of torch's threads give
+            methods[f"ext_copy_bytes_{nt}threads"] = lambda: ext.copy_bytes(dst, src, num_threads=nt)
+            methods[f"ext_copy_with_crc32c_{nt}threads"] = lambda: ext.copy_with_crc32c(dst, src, num_threads=nt)
     res = _run_rounds(methods, n, rounds)
     if have:
         assert ext.copy_with_crc32c(dst, src) == crc32c_pkg.crc32c(mv_src)
@@ -229,12 +252,22 @@ def bench_gpu(mib: int, rounds: int) -> dict[str, Any]:
 
 def _print(section: str, r: dict[str, Any]) -> None:
     print(f"\n== {section}: {r['bytes'] / MiB:.0f} MiB ==")
-    print(f"{'method':40s} {'GB/s':>8s} {'best':>8s} {'GB/s/cpu-s':>11s}")
+    print(f"{'method':48s} {'GB/s':>8s} {'best':>8s} {'GB/s/cpu-s':>11s}")
     for k, v in r["methods"].items():
         pc = v["gbps_per_cpu_second"]
-        print(f"{k:40s} {v['gbps']:8.2f} {v['best_gbps']:8.2f} {pc if pc is None else round(pc, 2)!s:>11s}")
+        print(f"{k:48s} {v['gbps']:8.2f} {v['best_gbps']:8.2f} {pc if pc is None else round(pc, 2)!s:>11s}")
     for k, v in r.get("ratios", {}).items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def main() -> None:
@@ -257,6 +290,7 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
         "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "ext": ext.info(),
         "ext_load_seconds": load_s,
