@@ -10,6 +10,7 @@ stdout as ``{"ok": false, "error": ..., "message": ...}``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -20,11 +21,9 @@ from typing import Annotated, Any, Callable, Optional, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from .render import (
     bytes_h,
-    node_legend,
     progress_bar,
     render_doctor,
     render_gc,
@@ -274,7 +273,8 @@ def export_cmd(
     from gemini_dcp.export import export_safetensors
 
     out_dir = os.path.abspath(os.path.expanduser(to))
-    with _err().status(f"exporting step {step}", spinner="dots") if not as_json else _nullctx():
+    spinner = _err().status(f"exporting step {step}", spinner="dots") if not as_json else contextlib.nullcontext()
+    with spinner:
         path = export_safetensors(step, out_dir, root=root, job_id=job, persistent=persistent, prefix=prefix,
                                   max_shard_bytes=int(max_shard_gb * (1 << 30)))
     files = sorted(f for f in _walk_files(os.path.dirname(os.fspath(path)))
@@ -296,14 +296,6 @@ def _walk_files(path: Any) -> list[str]:
     for d, _, names in os.walk(p):
         out.extend(os.path.join(d, n) for n in names)
     return out
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # ---- plan --------------------------------------------------------------------------------------------
@@ -451,8 +443,6 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``gemini-dcp``)."""
     app(args=argv, prog_name="gemini-dcp")
 
-
-_ = (Table, node_legend, sys)  # re-exported for render helpers / tests
 
 if __name__ == "__main__":
     main()
