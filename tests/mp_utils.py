@@ -45,16 +45,20 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, roots: list[str],
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, roots: list[str] | str, timeout: float = 240, **kw: Any) -> list[Any]:
+def _start(fn: Callable[..., Any], world_size: int, roots: list[str] | str, out_dir: str, kw: dict[str, Any]) -> Any:
     if isinstance(roots, str):
         roots = [roots] * world_size
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _entry, args=(fn, world_size, list(roots), free_port(), out_dir, kw), nprocs=world_size,
-            join=False, start_method="spawn",
-        )
-        import time
+    return mp.start_processes(
+        _entry, args=(fn, world_size, list(roots), free_port(), out_dir, kw), nprocs=world_size,
+        join=False, start_method="spawn",
+    )
 
+
+def run_ranks(fn: Callable[..., Any], world_size: int, roots: list[str] | str, timeout: float = 240, **kw: Any) -> list[Any]:
+    import time
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = _start(fn, world_size, roots, out_dir, kw)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
@@ -77,13 +81,8 @@ def run_until_death(fn: Callable[..., Any], world_size: int, roots: list[str] | 
     """
     import time
 
-    if isinstance(roots, str):
-        roots = [roots] * world_size
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _entry, args=(fn, world_size, list(roots), free_port(), out_dir, kw), nprocs=world_size,
-            join=False, start_method="spawn",
-        )
+        ctx = _start(fn, world_size, roots, out_dir, kw)
         deadline = time.monotonic() + timeout
         while all(p.is_alive() for p in ctx.processes):
             if time.monotonic() > deadline:
