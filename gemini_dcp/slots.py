@@ -132,18 +132,26 @@ class SlotFile:
 
 
 class ReadOnlySlot:
-    """A slot file mapped read-only (zero copy) for loading."""
+    """A slot file mapped read-only (zero copy) for loading.
+
+    Only the pages a caller views are populated: each :meth:`view` asks the kernel
+    to map its range up front (``madvise(MADV_POPULATE_READ)``, Linux >= 5.14), so a
+    rank that reads a few small items from another rank's slot (DCP's dedup may put
+    replicated tensors in any rank's slot) does not pay for the page tables of the
+    whole file (~0.05 s per GiB here, the same cost as ``MAP_POPULATE`` of all of it).
+    On kernels without it the whole file is mapped with ``MAP_POPULATE`` as before.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         fd = os.open(path, os.O_RDONLY)
         try:
             self.size = os.fstat(fd).st_size
-            self._mm = (
-                mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
-                if self.size
-                else None
-            )
+            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if self.size else None
+            self._lazy = self._mm is not None and _populate(self._mm, 0, 1)
+            if self._mm is not None and not self._lazy:
+                self._mm.close()
+                self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         self.tensor = _as_tensor(self._mm, self.size) if self._mm is not None else torch.empty(0, dtype=torch.uint8)
@@ -151,4 +159,19 @@ class ReadOnlySlot:
     def view(self, offset: int, length: int) -> torch.Tensor:
         if offset + length > self.size:
             raise ValueError(f"{self.path}: range {offset}+{length} beyond file size {self.size}")
+        if self._lazy and length:
+            _populate(self._mm, offset, length)  # type: ignore[arg-type]
         return self.tensor[offset : offset + length]
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; Python exposes it from 3.13 only
+
+
+def _populate(mm: mmap.mmap, offset: int, length: int) -> bool:
+    """Map the pages of ``[offset, offset + length)`` now (read faults in one call); False if unsupported."""
+    start = offset - offset % mmap.PAGESIZE
+    try:
+        mm.madvise(_MADV_POPULATE_READ, start, offset + length - start)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True
