@@ -445,7 +445,7 @@ def plot(s: dict[str, Any], path: Path) -> None:
         hlines=[(SAVE_TARGET * (f["stock_save"]["gbps"] or 0), f"save target: {SAVE_TARGET:g}x FileSystemWriter"),
                 (LOAD_TARGET * (f["stock_load"]["gbps"] or 0), f"load target: {LOAD_TARGET:g}x FileSystemReader")],
         title=f"Local tier, {s['state_bytes'] / GIB:.1f} GiB over 2 gloo ranks (1 thread each), /dev/shm — median GB/s"
-              f"\n(load avg {s['machine'].get('loadavg_before')}, cpu pressure {s['machine'].get('cpu_pressure_before')}%)",
+              f"\n(CPU pressure during the run: {s['machine'].get('cpu_pressure_during_run_pct')}% of the time a task waited for a core)",
     )
 
 
@@ -481,15 +481,19 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         load_before = common.loadavg()
         pressure_before = common.cpu_pressure()
+        psi_total = common.cpu_pressure_total()
         results = common.spawn(worker, 2, total_bytes=total, rounds=args.rounds, keep=args.keep,
                                scratch=str(scratch), stock_threads=args.stock_threads)
         s = summarize(results, args)
         s["wall_s"] = time.time() - t0
         s["machine"]["loadavg_before"] = load_before
         s["machine"]["cpu_pressure_before"] = pressure_before
+        s["machine"]["cpu_pressure_during_run_pct"] = common.pressure_during(psi_total, s["wall_s"])
     finally:
         common.remove_dir(scratch)
     report(s)
+    print(f"  CPU pressure during the run: {s['machine'].get('cpu_pressure_during_run_pct')}% "
+          f"(share of the time some task on the machine waited for a core)")
     if args.markdown:
         print(markdown(s))
     if args.json:

@@ -394,7 +394,7 @@ def plot(s: dict[str, Any], path: Path) -> None:
         errors=[f[o].get("gbps_range") for o in order], annotate=notes,
         hlines=[(TARGET * raw_swap, "80% of raw swap"), (TARGET * raw_one, "80% of raw one-way")],
         title=f"Peer tier, {s['payload_bytes_per_rank'] / GIB:.2f} GiB per node, 2 simulated nodes, gloo loopback — GB/s per node"
-              f"\n(load avg {s['machine'].get('loadavg_before')}, cpu pressure {s['machine'].get('cpu_pressure_before')}%)",
+              f"\n(CPU pressure during the run: {s['machine'].get('cpu_pressure_during_run_pct')}% of the time a task waited for a core)",
     )
     if s["restores"]:
         timeline_plot(s["restores"][0], path.with_name(path.stem + "_timeline" + path.suffix))
@@ -466,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         load_before = common.loadavg()
         pressure_before = common.cpu_pressure()
+        psi_total = common.cpu_pressure_total()
         save = common.spawn(save_worker, 2, total_bytes=total, rounds=args.rounds, keep=args.keep, roots=[str(r) for r in roots])
         restores = []
         for _ in range(args.restores):
@@ -476,9 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         s["wall_s"] = time.time() - t0
         s["machine"]["loadavg_before"] = load_before
         s["machine"]["cpu_pressure_before"] = pressure_before
+        s["machine"]["cpu_pressure_during_run_pct"] = common.pressure_during(psi_total, s["wall_s"])
     finally:
         common.remove_dir(scratch)
     report(s)
+    print(f"  CPU pressure during the run: {s['machine'].get('cpu_pressure_during_run_pct')}% "
+          f"(share of the time some task on the machine waited for a core)")
     if args.markdown:
         print(markdown(s))
     if args.json:

@@ -353,6 +353,23 @@ def cpu_pressure() -> float | None:
     return None
 
 
+def cpu_pressure_total() -> float | None:
+    """``some total`` of /proc/pressure/cpu: cumulative µs in which a runnable task waited for a core."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(dict(kv.split("=") for kv in line.split()[1:])["total"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+def pressure_during(total_before: float | None, wall_s: float) -> float | None:
+    """% of the run's wall time in which some runnable task on the machine waited for a core."""
+    after = cpu_pressure_total()
+    if total_before is None or after is None or wall_s <= 0:
+        return None
+    return round((after - total_before) / 1e6 / wall_s * 100, 1)
+
+
 def wait_quiet(max_s: float, threshold: float = 10.0) -> float | None:
     """Wait (up to ``max_s``) until CPU pressure ``some avg10`` drops below ``threshold`` %; returns it."""
     deadline = time.monotonic() + max_s
