@@ -70,6 +70,9 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--persist-every", type=int, default=10, help="drain every K-th step to --persistent")
     c.add_argument("--stock-dir", default=None, help="directory of the stock DCP checkpoints (--ckpt-backend stock)")
     c.add_argument("--stock-keep", type=int, default=2)
+    c.add_argument("--stock-drop-cache", action="store_true",
+                   help="evict the stock checkpoint files from the page cache after each save, so a restore reads "
+                        "them from the device (as from remote storage or on a replaced machine), not from RAM")
     c.add_argument("--no-resume", action="store_true", help="do not look for a checkpoint on start")
     c.add_argument("--cleanup", action="store_true", help="delete this job's memory-tier files after the last step")
     f = p.add_argument_group("failure injection (first attempt only: $TORCHELASTIC_RESTART_COUNT == 0)")
@@ -265,7 +268,10 @@ def save_planner() -> Any:
     change between steps, so after the first save the plans are not exchanged again."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    return DefaultSavePlanner(enable_plan_caching=True)
+    try:
+        return DefaultSavePlanner(enable_plan_caching=True)
+    except TypeError:  # torch without plan caching
+        return DefaultSavePlanner()
 
 
 class Checkpointer:
@@ -321,11 +327,15 @@ class GeminiCheckpointer(Checkpointer):
         from gemini_dcp import CheckpointNotFoundError, GeminiStorageReader, find_gemini_error
 
         t0 = time.perf_counter()
-        if self.args.persistent is None and not _any_rank_true(bool(self.writer.tier.steps())):
-            # Nothing in any node's memory and no persistent tier: skip dcp.load, whose
-            # "no checkpoint" failure torch logs with a traceback on every rank.
-            ctx.log("no checkpoint of this job in any tier: starting from scratch")
-            return None
+        # Nothing in any node's memory nor in the persistent tier: skip dcp.load, whose "no
+        # checkpoint" failure torch logs with a traceback on every rank (and torch < 2.13
+        # reduces to a bare "metadata is None", without our error).
+        if not _any_rank_true(bool(self.writer.tier.steps())):
+            persisted = self.writer.persistent is not None and _any_rank_true(
+                ctx.rank == 0 and bool(self.writer.persistent.committed_steps()))
+            if not persisted:
+                ctx.log("no checkpoint of this job in any tier: starting from scratch")
+                return None
         reader = GeminiStorageReader(root=self.args.root, job_id=self.args.job_id, persistent=self.args.persistent)
         try:
             dcp.load({"app": app}, storage_reader=reader)
@@ -377,6 +387,7 @@ class StockCheckpointer(Checkpointer):
         self.dir = Path(args.stock_dir)
         self.every = args.ckpt_every
         self.keep = args.stock_keep
+        self.drop_cache = args.stock_drop_cache
 
     def _steps(self) -> list[int]:
         out = []
@@ -391,6 +402,8 @@ class StockCheckpointer(Checkpointer):
 
         path = self.dir / f"step-{step}"
         dcp.save({"app": app}, storage_writer=FileSystemWriter(str(path), sync_files=True), planner=save_planner())
+        if self.drop_cache:
+            drop_page_cache(path)
         if dist.get_rank() == 0:
             for old in self._steps()[:-self.keep]:
                 shutil.rmtree(self.dir / f"step-{old}", ignore_errors=True)
@@ -411,6 +424,23 @@ class StockCheckpointer(Checkpointer):
         dcp.load({"app": app}, storage_reader=FileSystemReader(str(path)))
         nbytes = sum(f.stat().st_size for f in path.glob("*.distcp"))
         return ResumeInfo(step=step, seconds=time.perf_counter() - t0, tiers={"disk": nbytes})
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict the (already fsync'ed, so clean) pages of every file under ``path`` from the page cache."""
+    for f in [path] if path.is_file() else path.rglob("*"):
+        if not f.is_file():
+            continue
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as e:  # advisory only: the restore then reads from RAM, and says so
+            print(f"drop_page_cache: {f}: {e}", file=sys.stderr)
+        finally:
+            os.close(fd)
 
 
 def make_checkpointer(args: argparse.Namespace) -> Checkpointer:
