@@ -17,7 +17,7 @@ ENV_NODE_ID = "GEMINI_DCP_NODE_ID"
 DEFAULT_KEEP = 2
 
 PlacementStrategy = Literal["mixed", "group", "ring"]
-ChecksumAlgo = Literal["xxh3", "crc32c"]
+ChecksumAlgo = Literal["auto", "xxh3", "crc32c"]
 OnPeerFailure = Literal["raise", "degrade"]
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -82,7 +82,7 @@ class TierOptions:
     keep: int = DEFAULT_KEEP
     replicas: int = 1
     placement: PlacementStrategy = "mixed"
-    checksum: ChecksumAlgo = "xxh3"
+    checksum: ChecksumAlgo = "auto"
     capacity_bytes: int | None = None
     timeout_s: float = 300.0
     on_peer_failure: OnPeerFailure = "raise"
@@ -97,8 +97,11 @@ class TierOptions:
             )
         if self.placement not in ("mixed", "group", "ring"):
             raise ConfigError(f"placement={self.placement!r}: choose 'mixed' (default), 'group' or 'ring'.")
-        if self.checksum not in ("xxh3", "crc32c"):
-            raise ConfigError(f"checksum={self.checksum!r}: choose 'xxh3' (default) or 'crc32c'.")
+        if self.checksum not in ("auto", "xxh3", "crc32c"):
+            raise ConfigError(
+                f"checksum={self.checksum!r}: choose 'auto' (default: crc32c when the C++ extension is "
+                "built, else xxh3), 'xxh3' or 'crc32c'."
+            )
         if self.capacity_bytes is not None and (not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0):
             raise ConfigError(f"capacity_bytes={self.capacity_bytes!r}: give a positive byte budget or None.")
         if not (self.timeout_s > 0):

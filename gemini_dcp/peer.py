@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -142,7 +143,7 @@ def _verify_items(slot: Any, results: tuple[Any, ...]) -> list[str]:
 
 
 # ---- restore side ----------------------------------------------------------------------------
-def _refs_by_key(record: StepRecord) -> dict["ItemKey", ShardRef]:
+def refs_by_key(record: StepRecord) -> dict["ItemKey", ShardRef]:
     return {(ref.rank, ref.offset): ref for ref in record.metadata.storage_data.values()}
 
 
@@ -160,7 +161,7 @@ def assign_sources(
     a holder node not in ``exclude``; chunks with no holder left go to ``"none"``.
     """
     node_of = {r: n for n, rs in decision.node_ranks.items() for r in rs}
-    refs = _refs_by_key(record)
+    refs = refs_by_key(record)
     load: dict[int, int] = {}
     routes: list[dict[str, Any]] = [{"recv": {}, "serve": [], "none": []} for _ in needs]
     for requester, keys in enumerate(needs):
@@ -187,6 +188,90 @@ def assign_sources(
     return routes
 
 
+@dataclass
+class Inflight:
+    """One round of posted peer transfers (see :func:`start_transfer`)."""
+
+    sends: list[Any] = field(default_factory=list)
+    # (key, server, landing buffer, work or None, (item, dest) when received in place)
+    recvs: list[tuple["ItemKey", int, torch.Tensor, Any, tuple[ReadItem, torch.Tensor] | None]] = field(default_factory=list)
+
+
+def _landing(
+    by_key: dict["ItemKey", list[ReadItem]], key: "ItemKey", ref: ShardRef, planner: LoadPlanner
+) -> tuple[torch.Tensor, tuple[ReadItem, torch.Tensor] | None]:
+    """Where a received chunk lands: straight in its destination tensor when one read item covers it whole.
+
+    The same-sharding restore (the common case) then needs no staging buffer and
+    no second copy: the bytes are verified in place and committed, or re-fetched
+    into the same place on a checksum mismatch.
+    """
+    from .reader import _whole_item  # noqa: PLC0415
+
+    item = _whole_item(by_key[key], ref)
+    if item is not None:
+        dest = planner.resolve_tensor(item).detach()
+        dst_bytes = as_bytes(dest)
+        if dst_bytes is not None and dst_bytes.numel() == ref.length:
+            return dst_bytes, (item, dest)
+    return torch.empty(ref.length, dtype=torch.uint8), None
+
+
+def start_transfer(
+    reader: "GeminiStorageReader",
+    comm: Comm,
+    route: dict[str, Any],
+    by_key: dict["ItemKey", list[ReadItem]],
+    planner: LoadPlanner,
+    refs: dict["ItemKey", ShardRef],
+) -> Inflight:
+    """Post one round of sends and receives (non-blocking); :func:`finish_transfer` completes it.
+
+    Sends are posted first so that a serving rank feeds its requesters while it
+    restores its own shards.
+    """
+    out = Inflight()
+    for requester, key in sorted(route.get("serve", ())):
+        ref = refs[key]
+        if ref.length == 0:
+            continue
+        buf = reader._local_bytes(ref)
+        if buf is None:  # keep the protocol in step; the receiver's checksum will reject it
+            buf = torch.zeros(ref.length, dtype=torch.uint8)
+        out.sends.append(dist.isend(buf, dst=comm.global_rank(requester), group=comm.group))
+    for key, server in sorted(route.get("recv", {}).items()):
+        ref = refs[key]
+        buf, direct = _landing(by_key, key, ref, planner)
+        work = dist.irecv(buf, src=comm.global_rank(server), group=comm.group) if ref.length else None
+        out.recvs.append((key, server, buf, work, direct))
+    return out
+
+
+def finish_transfer(
+    reader: "GeminiStorageReader",
+    inflight: Inflight,
+    by_key: dict["ItemKey", list[ReadItem]],
+    planner: LoadPlanner,
+    refs: dict["ItemKey", ShardRef],
+) -> dict["ItemKey", bool]:
+    """Wait for each received chunk in turn, verifying and applying it as it arrives; key -> ok."""
+    ok: dict["ItemKey", bool] = {}
+    for key, _server, buf, work, direct in inflight.recvs:
+        if work is not None:
+            work.wait()
+        ref = refs[key]
+        if direct is None:
+            ok[key] = reader._apply(by_key[key], ref, buf, planner)
+        elif checksum(buf, ref.algo) == ref.checksum:
+            planner.commit_tensor(*direct)
+            ok[key] = True
+        else:
+            ok[key] = False
+    for w in inflight.sends:
+        w.wait()
+    return ok
+
+
 def _transfer(
     reader: "GeminiStorageReader",
     comm: Comm,
@@ -196,28 +281,7 @@ def _transfer(
     refs: dict["ItemKey", ShardRef],
 ) -> dict["ItemKey", bool]:
     """Run one round of sends/receives; returns key -> verified-and-applied for received chunks."""
-    works: list[Any] = []
-    for requester, key in sorted(route["serve"]):
-        ref = refs[key]
-        if ref.length == 0:
-            continue
-        buf = reader._local_bytes(ref)
-        if buf is None:  # keep the protocol in step; the receiver's checksum will reject it
-            buf = torch.zeros(ref.length, dtype=torch.uint8)
-        works.append(dist.isend(buf, dst=comm.global_rank(requester), group=comm.group))
-    incoming: list[tuple["ItemKey", torch.Tensor]] = []
-    for key, server in sorted(route["recv"].items()):
-        ref = refs[key]
-        buf = torch.empty(ref.length, dtype=torch.uint8)
-        if ref.length:
-            works.append(dist.irecv(buf, src=comm.global_rank(server), group=comm.group))
-        incoming.append((key, buf))
-    for w in works:
-        w.wait()
-    ok: dict["ItemKey", bool] = {}
-    for key, buf in incoming:
-        ok[key] = reader._apply(by_key[key], refs[key], buf, planner)
-    return ok
+    return finish_transfer(reader, start_transfer(reader, comm, route, by_key, planner, refs), by_key, planner, refs)
 
 
 def fetch_remote(
@@ -229,17 +293,22 @@ def fetch_remote(
     routes: dict[str, Any],
     failed: dict["ItemKey", str],
     counts: dict[str, int],
+    first: Inflight | None = None,
 ) -> None:
     """Collective: receive the chunks routed to peers, then repair failures round by round.
 
+    ``first`` is the first round if the caller already posted it (with
+    :func:`start_transfer`, to overlap it with the local restore).
     Every rank runs the same number of rounds (driven by all-gathered failures).
     Chunks no memory copy can serve go to the persistent tier, else raise.
     """
     decision, record = reader._decision, reader._record
     assert decision is not None and record is not None
-    refs = _refs_by_key(record)
+    refs = refs_by_key(record)
     route = routes or {"recv": {}, "serve": []}
-    for key, ok in _transfer(reader, comm, route, by_key, planner, refs).items():
+    if first is None:
+        first = start_transfer(reader, comm, route, by_key, planner, refs)
+    for key, ok in finish_transfer(reader, first, by_key, planner, refs).items():
         if ok:
             counts["peer"] += refs[key].length
         else:

@@ -245,6 +245,12 @@ class GeminiStorageReader(StorageReader):
         routes = plan.storage_data if isinstance(plan.storage_data, dict) else {}
         remote: set[ItemKey] = set(routes.get("recv", {}))
         failed: dict[ItemKey, str] = {}
+        from .peer import fetch_remote, refs_by_key, start_transfer  # noqa: PLC0415
+
+        # Post the peer sends and receives first: gloo moves them while this rank
+        # restores its own chunks below (a serving rank feeds its requesters at once).
+        refs = refs_by_key(self._record)
+        first = start_transfer(self, comm, routes, by_key, planner, refs) if routes else None
         for key, items in by_key.items():
             if key in remote:
                 continue
@@ -258,9 +264,7 @@ class GeminiStorageReader(StorageReader):
             else:
                 failed[key] = "checksum"
                 log.warning("local copy of %s is corrupt; fetching another copy", _describe(items[0], ref, self._record.step))
-        from .peer import fetch_remote  # noqa: PLC0415
-
-        fetch_remote(self, comm, plan, planner, by_key, routes, failed, counts)
+        fetch_remote(self, comm, plan, planner, by_key, routes, failed, counts, first)
 
     def _apply(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor, planner: LoadPlanner) -> bool:
         """Verify ``buf`` against ``ref`` and copy it into every destination; False on checksum mismatch."""

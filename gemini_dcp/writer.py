@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from .checksum import BLOCK_BYTES, as_bytes, checksum, copy_and_checksum
+from .checksum import BLOCK_BYTES, as_bytes, checksum, copy_and_checksum, resolve_algo
 from .comm import Comm, get_comm
 from .config import TierOptions, parse_step, resolve_node_id
 from .errors import ConfigError, InvalidStepError, TierFullError
@@ -69,7 +69,8 @@ class GeminiStorageWriter(StorageWriter):
         replicas: copies of each node's shards in CPU memory, the node's own included
             (1 = local only; 2 = one peer copy).
         placement: peer placement strategy: ``"mixed"`` (default), ``"group"`` or ``"ring"``.
-        checksum: ``"xxh3"`` (default) or ``"crc32c"``.
+        checksum: ``"auto"`` (default: ``"crc32c"`` through the C++ extension's fused
+            multi-threaded copy+CRC when it is built, else ``"xxh3"``), ``"xxh3"`` or ``"crc32c"``.
         capacity_bytes: optional budget for this job's slots on this node.
         timeout_s: timeout of checkpoint collectives and peer transfers.
         on_peer_failure: ``"raise"`` (default) fails the save when a peer copy
@@ -87,7 +88,7 @@ class GeminiStorageWriter(StorageWriter):
         keep: int = 2,
         replicas: int = 1,
         placement: str = "mixed",
-        checksum: str = "xxh3",
+        checksum: str = "auto",
         capacity_bytes: int | None = None,
         timeout_s: float = 300.0,
         on_peer_failure: str = "raise",
@@ -107,6 +108,7 @@ class GeminiStorageWriter(StorageWriter):
             timeout_s=timeout_s,
             on_peer_failure=on_peer_failure,  # type: ignore[arg-type]
         )
+        self._algo = resolve_algo(self.options.checksum)
         self.tier = LocalTier(root, job_id)
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
@@ -300,7 +302,7 @@ class GeminiStorageWriter(StorageWriter):
     def _write_local(
         self, plan: SavePlan, planner: SavePlanner, step: int, rank: int
     ) -> tuple[int, SlotFile, tuple[WriteResult, ...], int]:
-        algo = self.options.checksum
+        algo = self._algo
         entries: list[tuple[WriteItem, torch.Tensor, str | None, tuple[int, ...] | None]] = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:

@@ -33,4 +33,9 @@ FROM=$(cd / && "$PY" -c 'import gemini_dcp, os; print(os.path.dirname(os.path.di
 if [ "$FROM" != "$HERE" ] || ! have pytest-timeout || ! have moto; then
   pipi -e ".[test]"
 fi
+# Build the C++ extension now (cached per machine) rather than in the first save of a job;
+# GEMINI_DCP_EXT=0 skips it (pure-torch fallbacks), GEMINI_DCP_CUDA_EXT=0|1 skips/forces the CUDA ops.
+if [ "${GEMINI_DCP_EXT:-auto}" != "0" ]; then
+  (cd / && "$PY" -c 'from gemini_dcp import ext; ext.load(); print("gemini_dcp.ext:", ext.status())')
+fi
 "$PY" -c 'import gemini_dcp, torch; print(f"gemini_dcp {gemini_dcp.__version__} on torch {torch.__version__}")'
