@@ -86,6 +86,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     from gemini_dcp.snapshot import AsyncCheckpointer, AsyncGeminiStorageWriter, InterleaveOptions, checkpoint_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"

@@ -10,6 +10,7 @@ records.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from .records import StepRecord, read_record, write_record
 
 log = logging.getLogger(__name__)
 
+_MAX_DECODED = 16  # decoded records kept per LocalTier (newest steps)
+
 
 class LocalTier:
     """One job's files in one node's tier root."""
@@ -29,6 +32,7 @@ class LocalTier:
         self.root = check_root(resolve_root(root), explicit=explicit)
         self.job_id = resolve_job_id(job_id)
         self.layout = JobLayout(self.root, self.job_id)
+        self._decoded: dict[int, tuple[tuple[int, int, int, int], StepRecord]] = {}
         if create:
             self.layout.create()
 
@@ -41,12 +45,26 @@ class LocalTier:
         """The record of ``step`` on this node; None if absent or corrupt (logged)."""
         path = self.layout.record_path(step)
         try:
-            return read_record(path)
+            st = os.stat(path)
+            ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+            hit = self._decoded.get(step)
+            if hit is not None and hit[0] == ident:
+                return hit[1]
+            rec = read_record(path)
         except FileNotFoundError:
+            self._decoded.pop(step, None)
             return None
         except (ChecksumMismatchError, EOFError, ValueError, TypeError, AttributeError) as exc:
             log.warning("ignoring unreadable step record %s: %s", path, exc)
             return None
+        # Records are only ever replaced by rename (a new inode), so the file's identity
+        # says whether the decoded copy is current; a save reads 4+ records, and decoding
+        # one (unpickling the DCP metadata) costs milliseconds.
+        self._decoded[step] = (ident, rec)
+        if len(self._decoded) > _MAX_DECODED:
+            for old in sorted(self._decoded)[: len(self._decoded) - _MAX_DECODED]:
+                del self._decoded[old]
+        return rec
 
     def records(self) -> dict[int, StepRecord]:
         out: dict[int, StepRecord] = {}
@@ -58,7 +76,10 @@ class LocalTier:
 
     def write_record(self, record: StepRecord) -> None:
         self.layout.create()
-        write_record(self.layout.record_path(record.step), record)
+        path = self.layout.record_path(record.step)
+        write_record(path, record)
+        st = os.stat(path)
+        self._decoded[record.step] = ((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size), record)
 
     def delete_record(self, step: int) -> bool:
         return remove_quietly(self.layout.record_path(step))
@@ -132,8 +153,6 @@ class LocalTier:
 
 
 def _env_root_set() -> bool:
-    import os
-
     from .config import ENV_ROOT
 
     return bool(os.environ.get(ENV_ROOT))
