@@ -66,6 +66,9 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--job-id", default=None, help="gemini job id (default $TORCHELASTIC_RUN_ID)")
     c.add_argument("--replicas", type=int, default=1, help="copies in CPU memory, the node's own included (2: one peer copy)")
     c.add_argument("--keep", type=int, default=2, help="committed steps kept in memory")
+    c.add_argument("--async-ckpt", action="store_true",
+                   help="gemini: save through gemini_dcp.snapshot.AsyncCheckpointer (the copy runs during the next "
+                        "forward/backward; only the next optimizer step waits for it) instead of a blocking dcp.save")
     c.add_argument("--persistent", default=None, help="fsspec URL of the persistent tier (gemini backend)")
     c.add_argument("--persist-every", type=int, default=10, help="drain every K-th step to --persistent")
     c.add_argument("--stock-dir", default=None, help="directory of the stock DCP checkpoints (--ckpt-backend stock)")
@@ -282,12 +285,16 @@ class Checkpointer:
             return None
         t0 = time.perf_counter()
         self.save(step, app)
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 + self.deferred_blocking()
         ctx.events.emit("ckpt", step=step, seconds=dt)
         return dt
 
     def save(self, step: int, app: TrainState) -> None:
         raise NotImplementedError
+
+    def deferred_blocking(self) -> float:
+        """Seconds training waited for the previous checkpoint outside ``save`` (an async guard)."""
+        return 0.0
 
     def restore(self, app: TrainState, ctx: Ctx) -> ResumeInfo | None:
         raise NotImplementedError
@@ -319,9 +326,23 @@ class GeminiCheckpointer(Checkpointer):
             root=args.root, job_id=args.job_id, keep=args.keep, replicas=args.replicas,
             persistent=args.persistent, persist_every=args.persist_every,
         )
+        self.snapshots: Any = None  # AsyncCheckpointer with --async-ckpt
+        self._previous: Any = None
+        self._last: Any = None
 
     def save(self, step: int, app: TrainState) -> None:
-        dcp.save({"app": app}, storage_writer=self.writer, checkpoint_id=step, planner=save_planner())
+        if not self.args.async_ckpt:
+            dcp.save({"app": app}, storage_writer=self.writer, checkpoint_id=step, planner=save_planner())
+            return
+        if self.snapshots is None:  # collective (creates the checkpoint group): every rank saves this step
+            from gemini_dcp.snapshot import AsyncCheckpointer
+
+            self.snapshots = AsyncCheckpointer(self.writer, optimizer=app.optim, model=app.model)
+        self._previous, self._last = self._last, self.snapshots.save({"app": app}, step)
+
+    def deferred_blocking(self) -> float:
+        # The guard of the previous save ran inside this step's optimizer.step().
+        return self._previous.guard_wait_s if self._previous is not None else 0.0
 
     def restore(self, app: TrainState, ctx: Ctx) -> ResumeInfo | None:
         from gemini_dcp import CheckpointNotFoundError, GeminiStorageReader, find_gemini_error
@@ -352,6 +373,9 @@ class GeminiCheckpointer(Checkpointer):
                           tiers=dict(reader.restored_from), reader_seconds=reader.restore_seconds)
 
     def close(self, ctx: Ctx) -> None:
+        if self.snapshots is not None:  # waits for the last commit; raises a pending error
+            self.snapshots.close()
+            self.snapshots = None
         if not self.args.cleanup:
             return
         dist.barrier()
