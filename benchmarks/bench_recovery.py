@@ -276,7 +276,12 @@ def analyze(evs: list[dict[str, Any]], plan: Plan, calibrate: bool) -> dict[str,
     kills = [e["t"] for e in evs if e["ev"] == "kill"]
     t_kill = min(kills) if kills else math.inf
     before = [e for e in evs if e["t"] < t_kill]
-    iters = [e["seconds"] for e in before if e["ev"] == "step_done" and e["step"] > 1]
+    # Skip the warm-up: the first save creates and faults the tier's slots (with the async
+    # checkpointer, in the background during steps 2-3) and the interleave profiler learns.
+    done_steps = [(e["step"], e["seconds"]) for e in before if e["ev"] == "step_done"]
+    iters = [s for st, s in done_steps if st > 3]
+    if len(iters) < 3:
+        iters = [s for st, s in done_steps if st > 1]
     ck = sorted((e["step"], e["seconds"]) for e in before if e["ev"] == "ckpt")
     ckpts = [s for _, s in ck[1:]] or [s for _, s in ck]  # the first save sets up slots / files
     ck_bytes = None
@@ -463,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         print("== calibration: stock DCP checkpoint every step, no failure", flush=True)
         cal = bench.run(Plan("calibration", "stock", 1, 0, 5), calibrate=True)
         t_stock, t_iter = cal["ckpt_s"], cal["iter_s"]
-        bare = bench.run(Plan("calibration", "none", 0, 0, 6), calibrate=True)
+        bare = bench.run(Plan("calibration", "none", 0, 0, 7), calibrate=True)
         t_bare = bare["iter_s"]
         print(f"     iteration {t_iter:.3f} s ({t_bare:.3f} s with no checkpointing), stock checkpoint {t_stock:.3f} s",
               flush=True)
@@ -478,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                 m = max(3, math.ceil(20.0 / (pe * (t_iter + t_stock / 2))))
                 g_plan = Plan(sc, "gemini", pe, m * pe + pe // 2 + 1, m * pe + pe // 2 + 3, persist_every=pe)
             else:
-                g_plan = Plan(sc, "gemini", 1, 5, 7)
+                g_plan = Plan(sc, "gemini", 1, 8, 10)
             g = bench.run(g_plan)
             # gemini's cost per step: what training blocks for (the save call and, async, the
             # optimizer-step guard) plus the slowdown of the iteration itself (background copy).

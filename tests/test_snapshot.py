@@ -318,3 +318,25 @@ def test_dcp_async_save_with_gemini_stager_is_exact(trained: dict[str, Any]) -> 
     for rank_res in trained["load"]:
         for step, r in rank_res["dcp_async"].items():
             assert r["ok"], (step, r)
+
+
+def _plain_async_save(rank: int, world: int, root: str, *, job: str) -> list[int]:
+    """``dcp.async_save`` with a plain GeminiStorageWriter: DCP stages, our writer saves in DCP's thread."""
+    sd = {"w": torch.arange(4096, dtype=torch.float32), "step": 0}  # replicated: saved once, by rank 0
+    writer = GeminiStorageWriter(root=root, job_id=job)
+    for step in (1, 2, 3):
+        sd["w"].add_(1.0)
+        sd["step"] = step
+        fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=step)
+        fut.result(timeout=120)
+    out = {"w": torch.zeros(4096), "step": -1}
+    reader = GeminiStorageReader(root=root, job_id=job)
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["w"], sd["w"]) and out["step"] == 3
+    return [reader.restored_step, int(reader.restored_from["local"] > 0)]
+
+
+@pytest.mark.timeout(240)
+def test_plain_dcp_async_save_with_gemini_writer(root: str) -> None:
+    """The stock ``dcp.async_save`` path (DefaultStager) works with an unmodified writer, 2 gloo ranks."""
+    assert run_ranks(_plain_async_save, 2, root, job="plain-async") == [[3, 1], [3, 1]]
