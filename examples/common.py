@@ -26,6 +26,7 @@ and retrieval.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -365,6 +366,8 @@ class GeminiCheckpointer(Checkpointer):
             if isinstance(err, CheckpointNotFoundError) and not isinstance(err, _step_not_found()):
                 ctx.log("no checkpoint of this job in any tier: starting from scratch")
                 app.forget_optimizer_init()
+                del exc
+                gc.collect()  # the failed load's cycles hold process-group objects: collect them now
                 return None
             if err is not None:
                 raise err from exc

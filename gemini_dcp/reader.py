@@ -23,6 +23,7 @@ import io
 import logging
 import os
 import time
+import traceback
 from torch.futures import Future
 from pathlib import Path
 from typing import Any
@@ -170,9 +171,14 @@ class GeminiStorageReader(StorageReader):
         except GeminiError as exc:
             error = exc
         totals = comm.all_gather_object((counts, error is None))
-        if error is not None:
-            raise error
-        if not all(ok for _, ok in totals):
+        if error is not None or not all(ok for _, ok in totals):
+            # Release the slot mappings now: the error (kept by DCP and the caller) must not
+            # keep zero-copy views of tier memory alive through its traceback's frames — a
+            # process that kept them until interpreter exit could abort while tearing down.
+            self._maps.clear()
+            if error is not None:
+                traceback.clear_frames(error.__traceback__)
+                raise error
             raise ShardUnavailableError("another rank failed to restore its shards; see its error.")
         self.rank_restored_from = counts
         self.restored_from = {t: sum(c[t] for c, _ in totals) for t in TIERS}

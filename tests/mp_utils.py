@@ -9,6 +9,7 @@ of rank r: ranks sharing a root form one simulated node.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -39,6 +40,10 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, roots: list[str],
         try:
             result = ("ok", fn(rank, world_size, roots[rank], **kw))
         finally:
+            # A caught DCP error leaves reference cycles (traceback <-> frames) that hold
+            # process-group objects; collected only at interpreter exit, their C++ teardown
+            # can abort the process ("terminate called without an active exception").
+            gc.collect()
             dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent test
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
