@@ -366,7 +366,7 @@ class GeminiCheckpointer(Checkpointer):
             if isinstance(err, CheckpointNotFoundError) and not isinstance(err, _step_not_found()):
                 ctx.log("no checkpoint of this job in any tier: starting from scratch")
                 app.forget_optimizer_init()
-                del exc
+                del exc, err
                 gc.collect()  # the failed load's cycles hold process-group objects: collect them now
                 return None
             if err is not None:
