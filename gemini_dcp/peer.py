@@ -272,18 +272,6 @@ def finish_transfer(
     return ok
 
 
-def _transfer(
-    reader: "GeminiStorageReader",
-    comm: Comm,
-    route: dict[str, Any],
-    by_key: dict["ItemKey", list[ReadItem]],
-    planner: LoadPlanner,
-    refs: dict["ItemKey", ShardRef],
-) -> dict["ItemKey", bool]:
-    """Run one round of sends/receives; returns key -> verified-and-applied for received chunks."""
-    return finish_transfer(reader, start_transfer(reader, comm, route, by_key, planner, refs), by_key, planner, refs)
-
-
 def fetch_remote(
     reader: "GeminiStorageReader",
     comm: Comm,
@@ -330,7 +318,8 @@ def fetch_remote(
         needs = [f for f, _ in all_failed]
         excl = {e for _, ex in all_failed for e in ex}
         mine = assign_sources(needs, decision, record, excl, local_ok=False)[comm.rank]
-        for key, ok in _transfer(reader, comm, mine, by_key, planner, refs).items():
+        inflight = start_transfer(reader, comm, mine, by_key, planner, refs)
+        for key, ok in finish_transfer(reader, inflight, by_key, planner, refs).items():
             if ok:
                 counts["peer"] += refs[key].length
                 failed.pop(key, None)
