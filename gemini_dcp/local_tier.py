@@ -45,8 +45,7 @@ class LocalTier:
         """The record of ``step`` on this node; None if absent or corrupt (logged)."""
         path = self.layout.record_path(step)
         try:
-            st = os.stat(path)
-            ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+            ident = _identity(path)
             hit = self._decoded.get(step)
             if hit is not None and hit[0] == ident:
                 return hit[1]
@@ -78,8 +77,7 @@ class LocalTier:
         self.layout.create()
         path = self.layout.record_path(record.step)
         write_record(path, record)
-        st = os.stat(path)
-        self._decoded[record.step] = ((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size), record)
+        self._decoded[record.step] = (_identity(path), record)
 
     def delete_record(self, step: int) -> bool:
         return remove_quietly(self.layout.record_path(step))
@@ -150,6 +148,12 @@ class LocalTier:
 
     def other_jobs(self) -> list[str]:
         return [j for j in list_jobs(self.root) if j != self.job_id]
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    """What changes when a record file is replaced (by rename: a new inode) or rewritten."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _env_root_set() -> bool:

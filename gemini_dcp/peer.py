@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from .checksum import as_bytes, checksum
+from .checksum import checksum
 from .comm import Comm
 from .errors import GeminiError, PeerError, ShardUnavailableError
 from .records import RankSlot, ShardRef, StepRecord
@@ -193,8 +193,8 @@ class Inflight:
     """One round of posted peer transfers (see :func:`start_transfer`)."""
 
     sends: list[Any] = field(default_factory=list)
-    # (key, server, landing buffer, work or None, (item, dest) when received in place)
-    recvs: list[tuple["ItemKey", int, torch.Tensor, Any, tuple[ReadItem, torch.Tensor] | None]] = field(default_factory=list)
+    # (key, landing buffer, work or None, (item, dest) when received in place)
+    recvs: list[tuple["ItemKey", torch.Tensor, Any, tuple[ReadItem, torch.Tensor] | None]] = field(default_factory=list)
 
 
 def _landing(
@@ -206,14 +206,12 @@ def _landing(
     no second copy: the bytes are verified in place and committed, or re-fetched
     into the same place on a checksum mismatch.
     """
-    from .reader import _whole_item  # noqa: PLC0415
+    from .reader import direct_destination  # noqa: PLC0415
 
-    item = _whole_item(by_key[key], ref)
-    if item is not None:
-        dest = planner.resolve_tensor(item).detach()
-        dst_bytes = as_bytes(dest)
-        if dst_bytes is not None and dst_bytes.numel() == ref.length:
-            return dst_bytes, (item, dest)
+    direct = direct_destination(by_key[key], ref, planner)
+    if direct is not None:
+        item, dest, dst_bytes = direct
+        return dst_bytes, (item, dest)
     return torch.empty(ref.length, dtype=torch.uint8), None
 
 
@@ -243,7 +241,7 @@ def start_transfer(
         ref = refs[key]
         buf, direct = _landing(by_key, key, ref, planner)
         work = dist.irecv(buf, src=comm.global_rank(server), group=comm.group) if ref.length else None
-        out.recvs.append((key, server, buf, work, direct))
+        out.recvs.append((key, buf, work, direct))
     return out
 
 
@@ -256,7 +254,7 @@ def finish_transfer(
 ) -> dict["ItemKey", bool]:
     """Wait for each received chunk in turn, verifying and applying it as it arrives; key -> ok."""
     ok: dict["ItemKey", bool] = {}
-    for key, _server, buf, work, direct in inflight.recvs:
+    for key, buf, work, direct in inflight.recvs:
         if work is not None:
             work.wait()
         ref = refs[key]
@@ -281,21 +279,19 @@ def fetch_remote(
     routes: dict[str, Any],
     failed: dict["ItemKey", str],
     counts: dict[str, int],
-    first: Inflight | None = None,
+    refs: dict["ItemKey", ShardRef],
+    first: Inflight,
 ) -> None:
     """Collective: receive the chunks routed to peers, then repair failures round by round.
 
-    ``first`` is the first round if the caller already posted it (with
-    :func:`start_transfer`, to overlap it with the local restore).
+    ``first`` is the first round, already posted by the caller with
+    :func:`start_transfer` so that it overlaps the local restore.
     Every rank runs the same number of rounds (driven by all-gathered failures).
     Chunks no memory copy can serve go to the persistent tier, else raise.
     """
     decision, record = reader._decision, reader._record
     assert decision is not None and record is not None
-    refs = refs_by_key(record)
     route = routes or {"recv": {}, "serve": []}
-    if first is None:
-        first = start_transfer(reader, comm, route, by_key, planner, refs)
     for key, ok in finish_transfer(reader, first, by_key, planner, refs).items():
         if ok:
             counts["peer"] += refs[key].length

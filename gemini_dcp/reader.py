@@ -256,7 +256,7 @@ class GeminiStorageReader(StorageReader):
         # Post the peer sends and receives first: gloo moves them while this rank
         # restores its own chunks below (a serving rank feeds its requesters at once).
         refs = refs_by_key(self._record)
-        first = start_transfer(self, comm, routes, by_key, planner, refs) if routes else None
+        first = start_transfer(self, comm, routes, by_key, planner, refs)
         for key, items in by_key.items():
             if key in remote:
                 continue
@@ -270,19 +270,17 @@ class GeminiStorageReader(StorageReader):
             else:
                 failed[key] = "checksum"
                 log.warning("local copy of %s is corrupt; fetching another copy", _describe(items[0], ref, self._record.step))
-        fetch_remote(self, comm, plan, planner, by_key, routes, failed, counts, first)
+        fetch_remote(self, comm, plan, planner, by_key, routes, failed, counts, refs, first)
 
     def _apply(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor, planner: LoadPlanner) -> bool:
         """Verify ``buf`` against ``ref`` and copy it into every destination; False on checksum mismatch."""
-        whole = _whole_item(items, ref)
-        if whole is not None:
-            item, dest = whole, planner.resolve_tensor(whole)
-            dst_bytes = as_bytes(dest)
-            if dst_bytes is not None and dst_bytes.numel() == ref.length:
-                if checksum_then_copy(dst_bytes, buf, ref.algo) != ref.checksum:
-                    return False
-                planner.commit_tensor(item, dest)
-                return True
+        direct = direct_destination(items, ref, planner)
+        if direct is not None:
+            item, dest, dst_bytes = direct
+            if checksum_then_copy(dst_bytes, buf, ref.algo) != ref.checksum:
+                return False
+            planner.commit_tensor(item, dest)
+            return True
         if checksum(buf, ref.algo) != ref.checksum:
             return False
         for item in items:
@@ -297,6 +295,21 @@ class GeminiStorageReader(StorageReader):
             dest.copy_(src)
             planner.commit_tensor(item, dest)
         return True
+
+
+def direct_destination(
+    items: list[ReadItem], ref: ShardRef, planner: LoadPlanner
+) -> tuple[ReadItem, torch.Tensor, torch.Tensor] | None:
+    """``(item, dest, dest bytes)`` when one read item covers the stored chunk whole and its
+    destination is contiguous memory of the chunk's size: the bytes can go straight there."""
+    item = _whole_item(items, ref)
+    if item is None:
+        return None
+    dest = planner.resolve_tensor(item)
+    dst_bytes = as_bytes(dest.detach())
+    if dst_bytes is None or dst_bytes.numel() != ref.length:
+        return None
+    return item, dest, dst_bytes
 
 
 def _whole_item(items: list[ReadItem], ref: ShardRef) -> ReadItem | None:
