@@ -302,8 +302,8 @@ def _lower_priority(setting: str) -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         else:
             os.nice(int(setting))
-    except (OSError, ValueError, AttributeError):
-        pass
+    except (OSError, ValueError, AttributeError) as exc:  # the drain still works, at normal priority
+        log.warning("drain: could not lower priority to %r (%s); running at normal priority", setting, exc)
 
 
 def serve(persist_dir: str, *, idle_s: float = 60.0) -> None:
@@ -686,8 +686,8 @@ class _Server:
             status["pid"] = os.getpid()
             try:
                 _write_atomic(self.p.status, json.dumps(status).encode())
-            except OSError:
-                pass
+            except OSError as exc:  # status is informational (CLI); the drain goes on
+                log.debug("drain: could not write %s: %s", self.p.status, exc)
 
 
 def _classify(exc: BaseException) -> tuple[str, str]:
