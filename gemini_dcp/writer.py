@@ -56,6 +56,7 @@ class _RankReport:
     nbytes: int
     results: tuple[WriteResult, ...]
     replica_slots: tuple[RankSlot, ...] = ()  # peer replicas this rank stored for other nodes
+    metadata: Metadata | None = None  # rank 0 only: the planner's global metadata (one gather, no broadcast)
 
 
 class GeminiStorageWriter(StorageWriter):
@@ -180,9 +181,13 @@ class GeminiStorageWriter(StorageWriter):
         rank = comm.rank
         error: BaseException | None = None
         report: _RankReport | None = None
+        meta = getattr(planner, "metadata", None) if rank == 0 else None
         try:
             slot_idx, slot, results, nbytes = self._write_local(plan, planner, step, rank)
-            report = _RankReport(rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results)
+            report = _RankReport(
+                rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results,
+                metadata=meta if isinstance(meta, Metadata) else None,
+            )
         except BaseException as exc:  # reported to every rank below, then re-raised
             error = exc
         finally:
@@ -191,13 +196,12 @@ class GeminiStorageWriter(StorageWriter):
         reports = comm.all_gather_object(report)
         self._raise_if_failed(error, reports, "writing shards into the local tier")
         assert report is not None
+        meta = reports[0].metadata  # rank 0's, received by every rank in the same gather
         if self.options.replicas > 1 and comm.distributed:
             from .peer import replicate  # noqa: PLC0415
 
             replica_slots, self.last_replication = replicate(self, comm, step, reports)
-            reports = comm.all_gather_object(dataclasses.replace(report, replica_slots=replica_slots))
-        meta = getattr(planner, "metadata", None) if rank == 0 else None
-        meta = comm.broadcast_object(meta if isinstance(meta, Metadata) else None, src=0)
+            reports = comm.all_gather_object(dataclasses.replace(report, replica_slots=replica_slots, metadata=None))
         record = self._build_record(step, comm, reports, meta)
         self._commit_on_node(record, reports, rank)
         self._after_commit(self._pending_record or record, rank)
