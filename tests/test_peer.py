@@ -51,6 +51,11 @@ def test_two_nodes_two_ranks_each_recover_lost_node_from_peer(node_roots) -> Non
     run_ranks(save_steps, 4, roots, job="p", steps=[1, 2, 3], replicas=2)
     rec = LocalTier(n[0], "p").record(3)
     assert rec is not None and set(rec.held_ranks()) == {0, 1, 2, 3}  # own ranks + the peer's replica
+    # node 1's leader (rank 2, not the coordinator) wrote a complete record with the same DCP metadata
+    rec1 = LocalTier(n[1], "p").record(3)
+    assert rec1 is not None and rec.complete and rec1.complete
+    assert rec1.metadata.state_dict_metadata.keys() == rec.metadata.state_dict_metadata.keys() != set()
+    assert rec1.fingerprint() == rec.fingerprint()
     wipe(n[lost])
     out = run_ranks(load_and_check, 4, roots, job="p", expect=3)
     assert all(o.get("ok") for o in out), out
