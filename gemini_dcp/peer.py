@@ -273,7 +273,6 @@ def finish_transfer(
 def fetch_remote(
     reader: "GeminiStorageReader",
     comm: Comm,
-    plan: LoadPlan,
     planner: LoadPlanner,
     by_key: dict["ItemKey", list[ReadItem]],
     routes: dict[str, Any],
@@ -281,13 +280,17 @@ def fetch_remote(
     counts: dict[str, int],
     refs: dict["ItemKey", ShardRef],
     first: Inflight,
-) -> None:
+) -> list[tuple[dict[str, int], bool]] | None:
     """Collective: receive the chunks routed to peers, then repair failures round by round.
 
     ``first`` is the first round, already posted by the caller with
     :func:`start_transfer` so that it overlaps the local restore.
     Every rank runs the same number of rounds (driven by all-gathered failures).
     Chunks no memory copy can serve go to the persistent tier, else raise.
+
+    Returns every rank's ``(byte counts, ok)`` when no rank had anything to
+    repair: the first agreement round carries them, so the caller needs no
+    further gather (the common case costs one collective); None when repairs ran.
     """
     decision, record = reader._decision, reader._record
     assert decision is not None and record is not None
@@ -305,14 +308,18 @@ def fetch_remote(
     for key in failed:
         exclude.add((comm.rank, key, reader.node_id))
     given_up: set["ItemKey"] = set()
-    for _ in range(MAX_REPAIR_ROUNDS):
+    for rnd in range(MAX_REPAIR_ROUNDS):
         # Never raise inside this loop: every rank must run the same rounds.
         pending = sorted(k for k in failed if k not in given_up)
-        all_failed = comm.all_gather_object((pending, sorted(exclude)))
-        if not any(f for f, _ in all_failed):
+        # The same shape as the reader's final gather, (pending, exclude, counts, ok), so a
+        # rank that failed before this point still meets the others in one collective.
+        all_failed = comm.all_gather_object((pending, sorted(exclude), dict(counts), True))
+        if not any(f for f, _, _, _ in all_failed):
+            if rnd == 0:
+                return [(c, ok) for _, _, c, ok in all_failed]  # nothing to repair: counts are final
             break
-        needs = [f for f, _ in all_failed]
-        excl = {e for _, ex in all_failed for e in ex}
+        needs = [f for f, _, _, _ in all_failed]
+        excl = {e for _, ex, _, _ in all_failed for e in ex}
         mine = assign_sources(needs, decision, record, excl, local_ok=False)[comm.rank]
         inflight = start_transfer(reader, comm, mine, by_key, planner, refs)
         for key, ok in finish_transfer(reader, inflight, by_key, planner, refs).items():
@@ -326,6 +333,7 @@ def fetch_remote(
             given_up.update(k for k in mine["none"] if k in failed)
     if failed:
         _raise_unservable(reader, by_key, refs, failed)
+    return None
 
 
 def _from_persistent(

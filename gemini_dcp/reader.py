@@ -167,11 +167,13 @@ class GeminiStorageReader(StorageReader):
         comm = self._comm()
         counts = dict.fromkeys(TIERS, 0)
         error: BaseException | None = None
+        totals: list[tuple[dict[str, int], bool]] | None = None
         try:
-            self._read_all(plan, planner, comm, counts)
+            totals = self._read_all(plan, planner, comm, counts)  # already exchanged when nothing failed
         except GeminiError as exc:
             error = exc
-        totals = comm.all_gather_object((counts, error is None))
+        if totals is None:
+            totals = [(c, ok) for _, _, c, ok in comm.all_gather_object(([], [], counts, error is None))]
         if error is not None or not all(ok for _, ok in totals):
             # Release the slot mappings now: the error (kept by DCP and the caller) must not
             # keep zero-copy views of tier memory alive through its traceback's frames — a
@@ -253,11 +255,15 @@ class GeminiStorageReader(StorageReader):
             return None
         return m.view(ref.offset, ref.length)
 
-    def _read_all(self, plan: LoadPlan, planner: LoadPlanner, comm: Comm, counts: dict[str, int]) -> None:
+    def _read_all(
+        self, plan: LoadPlan, planner: LoadPlanner, comm: Comm, counts: dict[str, int]
+    ) -> list[tuple[dict[str, int], bool]] | None:
+        """Restore this rank's chunks into ``counts``; every rank's ``(counts, ok)`` when
+        they were already exchanged (nothing to repair anywhere), else None."""
         if self._record is None:  # persistent only
             assert self.persistent is not None and self._decision is not None
             counts["persistent"] += self.persistent.read_items(self._decision.step, plan, planner)
-            return
+            return None
         by_key: dict[ItemKey, list[ReadItem]] = {}
         for item in plan.items:
             by_key.setdefault(self._key(item), []).append(item)
@@ -283,7 +289,7 @@ class GeminiStorageReader(StorageReader):
             else:
                 failed[key] = "checksum"
                 log.warning("local copy of %s is corrupt; fetching another copy", _describe(items[0], ref, self._record.step))
-        fetch_remote(self, comm, plan, planner, by_key, routes, failed, counts, refs, first)
+        return fetch_remote(self, comm, planner, by_key, routes, failed, counts, refs, first)
 
     def _apply(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor, planner: LoadPlanner) -> bool:
         """Verify ``buf`` against ``ref`` and copy it into every destination; False on checksum mismatch."""
