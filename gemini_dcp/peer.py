@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -188,6 +188,20 @@ def assign_sources(
     return routes
 
 
+class Tally(NamedTuple):
+    """What each rank contributes to a restore's agreement all-gathers.
+
+    One shape for the repair rounds (:func:`fetch_remote`) and the reader's final
+    gather, so a rank that failed before the rounds still meets the others in a
+    single collective and every rank sees every rank's byte counts and outcome.
+    """
+
+    pending: list["ItemKey"]  # chunks this rank still needs
+    exclude: list[tuple[int, "ItemKey", str]]  # (requester, chunk, node) sources that failed
+    counts: dict[str, int]  # bytes restored per tier so far
+    ok: bool  # False: this rank failed and raises its own error
+
+
 @dataclass
 class Inflight:
     """One round of posted peer transfers (see :func:`start_transfer`)."""
@@ -280,7 +294,7 @@ def fetch_remote(
     counts: dict[str, int],
     refs: dict["ItemKey", ShardRef],
     first: Inflight,
-) -> list[tuple[dict[str, int], bool]] | None:
+) -> list[Tally] | None:
     """Collective: receive the chunks routed to peers, then repair failures round by round.
 
     ``first`` is the first round, already posted by the caller with
@@ -288,8 +302,8 @@ def fetch_remote(
     Every rank runs the same number of rounds (driven by all-gathered failures).
     Chunks no memory copy can serve go to the persistent tier, else raise.
 
-    Returns every rank's ``(byte counts, ok)`` when no rank had anything to
-    repair: the first agreement round carries them, so the caller needs no
+    Returns every rank's :class:`Tally` when no rank had anything to repair:
+    the first agreement round carries the byte counts, so the caller needs no
     further gather (the common case costs one collective); None when repairs ran.
     """
     decision, record = reader._decision, reader._record
@@ -311,15 +325,13 @@ def fetch_remote(
     for rnd in range(MAX_REPAIR_ROUNDS):
         # Never raise inside this loop: every rank must run the same rounds.
         pending = sorted(k for k in failed if k not in given_up)
-        # The same shape as the reader's final gather, (pending, exclude, counts, ok), so a
-        # rank that failed before this point still meets the others in one collective.
-        all_failed = comm.all_gather_object((pending, sorted(exclude), dict(counts), True))
-        if not any(f for f, _, _, _ in all_failed):
+        tallies: list[Tally] = comm.all_gather_object(Tally(pending, sorted(exclude), dict(counts), True))
+        if not any(t.pending for t in tallies):
             if rnd == 0:
-                return [(c, ok) for _, _, c, ok in all_failed]  # nothing to repair: counts are final
+                return tallies  # nothing to repair anywhere: these counts are final
             break
-        needs = [f for f, _, _, _ in all_failed]
-        excl = {e for _, ex, _, _ in all_failed for e in ex}
+        needs = [t.pending for t in tallies]
+        excl = {e for t in tallies for e in t.exclude}
         mine = assign_sources(needs, decision, record, excl, local_ok=False)[comm.rank]
         inflight = start_transfer(reader, comm, mine, by_key, planner, refs)
         for key, ok in finish_transfer(reader, inflight, by_key, planner, refs).items():

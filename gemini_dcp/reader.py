@@ -27,7 +27,7 @@ import time
 import traceback
 from torch.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -42,6 +42,9 @@ from .local_tier import LocalTier
 from .records import ShardRef, StepRecord
 from .restore_plan import NodeView, RestoreDecision, StepView, decide
 from .slots import ReadOnlySlot
+
+if TYPE_CHECKING:
+    from .peer import Tally
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +170,16 @@ class GeminiStorageReader(StorageReader):
         comm = self._comm()
         counts = dict.fromkeys(TIERS, 0)
         error: BaseException | None = None
-        totals: list[tuple[dict[str, int], bool]] | None = None
+        from .peer import Tally  # noqa: PLC0415
+
+        tallies: list[Tally] | None = None
         try:
-            totals = self._read_all(plan, planner, comm, counts)  # already exchanged when nothing failed
+            tallies = self._read_all(plan, planner, comm, counts)  # already exchanged when nothing failed
         except GeminiError as exc:
             error = exc
-        if totals is None:
-            totals = [(c, ok) for _, _, c, ok in comm.all_gather_object(([], [], counts, error is None))]
-        if error is not None or not all(ok for _, ok in totals):
+        if tallies is None:
+            tallies = comm.all_gather_object(Tally([], [], counts, error is None))
+        if error is not None or not all(t.ok for t in tallies):
             # Release the slot mappings now: the error (kept by DCP and the caller) must not
             # keep zero-copy views of tier memory alive through its traceback's frames — a
             # process that kept them until interpreter exit could abort while tearing down.
@@ -184,7 +189,7 @@ class GeminiStorageReader(StorageReader):
                 raise error
             raise ShardUnavailableError("another rank failed to restore its shards; see its error.")
         self.rank_restored_from = counts
-        self.restored_from = {t: sum(c[t] for c, _ in totals) for t in TIERS}
+        self.restored_from = {tier: sum(t.counts[tier] for t in tallies) for tier in TIERS}
         assert self._decision is not None
         self.restored_step = self._decision.step
         self.restore_seconds = time.perf_counter() - self._t0
@@ -257,9 +262,9 @@ class GeminiStorageReader(StorageReader):
 
     def _read_all(
         self, plan: LoadPlan, planner: LoadPlanner, comm: Comm, counts: dict[str, int]
-    ) -> list[tuple[dict[str, int], bool]] | None:
-        """Restore this rank's chunks into ``counts``; every rank's ``(counts, ok)`` when
-        they were already exchanged (nothing to repair anywhere), else None."""
+    ) -> list[Tally] | None:
+        """Restore this rank's chunks into ``counts``; every rank's :class:`~gemini_dcp.peer.Tally`
+        when the counts were already exchanged (nothing to repair anywhere), else None."""
         if self._record is None:  # persistent only
             assert self.persistent is not None and self._decision is not None
             counts["persistent"] += self.persistent.read_items(self._decision.step, plan, planner)

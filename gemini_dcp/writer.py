@@ -181,12 +181,12 @@ class GeminiStorageWriter(StorageWriter):
         rank = comm.rank
         error: BaseException | None = None
         report: _RankReport | None = None
-        meta = getattr(planner, "metadata", None) if rank == 0 else None
+        planned = getattr(planner, "metadata", None) if rank == 0 else None  # the coordinator's global metadata
         try:
             slot_idx, slot, results, nbytes = self._write_local(plan, planner, step, rank)
             report = _RankReport(
                 rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results,
-                metadata=meta if isinstance(meta, Metadata) else None,
+                metadata=planned if isinstance(planned, Metadata) else None,
             )
         except BaseException as exc:  # reported to every rank below, then re-raised
             error = exc
