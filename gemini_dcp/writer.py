@@ -123,6 +123,8 @@ class GeminiStorageWriter(StorageWriter):
         self.last_committed_step: int | None = None
         self.last_save_seconds: float | None = None
         self.last_replication: dict[str, Any] = {}
+        # The global metadata of the last save (rank 0's plan, known to every rank after the commit gather).
+        self.planned_metadata: Metadata | None = None
         self.persistent = None
         if persistent is not None:
             from .persistent import PersistentTier  # noqa: PLC0415 - optional tier
@@ -175,19 +177,51 @@ class GeminiStorageWriter(StorageWriter):
 
         Collective over the checkpoint control group: all ranks call it (DCP does).
         """
+        comm = get_comm(self.options.timeout_s, self.process_group)
+        planned = getattr(planner, "metadata", None) if comm.rank == 0 else None  # the coordinator's global metadata
+        results = self._write_and_commit(comm, plan, planner, planned if isinstance(planned, Metadata) else None, None)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def write_replayed(self, plan: SavePlan, planner: SavePlanner, metadata: Metadata) -> list[WriteResult]:
+        """Write ``plan`` and commit with ``metadata``, both from an earlier ``dcp.save``
+        of a state dict of the same structure (:mod:`gemini_dcp.plan_replay`).
+
+        Call after ``reset(step)`` and ``set_up_storage_writer``; the space check of
+        ``prepare_local_plan`` runs inside, so that a rank that fails it meets the
+        others in the commit gather (all raise). The commit is ``write_data``'s
+        (``finish`` is not needed). Collective over the checkpoint control group:
+        all ranks call it together, each with its own final plan of the *same*
+        earlier save.
+        """
+        comm = get_comm(self.options.timeout_s, self.process_group)
+        results = self._write_and_commit(comm, plan, planner, None, metadata, check_space=True)
+        self.last_committed_step = self._step
+        return results
+
+    def _write_and_commit(
+        self,
+        comm: Comm,
+        plan: SavePlan,
+        planner: SavePlanner,
+        planned: Metadata | None,
+        known: Metadata | None,
+        *,
+        check_space: bool = False,
+    ) -> list[WriteResult]:
+        """The body of a save. ``planned``: rank 0's metadata, sent to every rank in the
+        report gather; ``known``: metadata every rank already has (nothing to send)."""
         t0 = time.perf_counter()
         step = self._require_step()
-        comm = get_comm(self.options.timeout_s, self.process_group)
         rank = comm.rank
         error: BaseException | None = None
         report: _RankReport | None = None
-        planned = getattr(planner, "metadata", None) if rank == 0 else None  # the coordinator's global metadata
         try:
+            if check_space:
+                self.prepare_local_plan(plan)
             slot_idx, slot, results, nbytes = self._write_local(plan, planner, step, rank)
-            report = _RankReport(
-                rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results,
-                metadata=planned if isinstance(planned, Metadata) else None,
-            )
+            report = _RankReport(rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results, metadata=planned)
         except BaseException as exc:  # reported to every rank below, then re-raised
             error = exc
         finally:
@@ -196,7 +230,8 @@ class GeminiStorageWriter(StorageWriter):
         reports = comm.all_gather_object(report)
         self._raise_if_failed(error, reports, "writing shards into the local tier")
         assert report is not None
-        meta = reports[0].metadata  # rank 0's, received by every rank in the same gather
+        meta = known if known is not None else reports[0].metadata  # rank 0's, received by every rank in the same gather
+        self.planned_metadata = meta
         if self.options.replicas > 1 and comm.distributed:
             from .peer import replicate  # noqa: PLC0415
 
@@ -206,9 +241,7 @@ class GeminiStorageWriter(StorageWriter):
         self._commit_on_node(record, reports, rank)
         self._after_commit(self._pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(list(report.results))
-        return fut
+        return list(report.results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only: confirm the commit (writing the final metadata if the

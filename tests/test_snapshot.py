@@ -118,6 +118,7 @@ def test_save_returns_fast_and_roundtrips(root: str) -> None:
             h.wait_copied()  # the caller's guard: we modify the tensors next
         ck.wait()
         assert ck.last_committed_step == 3
+        assert ck.stats()["plans"] == {"planned": 1, "replayed": 3}  # planned once by dcp.save, then replayed
     finally:
         ck.close()
     assert statistics.median(blocked) <= 5e-3, blocked
@@ -244,14 +245,16 @@ def _train_async(rank: int, world: int, root: str, *, steps: int, out: str) -> d
                     fut.result()
                 writer.pace = SlowPacer(SlowCheckpointer.delay, wait_backward=True)
                 fut = writer.track(dcp.async_save(sd, storage_writer=writer, checkpoint_id=step, process_group=writer.checkpoint_group))
+        replayed = None
         if ck is not None:
             ck.close()
             waits = [h.guard_wait_s for h in ck.history]
+            replayed = (ck.replay.planned, ck.replay.replayed) if ck.replay is not None else None
         else:
             fut.result()
             writer.close()
         torch.save(refs, Path(out, f"{job}-{rank}.pt"))
-        info[job] = {"guard_wait_s": waits}
+        info[job] = {"guard_wait_s": waits, "plans": replayed}
     return info
 
 
@@ -304,6 +307,8 @@ def test_fsdp2_every_step_async_is_never_mixed(trained: dict[str, Any]) -> None:
             assert r["ok"], (step, r)
     # the guard did hold the optimizer back at least once (the copy really overlapped training)
     assert any(w > 0 for t in trained["train"] for w in t["guard"]["guard_wait_s"])
+    # the first save was planned by dcp.save, every later one replayed its plan (DTensor shards)
+    assert [t["guard"]["plans"] for t in trained["train"]] == [(1, 5), (1, 5)]
 
 
 @pytest.mark.slow
