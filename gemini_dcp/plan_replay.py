@@ -13,8 +13,10 @@ training (docs/async.md), and on a large job every plan goes through rank 0.
 :class:`PlanReplay` runs the first save (and any save whose structure changed)
 through ``dcp.save`` with a planner that records the plans, then replays:
 
-1. each rank builds its local plan with the same planner (local work, no
-   collective) and compares it with the recorded one;
+1. each rank compares a cheap key of its flattened state dict's structure
+   (:func:`structure_key`: FQNs, shapes, dtypes, placements, meshes) with the
+   recorded one, or, when the key differs or cannot be built, its full local
+   plan with the recorded plan (local work, no collective);
 2. one all-reduce of three integers on the checkpoint control group decides
    for all ranks together: replay only if every rank's plan is unchanged and
    every rank holds the plans of the same recorded save, else every rank runs
@@ -38,19 +40,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
 
 from .writer import GeminiStorageWriter
 
-__all__ = ["PlanReplay", "RecordingSavePlanner", "same_plan"]
+__all__ = ["PlanReplay", "RecordingSavePlanner", "same_plan", "structure_key"]
 
 log = logging.getLogger(__name__)
 
 
 class RecordingSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that keeps this rank's local plan (before the coordinator's
-    deduplication) and final plan (after it) of the save it planned."""
+    deduplication) and final plan (after it) of the save it planned.
+
+    It also resolves a DTensor's shard to its local tensor directly: the same tensor
+    ``DTensor.to_local()`` returns (what DCP's lookup does), without the autograd
+    wrapper call, which costs ~0.1 ms per tensor (the writer detaches it anyway).
+    """
 
     local_plan: SavePlan | None = None
     final_plan: SavePlan | None = None
@@ -65,6 +73,51 @@ class RecordingSavePlanner(DefaultSavePlanner):
         self.final_plan = plan
         return plan
 
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        if type(obj) is DTensor:
+            local = obj._local_tensor
+            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
+                return local
+        return super().lookup_object(index)  # also raises DCP's errors (a Partial placement, a missing key)
+
+
+def structure_key(state_dict: dict[str, Any], mappings: Any) -> tuple[Any, ...] | None:
+    """What ``DefaultSavePlanner.create_local_plan`` reads from a *flattened* state dict,
+    as a cheap comparable key; None when an object's plan cannot be keyed this way.
+
+    Keyed: the FQNs in order and the flattening paths; for a DTensor (exact type, plain
+    local tensor) its global shape, placements, device mesh (by identity) and local
+    dtype/layout/requires_grad/pinned; for a plain tensor or Parameter its shape and the
+    same properties; for a non-tensor value nothing but its FQN (its plan item does not
+    depend on the value). Anything else (ShardedTensor, tensor subclasses, objects with
+    ``__create_write_items__``) returns None: the caller compares full local plans.
+    Building DTensor plan items costs ~0.4 ms each (offsets computed with tensor ops);
+    this key ~3 us.
+    """
+    grad = torch.is_grad_enabled()
+    items: list[tuple[Any, ...]] = []
+    for fqn, obj in state_dict.items():
+        t = type(obj)
+        if t is DTensor:
+            local = obj._local_tensor
+            if type(local) is not torch.Tensor:
+                return None
+            items.append((fqn, 1, tuple(obj.shape), tuple(obj.placements), id(obj.device_mesh), local.dtype, local.layout,
+                          obj.requires_grad, local.is_pinned()))
+        elif t is torch.Tensor or t is torch.nn.Parameter:
+            items.append((fqn, 2, tuple(obj.shape), obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned()))
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            return None
+        else:
+            items.append((fqn, 0))
+    return (grad, tuple(items), tuple((mappings or {}).items()))
+
+
+def _meshes(state_dict: dict[str, Any]) -> tuple[Any, ...]:
+    """The device meshes a structure key refers to by id (kept alive with the key, so an id is never reused)."""
+    return tuple({id(o.device_mesh): o.device_mesh for o in state_dict.values() if type(o) is DTensor}.values())
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Recorded:
@@ -72,6 +125,8 @@ class _Recorded:
     local_plan: SavePlan
     final_plan: SavePlan
     metadata: Metadata
+    key: tuple[Any, ...] | None = None  # structure_key of the recorded state dict (None: compare plans)
+    meshes: tuple[Any, ...] = ()  # keeps the meshes in ``key`` alive
 
 
 def same_plan(a: SavePlan, b: SavePlan) -> bool:
@@ -111,7 +166,12 @@ class PlanReplay:
         if rec is not None:
             try:
                 planner.set_up_planner(state_dict, w.storage_meta(), is_coordinator)
-                hit = same_plan(planner.create_local_plan(), rec.local_plan)
+                key = structure_key(planner.state_dict, planner.mappings)
+                hit = key is not None and key == rec.key
+                if not hit:  # the exact test: DCP's own local plan
+                    hit = same_plan(planner.create_local_plan(), rec.local_plan)
+                    if hit and key is not None:
+                        self._recorded = rec = dataclasses.replace(rec, key=key, meshes=_meshes(planner.state_dict))
             except Exception:  # noqa: BLE001 - planned again below by dcp.save, which reports it to every rank
                 log.debug("step %s: local planning failed; dcp.save will plan and report it", step, exc_info=True)
         if self._agree(hit, rec.generation if rec is not None else -1):
@@ -138,7 +198,10 @@ class PlanReplay:
         global_meta = self.writer.planned_metadata
         if planner.local_plan is not None and planner.final_plan is not None and isinstance(global_meta, Metadata):
             self._generation += 1
-            self._recorded = _Recorded(self._generation, planner.local_plan, planner.final_plan, global_meta)
+            key = structure_key(planner.state_dict, planner.mappings)
+            self._recorded = _Recorded(
+                self._generation, planner.local_plan, planner.final_plan, global_meta, key, _meshes(planner.state_dict)
+            )
         return meta
 
     def _agree(self, hit: bool, generation: int) -> bool:

@@ -154,3 +154,31 @@ def test_single_process_replay(tmp_path: Any) -> None:
         assert torch.equal(out["w"], torch.full((1000,), 2.0)) and out["step"] == 2
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _key(sd: dict[str, Any]) -> Any:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from gemini_dcp.plan_replay import structure_key
+
+    flat, mappings = flatten_state_dict(sd)
+    return structure_key(flat, mappings)
+
+
+def test_structure_key_sees_what_changes_a_plan_and_ignores_values() -> None:
+    base = {"w": torch.zeros(4, 8), "opt": {"m": torch.zeros(8)}, "step": 1}
+    k = _key(base)
+    assert k is not None
+    assert _key({"w": torch.ones(4, 8), "opt": {"m": torch.ones(8)}, "step": 2}) == k  # values only
+    assert _key({**base, "w": torch.zeros(8, 4)}) != k  # shape
+    assert _key({**base, "w": torch.zeros(4, 8, dtype=torch.bfloat16)}) != k  # dtype
+    assert _key({**base, "w": torch.zeros(4, 8, requires_grad=True)}) != k  # properties in the metadata
+    assert _key({**base, "extra": 3}) != k  # a new key
+    assert _key({"w": base["w"], "opt.m": base["opt"]["m"], "step": 1}) != k  # same FQNs, other nesting
+
+
+def test_structure_key_declines_what_it_cannot_key() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    assert _key({"w": torch.zeros(3).as_subclass(Sub)}) is None  # tensor subclasses: compare full plans
