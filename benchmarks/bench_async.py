@@ -11,6 +11,9 @@ shared, so passes drift; interleaving cancels most of it):
 * ``gemini`` — ``AsyncCheckpointer`` saving every step into the memory tier,
   copy paced into the profiled idle spans (traffic interleaving);
 * ``gemini_asap`` — the same with pacing off (copy as fast as possible);
+* ``gemini_planned`` — ``gemini`` with every save planned by ``dcp.save``
+  (``DefaultSavePlanner`` with DCP's own plan caching) instead of replaying
+  the recorded plan (gemini_dcp.plan_replay): the A/B of the replay;
 * ``gemini_dcp_async`` — ``dcp.async_save`` with ``AsyncGeminiStorageWriter``
   as its stager (zero-copy staging, optimizer-step guard, no pacing);
 * ``stock``  — ``dcp.async_save`` with ``DefaultStager`` (every staging option
@@ -20,7 +23,9 @@ shared, so passes drift; interleaving cancels most of it):
   guarded as DCP requires: the optimizer step waits for the staging future,
   the next save for the previous upload.
 
-Figures: median step time per mode and ratio to ``none``; time the training
+Figures: median step time per mode and ratio to ``none``; the *paired* ratio
+(median over rounds of the mode's median step / ``none``'s median step in the
+same round: robust to the host drifting between rounds); time the training
 thread is blocked per save (the ``save()``/``async_save`` call, and separately
 the optimizer-step guard wait). Rank 0 writes benchmarks/results/async.json
 and docs/img/async_steps.png.
@@ -46,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "gemini", "gemini_asap", "gemini_dcp_async", "stock")
+MODES = ("none", "gemini", "gemini_asap", "gemini_planned", "gemini_dcp_async", "stock")
 
 
 def _med(xs: list[float]) -> float | None:
@@ -81,6 +86,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from gemini_dcp import GeminiStorageWriter
     from gemini_dcp.snapshot import AsyncCheckpointer, AsyncGeminiStorageWriter, InterleaveOptions, checkpoint_group
@@ -136,6 +142,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     gwriter = AsyncGeminiStorageWriter(root=root, job_id="bench_dcp", keep=2, model=model)
     gwriter.install_guard(opt)
     gstate: dict[str, Any] = {"upload": None}
+    replay = ck.replay
+    planned = DefaultSavePlanner(enable_plan_caching=True)
+    planned._cached_plans_key = "bench_async.gemini_planned"  # DCP's cache is class-level: a key of our own
 
     # warm-up training, then profile the timeline (no checkpoint traffic while profiling)
     for _ in range(args.warmup):
@@ -149,12 +158,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     sync()
     profile = ck.profiler.summary() if ck.profiler is not None else None
 
-    records: dict[str, dict[str, list[float]]] = {m: {"step": [], "blocked": [], "guard": [], "copy": [], "commit": [], "cpu": [], "in_gaps": []} for m in MODES}
+    records: dict[str, dict[str, list[float]]] = {m: {"step": [], "round": [], "blocked": [], "guard": [], "copy": [], "commit": [], "cpu": [], "in_gaps": []} for m in MODES}
     step_no = 0
     order = list(args.modes)
     for rnd in range(args.rounds):
         for mode in order[rnd % len(order) :] + order[: rnd % len(order)]:
             ck.pacing = mode != "gemini_asap"
+            ck.replay, ck.planner = (None, planned) if mode == "gemini_planned" else (replay, None)
             stock_state["guard"] = records[mode]["guard"]
             dist.barrier()
             handles = []
@@ -162,7 +172,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                 sync()
                 t0 = time.perf_counter()
                 train_step()
-                if mode in ("gemini", "gemini_asap"):
+                if mode in ("gemini", "gemini_asap", "gemini_planned"):
                     msd, osd = get_state_dict(model, opt)
                     h = ck.save({"model": msd, "optim": osd, "step": step_no}, step_no)
                     handles.append(h)
@@ -191,6 +201,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                 sync()
                 if i >= args.skip:
                     records[mode]["step"].append(time.perf_counter() - t0)
+                    records[mode]["round"].append(rnd)
                 step_no += 1
             # drain this mode's outstanding work before the next mode
             if mode.startswith("gemini"):
@@ -267,6 +278,21 @@ def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
             "background_cpu_median_ms": None if not cpu else _med(cpu) * 1e3,
             "bytes_in_gaps_mean": None if not in_gaps else statistics.fmean(in_gaps),
         }
+    # Paired per-round ratios: each round runs every mode back to back, so the ratio of a mode's
+    # median to the baseline's median *in the same round* cancels the host's drift between rounds.
+    def round_medians(mode: str) -> dict[int, float]:
+        by: dict[int, list[float]] = {}
+        for r in per_rank:
+            for s_, rd in zip(r["records"][mode]["step"], r["records"][mode].get("round", [])):
+                by.setdefault(rd, []).append(s_)
+        return {rd: _med(v) for rd, v in by.items()}
+
+    base_rounds = round_medians("none") if "none" in modes else {}
+    for mode in modes:
+        mine = round_medians(mode)
+        ratios = [mine[rd] / base_rounds[rd] for rd in sorted(mine) if rd in base_rounds and base_rounds[rd]]
+        modes[mode]["round_ratios"] = ratios
+        modes[mode]["paired_ratio_median"] = _med(ratios) if ratios else None
     base = modes["none"]["step_median_s"]
     for m in modes.values():
         m["step_ratio_vs_none"] = None if not (base and m["step_median_s"]) else m["step_median_s"] / base
@@ -291,7 +317,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     modes = [m for m in res["modes"] if res["modes"][m]["step_median_s"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     steps = [res["modes"][m]["step_median_s"] * 1e3 for m in modes]
-    colors = {"none": "#888", "gemini": "#2a7", "gemini_asap": "#7c7", "gemini_dcp_async": "#4a9", "stock": "#c55"}
+    colors = {"none": "#888", "gemini": "#2a7", "gemini_asap": "#7c7", "gemini_planned": "#9b6", "gemini_dcp_async": "#4a9", "stock": "#c55"}
     a.bar(modes, steps, color=[colors[m] for m in modes])
     a.tick_params(axis="x", labelsize=7)
     for i, m in enumerate(modes):
@@ -367,14 +393,14 @@ def main() -> None:
             print("matplotlib missing: no plot")
     print(f"state per rank: {res['state_bytes_per_rank'][0] / 2**20:.1f} MiB; profile: {json.dumps(res['profile_rank0'])}")
     print(
-        f"{'mode':12s} {'step ms':>9s} {'ratio':>7s} {'mean r':>7s} {'save ms':>8s} {'p95':>7s} {'guard ms':>9s} "
+        f"{'mode':16s} {'step ms':>9s} {'ratio':>7s} {'mean r':>7s} {'paired':>7s} {'save ms':>8s} {'p95':>7s} {'guard ms':>9s} "
         f"{'copy ms':>8s} {'commit ms':>9s} {'bg cpu ms':>9s} {'in gaps':>7s}"
     )
     for m, r in res["modes"].items():
         f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
         print(
-            f"{m:12s} {f(r['step_median_s'] * 1e3 if r['step_median_s'] else None, 1):>9s} {f(r['step_ratio_vs_none'], 3):>7s} "
-            f"{f(r['mean_ratio_vs_none'], 3):>7s} {f(r['blocked_median_ms']):>8s} {f(r['blocked_p95_ms']):>7s} "
+            f"{m:16s} {f(r['step_median_s'] * 1e3 if r['step_median_s'] else None, 1):>9s} {f(r['step_ratio_vs_none'], 3):>7s} "
+            f"{f(r['mean_ratio_vs_none'], 3):>7s} {f(r['paired_ratio_median'], 3):>7s} {f(r['blocked_median_ms']):>8s} {f(r['blocked_p95_ms']):>7s} "
             f"{f(r['guard_wait_median_ms']):>9s} {f(r['local_copy_median_ms'], 1):>8s} {f(r['commit_median_ms'], 1):>9s} "
             f"{f(r['background_cpu_median_ms'], 1):>9s} {f(r['bytes_in_gaps_mean'], 2):>7s}"
         )
