@@ -283,7 +283,7 @@ def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
     def round_medians(mode: str) -> dict[int, float]:
         by: dict[int, list[float]] = {}
         for r in per_rank:
-            for s_, rd in zip(r["records"][mode]["step"], r["records"][mode].get("round", [])):
+            for s_, rd in zip(r["records"][mode]["step"], r["records"][mode]["round"]):
                 by.setdefault(rd, []).append(s_)
         return {rd: _med(v) for rd, v in by.items()}
 

@@ -150,10 +150,6 @@ class PlanReplay:
         self.replayed = 0  # saves that skipped planning
         self.planned = 0  # saves that went through dcp.save
 
-    def forget(self) -> None:
-        """Drop the recorded plan: the next save plans again (on every rank, by the agreement)."""
-        self._recorded = None
-
     def save(self, state_dict: dict[str, Any], step: int) -> Metadata:
         """Save ``state_dict`` as ``step``; returns the global metadata. Collective."""
         rank = 0 if self.no_dist or self.group is None else dist.get_rank(self.group)

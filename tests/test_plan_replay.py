@@ -78,7 +78,7 @@ def _replay_steps(rank: int, world: int, root: str) -> dict[str, Any]:
     dcp.save(saved[5], storage_writer=ref_writer, checkpoint_id=5, process_group=group)
     loaded_ok = []
     for step, sd in saved.items():
-        out = {k: v for k, v in _state(rank, 99, rank == 1 and step >= 3).items()}
+        out = _state(rank, 99, rank == 1 and step >= 3)
         out["nested"] = {"m": torch.zeros(32), "step": -1}
         dcp.load(out, storage_reader=GeminiStorageReader(root=root, job_id="replay"), checkpoint_id=step)
         ok = all(torch.equal(out[k], sd[k]) for k in sd if isinstance(sd[k], torch.Tensor))
