@@ -307,6 +307,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
             "gib": args.gib, "ranks": 2, "threads_per_rank": 1, "rounds": args.rounds, "keep": args.keep,
             "stock_thread_count": args.stock_threads, "state": "4 float32 DTensor Shard(0) (rows x 1024) + 4 small "
             "sharded + 4 small replicated tensors + 2 plain values", "gb": "1e9 bytes",
+            "tier_dir": args.shm, "tier_mount": common.mount_options(args.shm),
         },
         "state_bytes": nbytes,
         "figures": figs,
@@ -479,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="output JSON (default benchmarks/results/local.json)")
     ap.add_argument("--png", type=Path, default=None, help="output plot (default docs/img/bench_local.png)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    ap.add_argument("--shm", default="/dev/shm",
+                    help="memory-backed directory both writers' roots are made in (default /dev/shm; "
+                         "e.g. a tmpfs mounted with huge=within_size, see docs/architecture.md)")
     ap.add_argument("--markdown", action="store_true", help="also print the docs/benchmarks.md table")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="on a shared machine: first wait up to S seconds for CPU pressure (avg10) below 10%%")
@@ -491,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         args.png = args.png or common.IMG / "bench_local.png"
     total = int(args.gib * GIB)
     # state + gemini slots (keep+1 per rank) + stock dirs (keep, +1 while saving) + raw baseline buffers
-    common.require_memory(int(total * (1 + 2 * (args.keep + 1) + 0.5)), "bench_local")
-    scratch = common.shm_dir("gemini-bench-local-")
+    common.require_memory(int(total * (1 + 2 * (args.keep + 1) + 0.5)), "bench_local", args.shm)
+    scratch = common.shm_dir("gemini-bench-local-", args.shm)
     try:
         if args.wait_quiet > 0:
             print(f"cpu pressure avg10 at start: {common.wait_quiet(args.wait_quiet)}%")

@@ -300,7 +300,8 @@ def summarize(save: list[dict[str, Any]], restores: list[list[dict[str, Any]]], 
         "benchmark": "peer",
         "machine": common.machine_info(),
         "config": {"gib": args.gib, "nodes": 2, "ranks_per_node": 1, "threads_per_rank": 1, "replicas": 2,
-                   "keep": args.keep, "rounds": args.rounds, "restores": args.restores, "gb": "1e9 bytes"},
+                   "keep": args.keep, "rounds": args.rounds, "restores": args.restores, "gb": "1e9 bytes",
+                   "tier_dir": args.shm, "tier_mount": common.mount_options(args.shm)},
         "payload_bytes_per_rank": payload,
         "warmup_saves_s": s0["warmup_saves_s"],
         "figures": figs,
@@ -443,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="output JSON (default benchmarks/results/peer.json)")
     ap.add_argument("--png", type=Path, default=None, help="output plot (default docs/img/bench_peer.png)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    ap.add_argument("--shm", default="/dev/shm",
+                    help="memory-backed directory the nodes' tier roots are made in (default /dev/shm; "
+                         "e.g. a tmpfs mounted with huge=within_size, see docs/architecture.md)")
     ap.add_argument("--markdown", action="store_true", help="also print the docs/benchmarks.md table")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="on a shared machine: first wait up to S seconds for CPU pressure (avg10) below 10%%")
@@ -455,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         args.png = args.png or common.IMG / "bench_peer.png"
     total = int(args.gib * GIB)
     # state + own and replica slots on each node + the raw receive buffer
-    common.require_memory(int(total * (2 + 2 * (args.keep + 1))), "bench_peer")
-    scratch = common.shm_dir("gemini-bench-peer-")
+    common.require_memory(int(total * (2 + 2 * (args.keep + 1))), "bench_peer", args.shm)
+    scratch = common.shm_dir("gemini-bench-peer-", args.shm)
     roots = [scratch / "node0", scratch / "node1"]
     for r in roots:
         r.mkdir(mode=0o700)

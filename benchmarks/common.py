@@ -78,9 +78,10 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def shm_dir(prefix: str) -> Path:
-    """A private directory under /dev/shm (or $TMPDIR when absent), removed at interpreter exit."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+def shm_dir(prefix: str, base: str | os.PathLike[str] | None = None) -> Path:
+    """A private directory under ``base`` (default /dev/shm, or $TMPDIR when absent), removed at interpreter exit."""
+    if base is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
     if not _SCRATCH:
         atexit.register(_cleanup_scratch)
@@ -96,6 +97,21 @@ def remove_dir(path: Path) -> None:
         _SCRATCH.remove(path)
 
 
+def mount_options(path: str | os.PathLike[str]) -> str | None:
+    """``fstype options`` of the mount that holds ``path`` (from /proc/mounts), or None."""
+    best, found = "", None
+    target = os.path.realpath(path)
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 4 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")) and len(parts[1]) >= len(best):
+            best, found = parts[1], f"{parts[2]} {parts[3]}"
+    return found
+
+
 def mem_available() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -106,14 +122,14 @@ def mem_available() -> int:
     return 1 << 62
 
 
-def require_memory(need: int, what: str) -> None:
+def require_memory(need: int, what: str, tier_dir: str = "/dev/shm") -> None:
     """Refuse to start when the run would push the (shared) machine into the OOM killer."""
     have = mem_available()
-    shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else have
+    shm = shutil.disk_usage(tier_dir).free if os.path.isdir(tier_dir) else have
     if need > 0.9 * min(have, shm):
         raise SystemExit(
             f"{what} needs ~{need / GIB:.1f} GiB of memory at its peak but only {have / GIB:.1f} GiB "
-            f"are available ({shm / GIB:.1f} GiB free in /dev/shm): lower --gib or --keep."
+            f"are available ({shm / GIB:.1f} GiB free in {tier_dir}): lower --gib or --keep."
         )
 
 

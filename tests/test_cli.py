@@ -337,6 +337,30 @@ def test_doctor_flags_disk_and_small_shm(tmp_path: Path) -> None:
         doctor(str(tmp_path), expected_gb=-1)
 
 
+def test_doctor_reports_tmpfs_page_size(tmp_path: Path) -> None:
+    from gemini_dcp.inspect import doctor, tmpfs_huge_pages
+
+    mounts = tmp_path / "mounts"
+    sysfs = tmp_path / "shmem_enabled"
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\ntmpfs {tier} tmpfs rw,relatime,size=8388608k,huge=within_size 0 0\n")
+    sysfs.write_text("always within_size advise [never] deny force\n")
+    assert tmpfs_huge_pages(tier, str(mounts), str(sysfs)) == "within_size"
+    sysfs.write_text("always within_size advise never [deny] force\n")
+    assert tmpfs_huge_pages(tier, str(mounts), str(sysfs)) == "deny"  # sysfs deny overrides the mount
+    sysfs.write_text("always within_size advise never deny [force]\n")
+    assert tmpfs_huge_pages(tmp_path, str(mounts), str(sysfs)) == "force"
+    sysfs.write_text("always within_size [advise] never deny force\n")
+    assert tmpfs_huge_pages(tmp_path, str(mounts), str(sysfs)) == "never"  # "/" has no huge= option
+    assert tmpfs_huge_pages(tier, str(tmp_path / "absent"), str(tmp_path / "absent")) == "never"
+
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\ntmpfs {tier} tmpfs rw,relatime,size=8388608k 0 0\n")
+    check = {c.name: c for c in doctor(str(tier), mounts_file=str(mounts)).checks}["huge pages"]
+    if tmpfs_huge_pages(tier, str(mounts)) != "force":  # this machine's sysfs may force huge pages
+        assert check.status == "info" and "4 KiB" in check.detail and "huge=within_size" in check.fix
+
+
 # ---- plan ----------------------------------------------------------------------------------------
 @pytest.mark.skipif(not has_module("gemini_dcp.placement"), reason="gemini_dcp.placement (issue 3) is not in the tree yet")
 def test_plan_placement_and_probabilities() -> None:
