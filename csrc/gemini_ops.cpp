@@ -586,13 +586,17 @@ uint32_t copy_crc_piece(uint8_t* d, const uint8_t* s, size_t n) {
   return crc;
 }
 
-int64_t copy_with_crc32c(at::Tensor dst, const at::Tensor& src, int64_t num_threads) {
+// `value` continues a running CRC (the CRC-32C of the bytes before these), so a
+// copy paced block by block is still one pass: crc(A||B) = combine(crc(A), crc(B), |B|).
+int64_t copy_with_crc32c(at::Tensor dst, const at::Tensor& src, int64_t num_threads, int64_t value) {
   check_pair(dst, src, "gemini_dcp::copy_with_crc32c");
+  TORCH_CHECK(value >= 0 && value <= 0xFFFFFFFFLL, "gemini_dcp::copy_with_crc32c: value must be a uint32");
+  const auto seed = static_cast<uint32_t>(value);
   const size_t n = static_cast<size_t>(src.numel());
-  if (n == 0) return 0;
+  if (n == 0) return seed;
   auto* d = static_cast<uint8_t*>(dst.data_ptr());
   const auto* s = static_cast<const uint8_t*>(src.data_ptr());
-  if (d == s) return crc32c_update(0, s, n);
+  if (d == s) return crc32c_update(seed, s, n);
   const int threads = pick_threads(num_threads, n);
   std::vector<uint32_t> crcs(threads, 0);
   std::vector<size_t> lens(threads, 0);
@@ -603,7 +607,7 @@ int64_t copy_with_crc32c(at::Tensor dst, const at::Tensor& src, int64_t num_thre
   uint32_t crc = crcs[0];
   for (int i = 1; i < threads; ++i)
     if (lens[i]) crc = crc32c_combine(crc, crcs[i], lens[i]);
-  return crc;
+  return seed ? crc32c_combine(seed, crc, n) : crc;
 }
 
 // ------------------------------------------------------------------ xsum64
@@ -692,7 +696,7 @@ std::string build_info() {
 TORCH_LIBRARY(gemini_dcp, m) {
   m.def("copy_bytes(Tensor(a!) dst, Tensor src, int num_threads=0) -> ()");
   m.def("crc32c(Tensor buf, int value=0) -> int");
-  m.def("copy_with_crc32c(Tensor(a!) dst, Tensor src, int num_threads=0) -> int");
+  m.def("copy_with_crc32c(Tensor(a!) dst, Tensor src, int num_threads=0, int value=0) -> int");
   m.def("xsum64(Tensor t) -> int");
   m.def("build_info() -> str", &build_info);
   m.def("crc32c_path(str path=\"\") -> str", &crc32c_path);

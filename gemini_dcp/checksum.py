@@ -107,11 +107,19 @@ def copy_and_checksum(
     n = src.numel()
     if n != dst.numel():
         raise ValueError(f"copy_and_checksum: size mismatch {src.numel()} vs {dst.numel()}")
-    if algo == "crc32c" and pace is None:
+    if algo == "crc32c":
         from . import ext
 
         if ext.load():
-            return ext.copy_with_crc32c(dst, src)
+            if pace is None:
+                return ext.copy_with_crc32c(dst, src)
+            # paced: one fused copy+CRC pass per block, the running CRC carried across blocks
+            value = 0
+            for start in range(0, n, block):
+                m = min(block, n - start)
+                pace(m)
+                value = ext.copy_with_crc32c(dst[start : start + m], src[start : start + m], 1, value)
+            return value
     h = _Hasher(algo)
     for start in range(0, n, block):
         # --- paced copy (gemini_dcp.interleave): one scheduler call per block ---

@@ -446,6 +446,11 @@ def _check_bytes(t: torch.Tensor, op: str, name: str) -> None:
         )
 
 
+def _check_crc_value(value: int, op: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 0xFFFFFFFF:
+        raise ConfigError(f"{op}: value must be a uint32 (a previous CRC-32C), got {value!r}")
+
+
 def _check_pair(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
     _check_bytes(dst, op, "dst")
     _check_bytes(src, op, "src")
@@ -497,27 +502,30 @@ def crc32c(buf: torch.Tensor, value: int = 0) -> int:
     so ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
     """
     _check_bytes(buf, "crc32c", "buf")
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 0xFFFFFFFF:
-        raise ConfigError(f"crc32c: value must be a uint32 (a previous CRC-32C), got {value!r}")
+    _check_crc_value(value, "crc32c")
     if load():
         return int(torch.ops.gemini_dcp.crc32c(buf, value))
     return _pkg_crc32c(buf, value)
 
 
-def copy_with_crc32c(dst: torch.Tensor, src: torch.Tensor, num_threads: int = 0) -> int:
+def copy_with_crc32c(dst: torch.Tensor, src: torch.Tensor, num_threads: int = 0, value: int = 0) -> int:
     """Copy ``src`` into ``dst`` and return the CRC-32C of the bytes, in one pass.
 
     Used both for save (src = live tensor bytes, dst = tier) and load (src = tier,
     dst = live tensor). The extension copies 96 KiB blocks and checksums each while
     it is in cache; with several threads each takes a piece and the CRCs are
-    combined. Fallback: ``dst.copy_(src)`` then the ``crc32c`` package.
+    combined. ``value`` continues a running CRC as in :func:`crc32c`, so a copy
+    made block by block (the paced snapshot copy) stays one pass:
+    ``copy_with_crc32c(d2, s2, value=copy_with_crc32c(d1, s1)) == crc32c(s1 + s2)``.
+    Fallback: ``dst.copy_(src)`` then the ``crc32c`` package.
     """
     _check_pair(dst, src, "copy_with_crc32c")
     _check_threads(num_threads)
+    _check_crc_value(value, "copy_with_crc32c")
     if load():
-        return int(torch.ops.gemini_dcp.copy_with_crc32c(dst, src, num_threads))
+        return int(torch.ops.gemini_dcp.copy_with_crc32c(dst, src, num_threads, value))
     dst.copy_(src)
-    return _pkg_crc32c(dst, 0)
+    return _pkg_crc32c(dst, value)
 
 
 # ------------------------------------------------------------------------------------- CUDA ops

@@ -156,6 +156,38 @@ def test_copy_with_crc32c_unaligned_and_large(impl: str) -> None:
     assert ext.copy_with_crc32c(tier, big) == ext.copy_with_crc32c(live, tier) == _ref(big)
 
 
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_copy_with_crc32c_continues_a_running_crc(impl: str, threads: int) -> None:
+    """The paced snapshot copy: block after block, each continuing the last block's CRC."""
+    src = _rand((3 << 20) + 12_345, 9)
+    dst = torch.zeros_like(src)
+    for block, n in ((1, 777), (4096, 100_003), (98_305, src.numel()), (1 << 20, src.numel())):
+        dst.zero_()
+        value = 0
+        for start in range(0, n, block):
+            end = min(start + block, n)
+            value = ext.copy_with_crc32c(dst[start:end], src[start:end], threads, value)
+        assert value == _ref(src[:n]), (impl, threads, block)
+        assert torch.equal(dst[:n], src[:n])
+    assert ext.copy_with_crc32c(dst[:0], src[:0], threads, 0x1234ABCD) == 0x1234ABCD  # empty: unchanged
+    seed = _ref(src[:1000])
+    assert ext.copy_with_crc32c(dst[1000:5000], src[1000:5000], threads, seed) == _ref(src[:5000])
+    with pytest.raises(ConfigError, match="uint32"):
+        ext.copy_with_crc32c(dst[:8], src[:8], 0, 1 << 32)
+
+
+def test_paced_copy_and_checksum_matches_unpaced(impl: str) -> None:
+    from gemini_dcp.checksum import copy_and_checksum
+
+    src = _rand((2 << 20) + 77, 10)
+    blocks: list[int] = []
+    for algo in ("crc32c", "xxh3"):
+        a, b = torch.zeros_like(src), torch.zeros_like(src)
+        paced = copy_and_checksum(a, src, algo, block=1 << 19, pace=blocks.append)
+        assert paced == copy_and_checksum(b, src, algo) and torch.equal(a, src) and torch.equal(b, src), (impl, algo)
+    assert blocks == [1 << 19] * 4 + [77] + [1 << 19] * 4 + [77]  # the scheduler sees every block, in order
+
+
 def test_argument_checks() -> None:
     u8 = torch.zeros(16, dtype=torch.uint8)
     with pytest.raises(ConfigError, match="uint8"):
