@@ -121,12 +121,13 @@ def _meshes(state_dict: dict[str, Any]) -> tuple[Any, ...]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Recorded:
-    generation: int  # counts recorded saves; equal on every rank that recorded the same save
+    generation: int  # the step of the recorded save: equal on every rank that recorded the same save
     local_plan: SavePlan
     final_plan: SavePlan
     metadata: Metadata
     key: tuple[Any, ...] | None = None  # structure_key of the recorded state dict (None: compare plans)
     meshes: tuple[Any, ...] = ()  # keeps the meshes in ``key`` alive
+    layout: Any = None  # the recorded save's committed_layout: replays send only checksums
 
 
 def same_plan(a: SavePlan, b: SavePlan) -> bool:
@@ -146,7 +147,6 @@ class PlanReplay:
         self.group = group
         self.no_dist = no_dist
         self._recorded: _Recorded | None = None
-        self._generation = 0
         self.replayed = 0  # saves that skipped planning
         self.planned = 0  # saves that went through dcp.save
 
@@ -176,7 +176,7 @@ class PlanReplay:
             meta = rec.metadata
             if meta.storage_meta is not None:
                 meta = dataclasses.replace(meta, storage_meta=w.storage_meta())
-            w.write_replayed(rec.final_plan, planner, meta)
+            w.write_replayed(rec.final_plan, planner, meta, rec.layout)
             self.replayed += 1
             return meta
         return self._plan_and_save(state_dict, step)
@@ -193,10 +193,13 @@ class PlanReplay:
         self.planned += 1
         global_meta = self.writer.planned_metadata
         if planner.local_plan is not None and planner.final_plan is not None and isinstance(global_meta, Metadata):
-            self._generation += 1
+            # The step names the recorded save: one collective save per step, so ranks that
+            # recorded the same step recorded the same save (a counter would drift apart for
+            # good after a save that committed on some ranks and raised on others).
             key = structure_key(planner.state_dict, planner.mappings)
             self._recorded = _Recorded(
-                self._generation, planner.local_plan, planner.final_plan, global_meta, key, _meshes(planner.state_dict)
+                step, planner.local_plan, planner.final_plan, global_meta, key, _meshes(planner.state_dict),
+                self.writer.committed_layout,
             )
         return meta
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
@@ -57,6 +57,54 @@ class _RankReport:
     results: tuple[WriteResult, ...]
     replica_slots: tuple[RankSlot, ...] = ()  # peer replicas this rank stored for other nodes
     metadata: Metadata | None = None  # rank 0 only: the planner's global metadata (one gather, no broadcast)
+    # A replayed save whose results match the recorded layout sends only its checksums, in the
+    # layout's order for this rank; ``results`` is then empty until :func:`_expand` rebuilds it.
+    checksums: tuple[int, ...] | None = None
+
+
+def _rank_layouts(layout: dict[MetadataIndex, ShardRef]) -> dict[int, list[tuple[MetadataIndex, ShardRef]]]:
+    """The recorded save's chunks per rank, in that rank's write order (the commit's dict order)."""
+    out: dict[int, list[tuple[MetadataIndex, ShardRef]]] = {}
+    for idx, ref in layout.items():
+        out.setdefault(ref.rank, []).append((idx, ref))
+    return out
+
+
+def _compact(report: _RankReport, mine: list[tuple[MetadataIndex, ShardRef]]) -> _RankReport:
+    """``report`` with its results replaced by their checksums when they match ``mine``
+    (the recorded layout of this rank) in everything but the checksums; else unchanged."""
+    res = report.results
+    if len(res) != len(mine):
+        return report
+    for wr, (idx, ref) in zip(res, mine):
+        got = wr.storage_data
+        if (
+            wr.index != idx
+            or got.offset != ref.offset
+            or got.length != ref.length
+            or got.algo != ref.algo
+            or got.dtype != ref.dtype
+            or got.shape != ref.shape
+            or got.rank != ref.rank
+        ):
+            return report
+    return dataclasses.replace(report, results=(), checksums=tuple(wr.storage_data.checksum for wr in res))
+
+
+def _expand(report: _RankReport | None, layouts: dict[int, list[tuple[MetadataIndex, ShardRef]]]) -> _RankReport | None:
+    """Rebuild the results of a compact report from the recorded layout of its rank."""
+    if report is None or report.checksums is None:
+        return report
+    mine = layouts.get(report.rank, [])
+    results = tuple(
+        WriteResult(
+            index=idx,
+            size_in_bytes=ref.length,
+            storage_data=ShardRef(ref.rank, ref.offset, ref.length, cs, ref.algo, ref.dtype, ref.shape),
+        )
+        for (idx, ref), cs in zip(mine, report.checksums, strict=True)
+    )
+    return dataclasses.replace(report, results=results, checksums=None)
 
 
 class GeminiStorageWriter(StorageWriter):
@@ -125,6 +173,9 @@ class GeminiStorageWriter(StorageWriter):
         self.last_replication: dict[str, Any] = {}
         # The global metadata of the last save (rank 0's plan, known to every rank after the commit gather).
         self.planned_metadata: Metadata | None = None
+        # Where every rank's chunks of the last committed save live (index -> ShardRef), known to every rank.
+        self.committed_layout: dict[MetadataIndex, ShardRef] | None = None
+        self.last_commit_compact = False  # the last commit gather sent this rank's checksums only
         self.persistent = None
         if persistent is not None:
             from .persistent import PersistentTier  # noqa: PLC0415 - optional tier
@@ -184,7 +235,13 @@ class GeminiStorageWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def write_replayed(self, plan: SavePlan, planner: SavePlanner, metadata: Metadata) -> list[WriteResult]:
+    def write_replayed(
+        self,
+        plan: SavePlan,
+        planner: SavePlanner,
+        metadata: Metadata,
+        layout: dict[MetadataIndex, ShardRef] | None = None,
+    ) -> list[WriteResult]:
         """Write ``plan`` and commit with ``metadata``, both from an earlier ``dcp.save``
         of a state dict of the same structure (:mod:`gemini_dcp.plan_replay`).
 
@@ -194,9 +251,14 @@ class GeminiStorageWriter(StorageWriter):
         (``finish`` is not needed). Collective over the checkpoint control group:
         all ranks call it together, each with its own final plan of the *same*
         earlier save.
+
+        ``layout``: that save's :attr:`committed_layout` (the same on every rank).
+        A rank whose chunks land where they did then sends only their checksums in
+        the commit gather, and every rank rebuilds the write results from the
+        layout; a rank whose layout differs sends them whole.
         """
         comm = get_comm(self.options.timeout_s, self.process_group)
-        results = self._write_and_commit(comm, plan, planner, None, metadata, check_space=True)
+        results = self._write_and_commit(comm, plan, planner, None, metadata, check_space=True, layout=layout)
         self.last_committed_step = self._step
         return results
 
@@ -209,6 +271,7 @@ class GeminiStorageWriter(StorageWriter):
         known: Metadata | None,
         *,
         check_space: bool = False,
+        layout: dict[MetadataIndex, ShardRef] | None = None,
     ) -> list[WriteResult]:
         """The body of a save. ``planned``: rank 0's metadata, sent to every rank in the
         report gather; ``known``: metadata every rank already has (nothing to send)."""
@@ -227,17 +290,28 @@ class GeminiStorageWriter(StorageWriter):
         finally:
             if self.on_local_copy_done is not None:
                 self.on_local_copy_done(step)
-        reports = comm.all_gather_object(report)
+        layouts = _rank_layouts(layout) if layout is not None else None
+        sent = report
+        if layouts is not None and report is not None:
+            sent = _compact(report, layouts.get(rank, []))
+        self.last_commit_compact = sent is not report
+        reports = comm.all_gather_object(sent)
         self._raise_if_failed(error, reports, "writing shards into the local tier")
         assert report is not None
+        if layouts is not None:
+            reports = [_expand(rep, layouts) for rep in reports]
         meta = known if known is not None else reports[0].metadata  # rank 0's, received by every rank in the same gather
         self.planned_metadata = meta
         if self.options.replicas > 1 and comm.distributed:
             from .peer import replicate  # noqa: PLC0415
 
             replica_slots, self.last_replication = replicate(self, comm, step, reports)
-            reports = comm.all_gather_object(dataclasses.replace(report, replica_slots=replica_slots, metadata=None))
+            assert sent is not None
+            reports = comm.all_gather_object(dataclasses.replace(sent, replica_slots=replica_slots, metadata=None))
+            if layouts is not None:
+                reports = [_expand(rep, layouts) for rep in reports]
         record = self._build_record(step, comm, reports, meta)
+        self.committed_layout = record.metadata.storage_data
         self._commit_on_node(record, reports, rank)
         self._after_commit(self._pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0

@@ -11,6 +11,7 @@ rank instead of leaving the others waiting in the commit.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -139,6 +140,62 @@ def test_failure_on_one_rank_during_replay_reaches_every_rank(roots: list[str]) 
     assert res[1][:4] == ["0:ok", "1:ok", "2:OSError", "3:ok"]
     assert res[0][:4] == ["0:ok", "1:ok", "2:PeerError", "3:ok"]  # told that rank 1 failed; nothing committed
     assert res[0][4] == res[1][4] == "restored:3"
+
+
+def _replay_replicated(rank: int, world: int, root: str) -> dict[str, Any]:
+    from gemini_dcp.comm import get_comm
+
+    writer = GeminiStorageWriter(root=root, job_id="rep", keep=2, replicas=2, timeout_s=60)
+    replay = PlanReplay(writer, get_comm(60.0).group, no_dist=False)
+    compact = []
+    for step in range(4):
+        replay.save(_state(rank, step, False), step)
+        compact.append(writer.last_commit_compact)
+    torch.distributed.barrier()
+    if rank == 1:  # node 1 is replaced: its memory is gone, its shards must come from node 0's replica
+        shutil.rmtree(os.path.join(root, "rep"))
+    torch.distributed.barrier()
+    out = _state(rank, 99, False)
+    out["nested"] = {"m": torch.zeros(32), "step": -1}
+    reader = GeminiStorageReader(root=root, job_id="rep")
+    dcp.load(out, storage_reader=reader)
+    want = _state(rank, 3, False)
+    ok = all(torch.equal(out[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
+    ok = ok and torch.equal(out["nested"]["m"], want["nested"]["m"]) and out["nested"]["step"] == 3
+    return {"compact": compact, "ok": ok, "step": reader.restored_step, "from": dict(reader.restored_from)}
+
+
+@pytest.mark.timeout(240)
+def test_replayed_commit_sends_checksums_only_and_replicas_restore(roots: list[str]) -> None:
+    res = run_ranks(_replay_replicated, 2, roots)
+    assert [r["compact"] for r in res] == [[False, True, True, True]] * 2  # step 0 planned, then compact gathers
+    assert all(r["ok"] and r["step"] == 3 for r in res), res
+    assert res[0]["from"]["peer"] > 0  # the replaced node's shards came from the peer replica written by a replay
+
+
+def test_compact_report_round_trip() -> None:
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from gemini_dcp.records import ShardRef
+    from gemini_dcp.writer import _compact, _expand, _rank_layouts, _RankReport
+
+    def wr(rank: int, fqn: str, off: int, n: int, cs: int) -> WriteResult:
+        return WriteResult(index=MetadataIndex(fqn, [0]), size_in_bytes=n,
+                           storage_data=ShardRef(rank, off, n, cs, "crc32c", "float32", (n // 4,)))
+
+    recorded = [wr(0, "a", 0, 64, 1), wr(0, "b", 64, 0, 2), wr(0, "c", 64, 128, 3), wr(1, "d", 0, 32, 4)]
+    layouts = _rank_layouts({w.index: w.storage_data for w in recorded})
+    now = (wr(0, "a", 0, 64, 11), wr(0, "b", 64, 0, 12), wr(0, "c", 64, 128, 13))
+    rep = _RankReport(rank=0, node_id="n0", slot=1, nbytes=192, results=now)
+    sent = _compact(rep, layouts[0])
+    assert sent.results == () and sent.checksums == (11, 12, 13)
+    assert _expand(sent, layouts) == rep
+    moved = (now[0], now[1], wr(0, "c", 128, 128, 13))  # a chunk elsewhere: sent whole
+    assert _compact(dataclasses.replace(rep, results=moved), layouts[0]).results == moved
+    assert _compact(dataclasses.replace(rep, results=now[:2]), layouts[0]).checksums is None  # fewer chunks
+    empty = _RankReport(rank=2, node_id="n2", slot=0, nbytes=0, results=())
+    assert _expand(_compact(empty, layouts.get(2, [])), layouts) == empty  # a rank that wrote nothing
+    assert _expand(None, layouts) is None
 
 
 def test_single_process_replay(tmp_path: Any) -> None:
