@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import xxhash
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .errors import ChecksumMismatchError
 from .layout import atomic_write_bytes
@@ -77,6 +77,21 @@ class StepRecord:
     created_unix: float = field(default_factory=time.time)
     complete: bool = True                # False: written without the coordinator's final metadata
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # The DCP metadata minus its storage_data / storage_meta is the same object on every
+        # save that replays a plan (gemini_dcp.plan_replay) and by far the largest part of a
+        # record (one TensorStorageMetadata per tensor): pickled once, then reused as bytes.
+        meta = self.metadata
+        return (
+            _rebuild_record,
+            (
+                self.job_id, self.step, self.world_size, _metadata_blob(meta), meta.storage_meta,
+                _pack_storage_data(meta.storage_data),
+                self.rank_nodes, self.rank_nbytes, self.holders, self.replicas, self.placement, self.slots,
+                self.node_id, self.created_unix, self.complete,
+            ),
+        )
+
     @property
     def nodes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(self.rank_nodes))
@@ -107,6 +122,62 @@ class StepRecord:
         for idx, ref in sorted(self.metadata.storage_data.items(), key=lambda kv: (kv[0].fqn, tuple(kv[0].offset or ()))):
             h.update(f"{idx.fqn}|{tuple(idx.offset or ())}|{ref.rank}|{ref.offset}|{ref.length}|{ref.checksum}".encode())
         return h.hexdigest()[:16]
+
+
+# The pickled metadata shell of the last record encoded in this process, with the parts it was
+# made of: one tuple, read and replaced in single steps (saving threads may encode concurrently).
+# Holding the parts keeps them alive, so their ids cannot be reused while the entry stands.
+_blob_cache: tuple[tuple[object, ...], bytes] = ((), b"")
+
+
+def _metadata_blob(meta: Metadata) -> bytes:
+    """``meta`` without ``storage_data`` and ``storage_meta``, pickled (cached while its parts are the same objects)."""
+    global _blob_cache
+    shell = replace(meta, storage_data=None, storage_meta=None)
+    parts = tuple(getattr(shell, f) for f in shell.__dataclass_fields__)
+    cached_parts, cached_blob = _blob_cache
+    if len(parts) == len(cached_parts) and all(a is b for a, b in zip(parts, cached_parts)):
+        return cached_blob
+    blob = pickle.dumps(shell, protocol=pickle.HIGHEST_PROTOCOL)
+    _blob_cache = (parts, blob)
+    return blob
+
+
+_PACKED = "gemini_dcp.shardrefs.v1"
+
+
+def _pack_storage_data(storage_data: object) -> object:
+    """``{MetadataIndex: ShardRef}`` as flat tuples (pickling torch's MetadataIndex field by
+    field costs ~3x more); anything else unchanged."""
+    if not isinstance(storage_data, dict) or not all(
+        type(k) is MetadataIndex and type(v) is ShardRef for k, v in storage_data.items()
+    ):
+        return storage_data
+    return (
+        _PACKED,
+        tuple(
+            (k.fqn, None if k.offset is None else tuple(k.offset), k.index,
+             v.rank, v.offset, v.length, v.checksum, v.algo, v.dtype, v.shape)
+            for k, v in storage_data.items()
+        ),
+    )
+
+
+def _unpack_storage_data(packed: object) -> object:
+    if not (isinstance(packed, tuple) and len(packed) == 2 and packed[0] == _PACKED):
+        return packed
+    return {
+        MetadataIndex(fqn, offset, index): ShardRef(*ref)
+        for fqn, offset, index, *ref in packed[1]  # type: ignore[misc]
+    }
+
+
+def _rebuild_record(
+    job_id: str, step: int, world_size: int, meta_blob: bytes, storage_meta: object, storage_data: object,
+    *rest: object,
+) -> StepRecord:
+    meta = replace(pickle.loads(meta_blob), storage_data=_unpack_storage_data(storage_data), storage_meta=storage_meta)
+    return StepRecord(job_id, step, world_size, meta, *rest)  # type: ignore[arg-type]
 
 
 def encode_record(record: StepRecord) -> bytes:

@@ -265,3 +265,60 @@ def test_defaults_from_environment(root: str, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "envjob")
     w = GeminiStorageWriter()
     assert str(w.root) == root and w.job_id == "envjob"
+
+
+def test_step_record_encoding_reuses_the_metadata_shell() -> None:
+    """Replayed saves share the DCP metadata shell: it is pickled once, and records round-trip."""
+    import copyreg
+    import dataclasses
+    import io
+    import pickle
+
+    import xxhash
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
+
+    from gemini_dcp import records
+    from gemini_dcp.records import RECORD_MAGIC, RankSlot, ShardRef, StepRecord, decode_record, encode_record
+
+    sd_meta = {f"w{i}": BytesStorageMetadata() for i in range(50)}
+    base = Metadata(state_dict_metadata=sd_meta, planner_data={"w0": ("w0",)})
+
+    def record(step: int, meta: Metadata) -> StepRecord:
+        data = {MetadataIndex(f"w{i}", [0]): ShardRef(0, 64 * i, 64, step * 100 + i, "crc32c") for i in range(50)}
+        meta = dataclasses.replace(meta, storage_data=data, storage_meta=StorageMeta(checkpoint_id=f"gemini://j/step-{step}"))
+        return StepRecord("j", step, 1, meta, ("n",), (3200,), {"n": ("n",)}, 1, "mixed",
+                          (RankSlot(0, step % 2, 3200),), "n", created_unix=1.0 + step)
+
+    calls: list[str] = []
+    real_dumps = records.pickle.dumps
+
+    def counting_dumps(obj: object, *a: object, **k: object) -> bytes:
+        calls.append(type(obj).__name__)
+        return real_dumps(obj, *a, **k)
+
+    records.pickle.dumps = counting_dumps  # type: ignore[assignment]
+    try:
+        encoded = [encode_record(record(s, base)) for s in range(3)]
+        other = encode_record(record(3, Metadata(state_dict_metadata=dict(sd_meta))))  # another shell object
+    finally:
+        records.pickle.dumps = real_dumps  # type: ignore[assignment]
+    assert calls.count("Metadata") == 2  # once for the three replayed steps, once for the other shell
+    for s, blob in enumerate(encoded):
+        got = decode_record(blob)
+        assert got == record(s, base)
+        assert got.metadata.storage_meta.checkpoint_id == f"gemini://j/step-{s}"
+    assert decode_record(other).metadata.planner_data is None
+
+    # a record pickled field by field (the format before the shell was cached) still decodes
+    class FieldByField(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            if type(obj) is StepRecord:  # what pickle made of the slotted dataclass by default
+                return (copyreg.__newobj__, (StepRecord,), obj.__getstate__())
+            return NotImplemented
+
+    buf = io.BytesIO()
+    FieldByField(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(record(7, base))
+    payload = buf.getvalue()
+    assert b"_rebuild_record" not in payload
+    old = records._HEADER.pack(RECORD_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+    assert decode_record(old) == record(7, base)
