@@ -13,7 +13,7 @@ Ops (``torch.ops.gemini_dcp.*``; all release the GIL)::
 
     copy_bytes(dst, src, num_threads)   multi-threaded memcpy
     crc32c(buf, value)                   CRC-32C, SSE4.2, 3-way interleaved
-    copy_with_crc32c(dst, src, n)        copy + CRC-32C in one pass over cache-sized blocks
+    copy_with_crc32c(dst, src, n, value) copy + CRC-32C in one pass over cache-sized blocks
     xsum64(t)                            the checksum of gpu_checksum (CPU and CUDA kernels)
     host_register / host_unregister      cudaHostRegister bookkeeping        (CUDA build only)
     copy_d2h_chunked(dst, src, chunk)    chunked D2H on a low-priority stream (CUDA build only)
