@@ -107,28 +107,25 @@ def copy_and_checksum(
     n = src.numel()
     if n != dst.numel():
         raise ValueError(f"copy_and_checksum: size mismatch {src.numel()} vs {dst.numel()}")
-    if algo == "crc32c":
-        from . import ext
+    from . import ext
 
-        if ext.load():
-            if pace is None:
-                return ext.copy_with_crc32c(dst, src)
-            # paced: one fused copy+CRC pass per block, the running CRC carried across blocks
-            value = 0
-            for start in range(0, n, block):
-                m = min(block, n - start)
-                pace(m)
-                value = ext.copy_with_crc32c(dst[start : start + m], src[start : start + m], 1, value)
-            return value
-    h = _Hasher(algo)
+    fused = algo == "crc32c" and ext.load()
+    if fused and pace is None:
+        return ext.copy_with_crc32c(dst, src)
+    h = None if fused else _Hasher(algo)
+    value = 0  # the running CRC of the fused path (the extension carries it across blocks)
     for start in range(0, n, block):
+        m = min(block, n - start)
         # --- paced copy (gemini_dcp.interleave): one scheduler call per block ---
         if pace is not None:
-            pace(min(block, n - start))
-        d = dst[start : start + block]
-        d.copy_(src[start : start + block])
-        h.update(d)
-    return h.value()
+            pace(m)
+        d, s = dst[start : start + m], src[start : start + m]
+        if h is None:
+            value = ext.copy_with_crc32c(d, s, 1, value)
+        else:
+            d.copy_(s)
+            h.update(d)
+    return value if h is None else h.value()
 
 
 def checksum_then_copy(dst: torch.Tensor, src: torch.Tensor, algo: str, block: int = BLOCK_BYTES) -> int:
