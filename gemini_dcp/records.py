@@ -43,10 +43,18 @@ class ShardRef:
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
 
+    def astuple(self) -> tuple[object, ...]:
+        """The fields in order: ``ShardRef(*ref.astuple()) == ref``."""
+        return (self.rank, self.offset, self.length, self.checksum, self.algo, self.dtype, self.shape)
+
+    def with_checksum(self, checksum: int) -> "ShardRef":
+        """The same chunk location with another checksum (a later save of the same plan)."""
+        return ShardRef(self.rank, self.offset, self.length, checksum, self.algo, self.dtype, self.shape)
+
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
         # A plain tuple: a slotted frozen dataclass pickles through dataclasses.fields()
         # per object, ~5x slower, and a step's metadata holds one ShardRef per chunk.
-        return (ShardRef, (self.rank, self.offset, self.length, self.checksum, self.algo, self.dtype, self.shape))
+        return (ShardRef, self.astuple())
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +164,7 @@ def _pack_storage_data(storage_data: object) -> object:
     return (
         _PACKED,
         tuple(
-            (k.fqn, None if k.offset is None else tuple(k.offset), k.index,
-             v.rank, v.offset, v.length, v.checksum, v.algo, v.dtype, v.shape)
+            (k.fqn, None if k.offset is None else tuple(k.offset), k.index, *v.astuple())
             for k, v in storage_data.items()
         ),
     )

@@ -77,16 +77,7 @@ def _compact(report: _RankReport, mine: list[tuple[MetadataIndex, ShardRef]]) ->
     if len(res) != len(mine):
         return report
     for wr, (idx, ref) in zip(res, mine):
-        got = wr.storage_data
-        if (
-            wr.index != idx
-            or got.offset != ref.offset
-            or got.length != ref.length
-            or got.algo != ref.algo
-            or got.dtype != ref.dtype
-            or got.shape != ref.shape
-            or got.rank != ref.rank
-        ):
+        if wr.index != idx or wr.storage_data.with_checksum(ref.checksum) != ref:
             return report
     return dataclasses.replace(report, results=(), checksums=tuple(wr.storage_data.checksum for wr in res))
 
@@ -100,7 +91,7 @@ def _expand(report: _RankReport | None, layouts: dict[int, list[tuple[MetadataIn
         WriteResult(
             index=idx,
             size_in_bytes=ref.length,
-            storage_data=ShardRef(ref.rank, ref.offset, ref.length, cs, ref.algo, ref.dtype, ref.shape),
+            storage_data=ref.with_checksum(cs),
         )
         for (idx, ref), cs in zip(mine, report.checksums, strict=True)
     )
