@@ -99,17 +99,10 @@ def remove_dir(path: Path) -> None:
 
 def mount_options(path: str | os.PathLike[str]) -> str | None:
     """``fstype options`` of the mount that holds ``path`` (from /proc/mounts), or None."""
-    best, found = "", None
-    target = os.path.realpath(path)
-    try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 4 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")) and len(parts[1]) >= len(best):
-            best, found = parts[1], f"{parts[2]} {parts[3]}"
-    return found
+    from gemini_dcp.inspect import mount_entry
+
+    entry = mount_entry(Path(path))
+    return None if entry is None else f"{entry[1]} {entry[2]}"
 
 
 def mem_available() -> int:

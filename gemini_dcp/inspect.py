@@ -687,15 +687,16 @@ class DoctorReport:
         return {"root": self.root, "ok": self.ok, "checks": [c.to_dict() for c in self.checks]}
 
 
-def mount_of(path: Path, mounts_file: str = "/proc/mounts") -> tuple[str, str] | None:
-    """(mount point, fstype) of the filesystem holding ``path`` (longest mount-point prefix)."""
+def mount_entry(path: Path, mounts_file: str = "/proc/mounts") -> tuple[str, str, str] | None:
+    """(mount point, fstype, options) of the filesystem holding ``path`` (longest
+    mount-point prefix in ``mounts_file``); None if that file cannot be read."""
     target = str(path.resolve())
-    best: tuple[str, str] | None = None
+    best: tuple[str, str, str] | None = None
     try:
         with open(mounts_file, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError:
-        return _mount_via_psutil(target)
+        return None
     for line in lines:
         parts = line.split()
         if len(parts) < 3:
@@ -703,26 +704,22 @@ def mount_of(path: Path, mounts_file: str = "/proc/mounts") -> tuple[str, str] |
         mnt = parts[1].replace("\\040", " ")
         if target == mnt or target.startswith(mnt.rstrip("/") + "/") or mnt == "/":
             if best is None or len(mnt) >= len(best[0]):
-                best = (mnt, parts[2])
+                best = (mnt, parts[2], parts[3] if len(parts) > 3 else "")
     return best
+
+
+def mount_of(path: Path, mounts_file: str = "/proc/mounts") -> tuple[str, str] | None:
+    """(mount point, fstype) of the filesystem holding ``path`` (longest mount-point prefix)."""
+    entry = mount_entry(path, mounts_file)
+    if entry is None:
+        return _mount_via_psutil(str(path.resolve()))
+    return entry[0], entry[1]
 
 
 def mount_options(path: Path, mounts_file: str = "/proc/mounts") -> dict[str, str]:
     """Mount options of the filesystem holding ``path`` (``{"size": "8g", "huge": "within_size", "rw": ""}``)."""
-    target = str(path.resolve())
-    best, opts = "", ""
-    try:
-        with open(mounts_file, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return {}
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        mnt = parts[1].replace("\\040", " ")
-        if (target == mnt or target.startswith(mnt.rstrip("/") + "/") or mnt == "/") and len(mnt) >= len(best):
-            best, opts = mnt, parts[3]
+    entry = mount_entry(path, mounts_file)
+    opts = entry[2] if entry is not None else ""
     return {k: v for k, _, v in (o.partition("=") for o in opts.split(",") if o)}
 
 
