@@ -264,7 +264,12 @@ class ResumeInfo:
             tier = f"{t}, {b / MiB:.1f} MiB"
         else:
             tier = " + ".join(f"{t} {b / MiB:.1f} MiB" for t, b in sorted(used.items(), key=lambda kv: -kv[1]))
-        return f"resumed from step {self.step} (tier: {tier}) in {self.seconds:.2f} s"
+        line = f"resumed from step {self.step} (tier: {tier}) in {self.seconds:.2f} s"
+        if self.reader_seconds is not None:
+            # The rest is torch's, not the tiers': get_state_dict initializes the optimizer
+            # state (one fake step through DTensor), set_state_dict copies it back in.
+            line += f" (reading the tiers {self.reader_seconds:.2f} s, torch state-dict setup the rest)"
+        return line
 
 
 def save_planner() -> Any:
