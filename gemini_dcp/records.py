@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -170,20 +171,47 @@ def _pack_storage_data(storage_data: object) -> object:
     )
 
 
+# Decoding, the other way round: the records of one plan carry the same metadata shell and
+# the same chunk indexes, step after step; both are immutable once built (DCP and this
+# package only read them), so they are decoded once and shared by every record that has them.
+_MAX_SHELLS = 8
+_MAX_INDEXES = 1 << 16
+_shells: dict[bytes, Metadata] = {}
+_shells_lock = threading.Lock()
+_indexes: dict[tuple[object, ...], MetadataIndex] = {}
+
+
 def _unpack_storage_data(packed: object) -> object:
     if not (isinstance(packed, tuple) and len(packed) == 2 and packed[0] == _PACKED):
         return packed
-    return {
-        MetadataIndex(fqn, offset, index): ShardRef(*ref)
-        for fqn, offset, index, *ref in packed[1]  # type: ignore[misc]
-    }
+    if len(_indexes) > _MAX_INDEXES:
+        _indexes.clear()
+    out: dict[MetadataIndex, ShardRef] = {}
+    for fqn, offset, index, *ref in packed[1]:  # type: ignore[misc]
+        key = (fqn, offset, index)
+        idx = _indexes.get(key)
+        if idx is None:
+            idx = _indexes[key] = MetadataIndex(fqn, offset, index)
+        out[idx] = ShardRef(*ref)
+    return out
+
+
+def _metadata_shell(meta_blob: bytes) -> Metadata:
+    shell = _shells.get(meta_blob)
+    if shell is None:
+        shell = pickle.loads(meta_blob)
+        with _shells_lock:  # saving threads decode too; evict the oldest entry
+            while len(_shells) >= _MAX_SHELLS:
+                del _shells[next(iter(_shells))]
+            _shells[meta_blob] = shell
+    return shell
 
 
 def _rebuild_record(
     job_id: str, step: int, world_size: int, meta_blob: bytes, storage_meta: object, storage_data: object,
     *rest: object,
 ) -> StepRecord:
-    meta = replace(pickle.loads(meta_blob), storage_data=_unpack_storage_data(storage_data), storage_meta=storage_meta)
+    meta = replace(_metadata_shell(meta_blob), storage_data=_unpack_storage_data(storage_data), storage_meta=storage_meta)
     return StepRecord(job_id, step, world_size, meta, *rest)  # type: ignore[arg-type]
 
 

@@ -322,3 +322,11 @@ def test_step_record_encoding_reuses_the_metadata_shell() -> None:
     assert b"_rebuild_record" not in payload
     old = records._HEADER.pack(RECORD_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
     assert decode_record(old) == record(7, base)
+
+    # decoding shares what the records of one plan have in common: the shell and the chunk indexes
+    a, b = decode_record(encoded[0]), decode_record(encoded[1])
+    assert a.metadata.state_dict_metadata is b.metadata.state_dict_metadata
+    assert [k for k in a.metadata.storage_data] == [k for k in b.metadata.storage_data]
+    assert all(x is y for x, y in zip(a.metadata.storage_data, b.metadata.storage_data))
+    assert a.metadata.storage_data != b.metadata.storage_data  # their checksums differ
+    assert a.metadata.storage_meta != b.metadata.storage_meta
