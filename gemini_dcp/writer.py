@@ -159,6 +159,7 @@ class GeminiStorageWriter(StorageWriter):
         self._rank = 0
         self._slots: dict[tuple[int, int], SlotFile] = {}
         self._pending_record: StepRecord | None = None
+        # The newest step this writer saw committed, on every rank (dcp.save and replayed saves alike).
         self.last_committed_step: int | None = None
         self.last_save_seconds: float | None = None
         self.last_replication: dict[str, Any] = {}
@@ -249,9 +250,7 @@ class GeminiStorageWriter(StorageWriter):
         layout; a rank whose layout differs sends them whole.
         """
         comm = get_comm(self.options.timeout_s, self.process_group)
-        results = self._write_and_commit(comm, plan, planner, None, metadata, check_space=True, layout=layout)
-        self.last_committed_step = self._step
-        return results
+        return self._write_and_commit(comm, plan, planner, None, metadata, check_space=True, layout=layout)
 
     def _write_and_commit(
         self,
@@ -304,6 +303,8 @@ class GeminiStorageWriter(StorageWriter):
         record = self._build_record(step, comm, reports, meta)
         self.committed_layout = record.metadata.storage_data
         self._commit_on_node(record, reports, rank)
+        if record.complete:  # else the coordinator's finish() completes it
+            self.last_committed_step = step
         self._after_commit(self._pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0
         return list(report.results)

@@ -38,6 +38,24 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _last_committed(rank: int, world_size: int, root: str, *, job: str) -> list[int | None]:
+    import torch.distributed.checkpoint as dcp
+
+    from gemini_dcp import GeminiStorageWriter
+    from workloads import plain_state
+
+    writer = GeminiStorageWriter(root=root, job_id=job)
+    seen = [writer.last_committed_step]
+    for step in (4, 9):
+        dcp.save(plain_state(step, rank), storage_writer=writer, checkpoint_id=step)
+        seen.append(writer.last_committed_step)
+    return seen
+
+
+def test_last_committed_step_is_known_on_every_rank(root: str) -> None:
+    assert run_ranks(_last_committed, 2, root, job="lc") == [[None, 4, 9], [None, 4, 9]]
+
+
 def test_plain_and_nontensor_roundtrip(root: str) -> None:
     run_ranks(save_steps, 2, root, job="p", steps=[1, 2, 3], kind="plain")
     out = run_ranks(load_and_check, 2, root, job="p", kind="plain")
