@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
+from .records import ShardRef
 from .writer import GeminiStorageWriter
 
 __all__ = ["PlanReplay", "RecordingSavePlanner", "same_plan", "structure_key"]
@@ -127,7 +128,7 @@ class _Recorded:
     metadata: Metadata
     key: tuple[Any, ...] | None = None  # structure_key of the recorded state dict (None: compare plans)
     meshes: tuple[Any, ...] = ()  # keeps the meshes in ``key`` alive
-    layout: Any = None  # the recorded save's committed_layout: replays send only checksums
+    layout: dict[MetadataIndex, ShardRef] | None = None  # the recorded save's committed_layout: replays send only checksums
 
 
 def same_plan(a: SavePlan, b: SavePlan) -> bool:
