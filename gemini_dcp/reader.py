@@ -27,7 +27,7 @@ import time
 import traceback
 from torch.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -40,7 +40,7 @@ from .config import parse_step, resolve_node_id
 from .errors import ChecksumMismatchError, GeminiError, ShardUnavailableError
 from .local_tier import LocalTier
 from .records import ShardRef, StepRecord
-from .restore_plan import NodeView, RestoreDecision, StepView, decide
+from .restore_plan import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from .slots import ReadOnlySlot
 
 if TYPE_CHECKING:
@@ -135,7 +135,13 @@ class GeminiStorageReader(StorageReader):
             raise local_error
         if any(v is None for v in views):
             raise ShardUnavailableError("another rank could not read its tier root; see its error.")
-        decision = decide(views, self._requested, self.job_id, persisted)  # same result on every rank
+        try:
+            decision = decide(views, self._requested, self.job_id, persisted)  # same result on every rank
+        except ShardUnavailableError as exc:
+            problems = getattr(exc, "problems", ())
+            if not problems:
+                raise
+            raise unrestorable_error(self.job_id, problems, bool(persisted), self._describe(comm, problems)) from None
         self._local = {}
         if decision.fingerprint is None:
             self._decision, self._record = decision, None
@@ -148,6 +154,19 @@ class GeminiStorageReader(StorageReader):
             for s in mine.slots:
                 self._local[s.rank] = self.tier.slot_path(s.rank, s.slot)
         self._decision, self._record = decision, record
+
+    def _describe(self, comm: Comm, problems: Sequence[Unrestorable]) -> dict[tuple[int, str], Any]:
+        """Collective (every rank reached the same ``problems``): the rank → node map and byte
+        counts of each unrestorable record, from a rank whose node holds it, to name the lost nodes."""
+        details: dict[tuple[int, str], Any] = {}
+        for p in problems:
+            mine = None
+            if comm.rank == p.src:
+                rec = self.tier.record(p.step)
+                if rec is not None and rec.fingerprint() == p.fingerprint:
+                    mine = (rec.rank_nodes, rec.rank_nbytes)
+            details[(p.step, p.fingerprint)] = comm.broadcast_object(mine, src=p.src)
+        return details
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._metadata = metadata
@@ -229,8 +248,6 @@ class GeminiStorageReader(StorageReader):
                     fingerprint=rec.fingerprint(),
                     world_size=rec.world_size,
                     held_ranks=rec.held_ranks(),
-                    rank_nodes=rec.rank_nodes,
-                    rank_nbytes=rec.rank_nbytes,
                     created_unix=rec.created_unix,
                     complete=rec.complete,
                 )

@@ -9,7 +9,7 @@ collective fallback, with no extra round).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .errors import CheckpointNotFoundError, ShardUnavailableError, StepNotFoundError
 
@@ -18,12 +18,20 @@ GIB = float(1 << 30)
 
 @dataclass(frozen=True, slots=True)
 class StepView:
+    """One step record as a node sees it.
+
+    Its size does not grow with the world size (``held_ranks`` counts only the ranks
+    whose bytes this node holds): every rank sends one view per held step in the
+    decision's all-gather, so anything per saving rank here (the record's rank → node
+    map, its byte counts) would make every rank receive O(world²) bytes — ~47 MB
+    per rank at 1,024 ranks. Those are fetched only to explain a failure
+    (:func:`unrestorable_error`).
+    """
+
     step: int
     fingerprint: str
     world_size: int
     held_ranks: tuple[int, ...]
-    rank_nodes: tuple[str, ...]
-    rank_nbytes: tuple[int, ...]
     created_unix: float
     complete: bool
 
@@ -37,6 +45,47 @@ class NodeView:
     steps: tuple[StepView, ...] = ()
     other_jobs: tuple[str, ...] = ()
     root: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Unrestorable:
+    """A step (with one record fingerprint) that some saving ranks' bytes are missing from."""
+
+    step: int
+    fingerprint: str
+    src: int  # a group rank whose node holds the record (it can name the lost nodes)
+    missing: tuple[int, ...]  # saving ranks held by no surviving node
+
+
+# (step, fingerprint) -> (rank_nodes, rank_nbytes) of that record, or None if unknown
+Details = Mapping[tuple[int, str], "tuple[tuple[str, ...], tuple[int, ...]] | None"]
+
+
+def unrestorable_error(
+    job_id: str, problems: Sequence[Unrestorable], persisted: bool, details: Details | None = None
+) -> ShardUnavailableError:
+    """The error for "no step can be restored", naming the lost nodes and bytes when ``details`` has them.
+
+    ``.problems`` holds ``problems`` so that the caller can fetch the details
+    (collectively: every rank reaches the same problems) and build it again.
+    """
+    parts: list[str] = []
+    for p in problems:
+        info = (details or {}).get((p.step, p.fingerprint))
+        where = ""
+        if info is not None:
+            rank_nodes, rank_nbytes = info
+            lost = sorted({rank_nodes[r] for r in p.missing if r < len(rank_nodes)})
+            gib = sum(rank_nbytes[r] for r in p.missing if r < len(rank_nbytes)) / GIB
+            where = f" ({gib:.3f} GiB, saved on nodes {lost})"
+        parts.append(f"step {p.step}: shards of saving ranks {list(p.missing)}{where} are held by no surviving node")
+    err = ShardUnavailableError(
+        f"job {job_id!r}: no step can be restored from memory"
+        f"{' or the persistent tier' if persisted else ''}: " + "; ".join(parts)
+        + ". Every copy of these shards was lost; configure persistent=<url> to survive this, or raise replicas."
+    )
+    err.problems = tuple(problems)  # type: ignore[attr-defined]
+    return err
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +144,7 @@ def decide(
             f"committed steps: {sorted(all_steps)}. Load one of those, or omit checkpoint_id for the newest."
         )
 
-    problems: list[str] = []
+    problems: list[Unrestorable] = []
     for step in ([requested] if requested is not None else all_steps):
         fps = sorted(
             ((fp, entries) for (s, fp), entries in cands.items() if s == step),
@@ -116,16 +165,7 @@ def decide(
                 return RestoreDecision(step, fp, sv0.world_size, src, frozen, nr)
             if step in persisted:
                 return RestoreDecision(step, fp, sv0.world_size, src, frozen, nr, missing, use_persistent=True)
-            lost = sorted({sv0.rank_nodes[r] for r in missing})
-            gib = sum(sv0.rank_nbytes[r] for r in missing) / GIB
-            problems.append(
-                f"step {step}: shards of saving ranks {list(missing)} ({gib:.3f} GiB, saved on nodes {lost}) "
-                "are held by no surviving node"
-            )
+            problems.append(Unrestorable(step, fp, src, missing))
         if not fps and step in persisted:
             return RestoreDecision(step, None, 0, None, {}, {n: tuple(rs) for n, rs in node_ranks.items()}, use_persistent=True)
-    raise ShardUnavailableError(
-        f"job {job_id!r}: no step can be restored from memory"
-        f"{' or the persistent tier' if persisted else ''}: " + "; ".join(problems)
-        + ". Every copy of these shards was lost; configure persistent=<url> to survive this, or raise replicas."
-    )
+    raise unrestorable_error(job_id, problems, bool(persisted))

@@ -100,6 +100,7 @@ def test_group_placement_two_of_four_nodes_lost(node_roots) -> None:
         out = run_ranks(load_and_check, 4, roots, job="g")
         assert all(o.get("error") for o in out), out
         assert "held by no surviving node" in out[0]["message"]
+        assert "saved on nodes" in out[0]["message"], out[0]["message"]  # the lost nodes are named
     finally:
         shutil.rmtree(backup, ignore_errors=True)
     del saved
