@@ -25,6 +25,7 @@ import dataclasses
 import io
 import logging
 import os
+import pickle
 import time
 from torch.futures import Future
 from pathlib import Path
@@ -56,10 +57,23 @@ class _RankReport:
     nbytes: int
     results: tuple[WriteResult, ...]
     replica_slots: tuple[RankSlot, ...] = ()  # peer replicas this rank stored for other nodes
-    metadata: Metadata | None = None  # rank 0 only: the planner's global metadata (one gather, no broadcast)
+    # Rank 0 only: the planner's global metadata, pickled. Inline when small for the world size
+    # (all_gather_object pads every rank's part to the largest, so an inline blob costs every
+    # rank world_size x its size); else ``metadata_follows`` and one broadcast sends it once.
+    metadata_blob: bytes | None = None
+    metadata_follows: bool = False
     # A replayed save whose results match the recorded layout sends only its checksums, in the
     # layout's order for this rank; ``results`` is then empty until :func:`_expand` rebuilds it.
     checksums: tuple[int, ...] | None = None
+
+
+# Padding an inline metadata blob may cost each rank at most this much in the report gather.
+INLINE_METADATA_PADDING = 16 << 20
+
+
+def _inline_metadata(blob: bytes | None, world_size: int) -> bool:
+    """Whether rank 0's pickled metadata goes inline in the report gather (else: one broadcast)."""
+    return blob is not None and len(blob) * max(world_size - 1, 1) <= INLINE_METADATA_PADDING
 
 
 def _rank_layouts(layout: dict[MetadataIndex, ShardRef]) -> dict[int, list[tuple[MetadataIndex, ShardRef]]]:
@@ -270,11 +284,18 @@ class GeminiStorageWriter(StorageWriter):
         rank = comm.rank
         error: BaseException | None = None
         report: _RankReport | None = None
+        planned_blob: bytes | None = None
         try:
+            if planned is not None and comm.distributed:
+                planned_blob = pickle.dumps(planned, protocol=pickle.HIGHEST_PROTOCOL)
             if check_space:
                 self.prepare_local_plan(plan)
             slot_idx, slot, results, nbytes = self._write_local(plan, planner, step, rank)
-            report = _RankReport(rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results, metadata=planned)
+            inline = _inline_metadata(planned_blob, comm.world_size)
+            report = _RankReport(
+                rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results,
+                metadata_blob=planned_blob if inline else None, metadata_follows=planned_blob is not None and not inline,
+            )
         except BaseException as exc:  # reported to every rank below, then re-raised
             error = exc
         finally:
@@ -290,16 +311,15 @@ class GeminiStorageWriter(StorageWriter):
         assert report is not None
         if layouts is not None:
             reports = [_expand(rep, layouts) for rep in reports]
-        meta = known if known is not None else reports[0].metadata  # rank 0's, received by every rank in the same gather
+        meta = known if known is not None else self._gathered_metadata(comm, planned, planned_blob, reports[0])
         self.planned_metadata = meta
         if self.options.replicas > 1 and comm.distributed:
             from .peer import replicate  # noqa: PLC0415
 
             replica_slots, self.last_replication = replicate(self, comm, step, reports)
-            assert sent is not None
-            reports = comm.all_gather_object(dataclasses.replace(sent, replica_slots=replica_slots, metadata=None))
-            if layouts is not None:
-                reports = [_expand(rep, layouts) for rep in reports]
+            # Only the replica slots are new: every rank already has every report.
+            gathered = comm.all_gather_object(replica_slots)
+            reports = [dataclasses.replace(rep, replica_slots=rs) for rep, rs in zip(reports, gathered)]
         record = self._build_record(step, comm, reports, meta)
         self.committed_layout = record.metadata.storage_data
         self._commit_on_node(record, reports, rank)
@@ -308,6 +328,19 @@ class GeminiStorageWriter(StorageWriter):
         self._after_commit(self._pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0
         return list(report.results)
+
+    @staticmethod
+    def _gathered_metadata(
+        comm: Comm, planned: Metadata | None, planned_blob: bytes | None, first: _RankReport
+    ) -> Metadata | None:
+        """Rank 0's planned metadata on every rank: from its report, or — large for the world
+        size — one broadcast that every rank joins (every rank saw ``metadata_follows``)."""
+        if comm.rank == 0:
+            if first.metadata_follows:
+                comm.broadcast_object(planned_blob, src=0)
+            return planned
+        blob = comm.broadcast_object(None, src=0) if first.metadata_follows else first.metadata_blob
+        return None if blob is None else pickle.loads(blob)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only: confirm the commit (writing the final metadata if the

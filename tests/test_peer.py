@@ -150,3 +150,24 @@ def test_bad_replica_fails_save_or_degrades(node_roots) -> None:
     assert run_ranks(_corrupt_replica, 2, roots, job="d", mode="degrade") == ["committed", "committed"]
     rec = LocalTier(roots[0], "d").record(1)
     assert rec is not None and rec.holders[rec.rank_nodes[0]] == (rec.rank_nodes[0],)  # node 0's copy not on node 1
+
+
+def _save_with_broadcast_metadata(rank: int, world_size: int, root: str, *, job: str, steps: list[int]) -> list[bool]:
+    """dcp.save with the planned metadata too large (here: any size) to ride inline in the report gather."""
+    import gemini_dcp.writer as writer_mod
+
+    writer_mod.INLINE_METADATA_PADDING = 0
+    save_steps(rank, world_size, root, job=job, steps=steps, replicas=2)
+    tier = LocalTier(root, job)
+    return [bool(tier.record(s) and tier.record(s).complete) for s in steps]  # type: ignore[union-attr]
+
+
+def test_large_planned_metadata_is_broadcast_once(node_roots) -> None:
+    """Every node gets the full metadata when it follows the report gather in a broadcast, and a node
+    lost afterwards restores from its peer's copy (the replica-slot gather carries only the slots)."""
+    roots = node_roots(2)
+    assert run_ranks(_save_with_broadcast_metadata, 2, roots, job="bm", steps=[1, 2]) == [[True, True], [True, True]]
+    wipe(roots[0])
+    out = run_ranks(load_and_check, 2, roots, job="bm", expect=2)
+    assert all(o.get("ok") for o in out), out
+    assert out[0]["rank_from"]["peer"] > 0
