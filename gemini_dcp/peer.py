@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -75,12 +75,18 @@ def replication_routes(order: list[str], reports: list["_RankReport"], replicas:
 
 
 def replicate(
-    writer: "GeminiStorageWriter", comm: Comm, step: int, reports: list["_RankReport"]
+    writer: "GeminiStorageWriter",
+    comm: Comm,
+    step: int,
+    reports: list["_RankReport"],
+    expand: Callable[["_RankReport"], "_RankReport | None"] | None = None,
 ) -> tuple[tuple[RankSlot, ...], dict[str, Any]]:
     """Collective: copy every rank's slot into its peers' memory; returns the replicas this rank stored.
 
     A transfer error raises PeerError, or (``on_peer_failure="degrade"``) is
-    logged and the step commits with fewer replicas.
+    logged and the step commits with fewer replicas. ``expand`` rebuilds the write
+    results of a compact report (a replayed save): only the reports of the slots
+    this rank receives are expanded, to verify them.
     """
     t0 = time.perf_counter()
     order = node_order(writer, comm, reports)
@@ -113,7 +119,8 @@ def replicate(
     replica_slots: list[RankSlot] = []
     if error is None:
         for src, idx, slot in received:
-            bad = _verify_items(slot, reports[src].results)
+            rep = expand(reports[src]) if expand is not None else reports[src]
+            bad = _verify_items(slot, rep.results if rep is not None else ())
             if bad:
                 error = f"replica of rank {src} received by rank {me} failed checksum for {bad}"
                 break

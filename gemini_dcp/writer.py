@@ -27,6 +27,7 @@ import logging
 import os
 import pickle
 import time
+from array import array
 from torch.futures import Future
 from pathlib import Path
 from typing import Any, Callable
@@ -41,7 +42,7 @@ from .comm import Comm, get_comm
 from .config import TierOptions, parse_step, resolve_node_id
 from .errors import ConfigError, InvalidStepError, TierFullError
 from .local_tier import LocalTier
-from .records import RankSlot, ShardRef, StepRecord
+from .records import ChecksumOverlay, RankSlot, ShardRef, StepRecord
 from .slots import ALIGN, SlotFile, align, free_bytes, round_capacity, tier_full_message
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,33 @@ def _rank_layouts(layout: dict[MetadataIndex, ShardRef]) -> dict[int, list[tuple
     for idx, ref in layout.items():
         out.setdefault(ref.rank, []).append((idx, ref))
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SplitLayout:
+    """A recorded layout split per rank: computed once per layout, not once per save."""
+
+    source: Any  # the layout (mapping index -> ShardRef), kept for identity
+    by_rank: dict[int, list[tuple[MetadataIndex, ShardRef]]]
+    # The layout lists the ranks' chunks in ascending rank order, each rank's together: the
+    # ranks' checksums concatenated in rank order are then in the layout's own order.
+    rank_ordered: bool
+
+    @classmethod
+    def of(cls, layout: Any) -> "_SplitLayout":
+        ranks = [ref.rank for ref in layout.values()]
+        return cls(layout, _rank_layouts(layout), all(a <= b for a, b in zip(ranks, ranks[1:])))
+
+
+def _overlay(split: _SplitLayout, reports: list[_RankReport]) -> ChecksumOverlay | None:
+    """This save's storage_data as the layout plus checksums, when every report is compact."""
+    if not split.rank_ordered or any(rep.checksums is None for rep in reports):
+        return None
+    ordered = sorted(reports, key=lambda rep: rep.rank)
+    sums = array("Q")
+    for rep in ordered:
+        sums.extend(rep.checksums)  # type: ignore[arg-type]
+    return ChecksumOverlay(split.source, sums) if len(sums) == len(split.source) else None
 
 
 def _compact(report: _RankReport, mine: list[tuple[MetadataIndex, ShardRef]]) -> _RankReport:
@@ -182,6 +210,7 @@ class GeminiStorageWriter(StorageWriter):
         # Where every rank's chunks of the last committed save live (index -> ShardRef), known to every rank.
         self.committed_layout: dict[MetadataIndex, ShardRef] | None = None
         self.last_commit_compact = False  # the last commit gather sent this rank's checksums only
+        self._split: _SplitLayout | None = None  # the replay layout, split per rank (cached)
         self.persistent = None
         if persistent is not None:
             from .persistent import PersistentTier  # noqa: PLC0415 - optional tier
@@ -301,7 +330,8 @@ class GeminiStorageWriter(StorageWriter):
         finally:
             if self.on_local_copy_done is not None:
                 self.on_local_copy_done(step)
-        layouts = _rank_layouts(layout) if layout is not None else None
+        split = self._split_layout(layout)
+        layouts = split.by_rank if split is not None else None
         sent = report
         if layouts is not None and report is not None:
             sent = _compact(report, layouts.get(rank, []))
@@ -309,18 +339,22 @@ class GeminiStorageWriter(StorageWriter):
         reports = comm.all_gather_object(sent)
         self._raise_if_failed(error, reports, "writing shards into the local tier")
         assert report is not None
-        if layouts is not None:
+        # Replayed save, every rank compact: keep the reports compact and record the layout plus
+        # the checksums; otherwise rebuild every rank's write results.
+        overlay = _overlay(split, reports) if split is not None else None
+        if layouts is not None and overlay is None:
             reports = [_expand(rep, layouts) for rep in reports]
         meta = known if known is not None else self._gathered_metadata(comm, planned, planned_blob, reports[0])
         self.planned_metadata = meta
         if self.options.replicas > 1 and comm.distributed:
             from .peer import replicate  # noqa: PLC0415
 
-            replica_slots, self.last_replication = replicate(self, comm, step, reports)
+            expand = (lambda rep: _expand(rep, layouts)) if overlay is not None else None
+            replica_slots, self.last_replication = replicate(self, comm, step, reports, expand=expand)
             # Only the replica slots are new: every rank already has every report.
             gathered = comm.all_gather_object(replica_slots)
             reports = [dataclasses.replace(rep, replica_slots=rs) for rep, rs in zip(reports, gathered)]
-        record = self._build_record(step, comm, reports, meta)
+        record = self._build_record(step, comm, reports, meta, overlay)
         self.committed_layout = record.metadata.storage_data
         self._commit_on_node(record, reports, rank)
         if record.complete:  # else the coordinator's finish() completes it
@@ -478,8 +512,21 @@ class GeminiStorageWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=ref))
         return slot_idx, slot, tuple(results), total
 
-    def _build_record(self, step: int, comm: Comm, reports: list[_RankReport], meta: Metadata | None) -> StepRecord:
-        storage_data = {wr.index: wr.storage_data for rep in reports for wr in rep.results}
+    def _split_layout(self, layout: Any) -> _SplitLayout | None:
+        if layout is None:
+            return None
+        split = self._split
+        if split is None or split.source is not layout:
+            split = self._split = _SplitLayout.of(layout)
+        return split
+
+    def _build_record(
+        self, step: int, comm: Comm, reports: list[_RankReport], meta: Metadata | None,
+        overlay: ChecksumOverlay | None = None,
+    ) -> StepRecord:
+        storage_data: Any = overlay
+        if storage_data is None:
+            storage_data = {wr.index: wr.storage_data for rep in reports for wr in rep.results}
         complete = meta is not None
         if meta is None:
             meta = Metadata(state_dict_metadata={})

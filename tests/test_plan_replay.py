@@ -147,10 +147,17 @@ def _replay_replicated(rank: int, world: int, root: str) -> dict[str, Any]:
 
     writer = GeminiStorageWriter(root=root, job_id="rep", keep=2, replicas=2, timeout_s=60)
     replay = PlanReplay(writer, get_comm(60.0).group, no_dist=False)
-    compact = []
+    from gemini_dcp.local_tier import LocalTier
+    from gemini_dcp.records import read_record
+
+    compact, kinds = [], []
     for step in range(4):
         replay.save(_state(rank, step, False), step)
         compact.append(writer.last_commit_compact)
+        kinds.append(type(writer.committed_layout).__name__)
+    tier = LocalTier(root, "rep")
+    on_disk = read_record(tier.layout.record_path(3))  # decoded from the file, not the cache
+    same_record = on_disk == tier.record(3) and type(on_disk.metadata.storage_data).__name__ == "ChecksumOverlay"
     torch.distributed.barrier()
     if rank == 1:  # node 1 is replaced: its memory is gone, its shards must come from node 0's replica
         shutil.rmtree(os.path.join(root, "rep"))
@@ -162,13 +169,17 @@ def _replay_replicated(rank: int, world: int, root: str) -> dict[str, Any]:
     want = _state(rank, 3, False)
     ok = all(torch.equal(out[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
     ok = ok and torch.equal(out["nested"]["m"], want["nested"]["m"]) and out["nested"]["step"] == 3
-    return {"compact": compact, "ok": ok, "step": reader.restored_step, "from": dict(reader.restored_from)}
+    return {"compact": compact, "kinds": kinds, "same_record": same_record, "ok": ok, "step": reader.restored_step,
+            "from": dict(reader.restored_from)}
 
 
 @pytest.mark.timeout(240)
 def test_replayed_commit_sends_checksums_only_and_replicas_restore(roots: list[str]) -> None:
     res = run_ranks(_replay_replicated, 2, roots)
     assert [r["compact"] for r in res] == [[False, True, True, True]] * 2  # step 0 planned, then compact gathers
+    # replayed records hold the recorded layout plus an array of checksums, on disk as in memory
+    assert [r["kinds"] for r in res] == [["dict"] + ["ChecksumOverlay"] * 3] * 2
+    assert all(r["same_record"] for r in res), res
     assert all(r["ok"] and r["step"] == 3 for r in res), res
     assert res[0]["from"]["peer"] > 0  # the replaced node's shards came from the peer replica written by a replay
 
