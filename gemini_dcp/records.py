@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -127,11 +128,25 @@ class StepRecord:
         return replace(self, node_id=node_id, slots=slots)
 
     def fingerprint(self) -> str:
-        """Hash of the global (node-independent) part: equal on every node for one save."""
+        """Hash of the global (node-independent) part: equal on every node for one save.
+
+        Content only (never pickled bytes, which depend on object sharing): where every
+        chunk lives, then the checksums in the same (index-sorted) order. For a replayed
+        record the location part is hashed once per layout and the checksums are one
+        array permutation, so it costs milliseconds at any size.
+        """
         h = hashlib.sha256()
         h.update(f"{self.job_id}|{self.step}|{self.world_size}|{self.rank_nodes}|{self.rank_nbytes}".encode())
-        for idx, ref in sorted(self.metadata.storage_data.items(), key=lambda kv: (kv[0].fqn, tuple(kv[0].offset or ()))):
-            h.update(f"{idx.fqn}|{tuple(idx.offset or ())}|{ref.rank}|{ref.offset}|{ref.length}|{ref.checksum}".encode())
+        sd = self.metadata.storage_data
+        if isinstance(sd, ChecksumOverlay):
+            digest, order = _location_digest(sd.layout)
+            sums = np.frombuffer(sd.checksums, dtype=np.uint64)[order]
+        else:
+            digest, order = _location_digest(sd, cache=False)
+            values = list(sd.values())
+            sums = np.fromiter((values[i].checksum for i in order), dtype=np.uint64, count=len(order))
+        h.update(digest)
+        h.update(sums.astype("<u8").tobytes())
         return h.hexdigest()[:16]
 
 
@@ -258,6 +273,29 @@ _MAX_LAYOUTS = 4
 _position_cache: list[tuple[Mapping[MetadataIndex, ShardRef], dict[MetadataIndex, int]]] = []
 _layout_blob_cache: tuple[object, bytes] = (None, b"")
 _layouts_by_blob: dict[bytes, dict[MetadataIndex, ShardRef]] = {}
+
+
+_digest_cache: list[tuple[Mapping[MetadataIndex, ShardRef], tuple[bytes, "np.ndarray"]]] = []
+
+
+def _location_digest(
+    storage_data: Mapping[MetadataIndex, ShardRef], *, cache: bool = True
+) -> tuple[bytes, "np.ndarray"]:
+    """(sha256 of every chunk's index and location in index order, that order as positions)."""
+    if cache:
+        for cached, out in tuple(_digest_cache):
+            if cached is storage_data:
+                return out
+    items = list(storage_data.items())
+    order = sorted(range(len(items)), key=lambda i: (items[i][0].fqn, tuple(items[i][0].offset or ())))
+    h = hashlib.sha256()
+    for i in order:
+        idx, ref = items[i]
+        h.update(f"{idx.fqn}|{tuple(idx.offset or ())}|{ref.rank}|{ref.offset}|{ref.length}\n".encode())
+    out = (h.digest(), np.asarray(order, dtype=np.int64))
+    if cache:
+        _digest_cache[:] = [(storage_data, out)] + _digest_cache[: _MAX_LAYOUTS - 1]
+    return out
 
 
 def _positions(layout: Mapping[MetadataIndex, ShardRef]) -> dict[MetadataIndex, int]:

@@ -348,3 +348,33 @@ def test_step_record_encoding_reuses_the_metadata_shell() -> None:
     assert all(x is y for x, y in zip(a.metadata.storage_data, b.metadata.storage_data))
     assert a.metadata.storage_data != b.metadata.storage_data  # their checksums differ
     assert a.metadata.storage_meta != b.metadata.storage_meta
+
+
+def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
+    """A replayed record's storage_data (layout + checksum array) equals, pickles and fingerprints
+    like the plain dict of the same chunks; the fingerprint still sees every checksum."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from gemini_dcp.records import ChecksumOverlay, RankSlot, ShardRef, StepRecord
+
+    layout = {MetadataIndex(f"w{i % 7}", [i // 7, 0]): ShardRef(i % 3, 64 * i, 64, 0, "crc32c", "float32", (4, 4))
+              for i in range(60)}
+    sums = [(i * 2654435761) % (1 << 32) for i in range(60)]
+    overlay = ChecksumOverlay(layout, sums)
+    plain = {k: v.with_checksum(sums[i]) for i, (k, v) in enumerate(layout.items())}
+    assert overlay == plain and plain == overlay and len(overlay) == 60
+    assert overlay[MetadataIndex("w3", [1, 0])] == plain[MetadataIndex("w3", [1, 0])]
+    again = pickle.loads(pickle.dumps(overlay))
+    assert isinstance(again, ChecksumOverlay) and again == plain
+
+    def record(sd: object) -> StepRecord:
+        return StepRecord("j", 5, 3, Metadata({}, storage_data=sd), ("a", "b", "b"), (1, 2, 3), {}, 2, "mixed",
+                          (RankSlot(0, 0, 1),), "a")
+
+    assert record(overlay).fingerprint() == record(plain).fingerprint() == record(again).fingerprint()
+    changed = ChecksumOverlay(layout, sums[:-1] + [sums[-1] ^ 1])
+    assert record(changed).fingerprint() != record(overlay).fingerprint()
+    with pytest.raises(ValueError):
+        ChecksumOverlay(layout, sums[:-1])
