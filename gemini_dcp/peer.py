@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from .checksum import checksum
 from .comm import Comm
 from .errors import GeminiError, PeerError, ShardUnavailableError
-from .records import RankSlot, ShardRef, StepRecord
+from .records import RankSlot, ShardRef, StepRecord, refs_by_location
 from .restore_plan import RestoreDecision
 
 if TYPE_CHECKING:
@@ -150,8 +151,8 @@ def _verify_items(slot: Any, results: tuple[Any, ...]) -> list[str]:
 
 
 # ---- restore side ----------------------------------------------------------------------------
-def refs_by_key(record: StepRecord) -> dict["ItemKey", ShardRef]:
-    return {(ref.rank, ref.offset): ref for ref in record.metadata.storage_data.values()}
+def refs_by_key(record: StepRecord) -> Mapping["ItemKey", ShardRef]:
+    return refs_by_location(record.metadata.storage_data)
 
 
 def assign_sources(
@@ -242,7 +243,7 @@ def start_transfer(
     route: dict[str, Any],
     by_key: dict["ItemKey", list[ReadItem]],
     planner: LoadPlanner,
-    refs: dict["ItemKey", ShardRef],
+    refs: Mapping["ItemKey", ShardRef],
 ) -> Inflight:
     """Post one round of sends and receives (non-blocking); :func:`finish_transfer` completes it.
 
@@ -271,7 +272,7 @@ def finish_transfer(
     inflight: Inflight,
     by_key: dict["ItemKey", list[ReadItem]],
     planner: LoadPlanner,
-    refs: dict["ItemKey", ShardRef],
+    refs: Mapping["ItemKey", ShardRef],
 ) -> dict["ItemKey", bool]:
     """Wait for each received chunk in turn, verifying and applying it as it arrives; key -> ok."""
     ok: dict["ItemKey", bool] = {}
@@ -299,7 +300,7 @@ def fetch_remote(
     routes: dict[str, Any],
     failed: dict["ItemKey", str],
     counts: dict[str, int],
-    refs: dict["ItemKey", ShardRef],
+    refs: Mapping["ItemKey", ShardRef],
     first: Inflight,
 ) -> list[Tally] | None:
     """Collective: receive the chunks routed to peers, then repair failures round by round.
@@ -378,7 +379,7 @@ def _from_persistent(
 def _raise_unservable(
     reader: "GeminiStorageReader",
     by_key: dict["ItemKey", list[ReadItem]],
-    refs: dict["ItemKey", ShardRef],
+    refs: Mapping["ItemKey", ShardRef],
     failed: dict["ItemKey", str],
 ) -> None:
     from .reader import corrupt_error  # noqa: PLC0415

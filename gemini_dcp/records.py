@@ -266,6 +266,49 @@ class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
         return (_rebuild_overlay, (_layout_blob(self.layout), self.checksums))
 
 
+class _RefsByLocation(Mapping[tuple[int, int], ShardRef]):
+    """``(saving rank, slot offset) -> ShardRef`` over a ChecksumOverlay, materializing only what is read."""
+
+    __slots__ = ("overlay", "index_of")
+
+    def __init__(self, overlay: ChecksumOverlay) -> None:
+        self.overlay = overlay
+        self.index_of = _locations(overlay.layout)
+
+    def __getitem__(self, key: tuple[int, int]) -> ShardRef:
+        return self.overlay[self.index_of[key]]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.index_of)
+
+    def __len__(self) -> int:
+        return len(self.index_of)
+
+
+def refs_by_location(storage_data: Mapping[MetadataIndex, ShardRef]) -> Mapping[tuple[int, int], ShardRef]:
+    """Every stored chunk by ``(saving rank, offset in its slot)``.
+
+    A restore reads only the chunks its rank needs or serves; for a replayed record the
+    map is a view (the location index is built once per layout) instead of one ShardRef
+    per chunk of every rank (~1.5 s on every rank at 256 ranks x 900 tensors).
+    """
+    if isinstance(storage_data, ChecksumOverlay):
+        return _RefsByLocation(storage_data)
+    return {(ref.rank, ref.offset): ref for ref in storage_data.values()}
+
+
+_location_cache: list[tuple[Mapping[MetadataIndex, ShardRef], dict[tuple[int, int], MetadataIndex]]] = []
+
+
+def _locations(layout: Mapping[MetadataIndex, ShardRef]) -> dict[tuple[int, int], MetadataIndex]:
+    for cached, where in tuple(_location_cache):
+        if cached is layout:
+            return where
+    where = {(ref.rank, ref.offset): idx for idx, ref in layout.items()}
+    _location_cache[:] = [(layout, where)] + _location_cache[: _MAX_LAYOUTS - 1]
+    return where
+
+
 # Identity caches for the overlay's shared layout: its chunk positions, its pickled form
 # (encode), and the layout decoded from that form (decode). Entries hold the layout, so
 # ids cannot be reused while an entry stands; single tuples are replaced atomically.

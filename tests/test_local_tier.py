@@ -378,3 +378,9 @@ def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
     assert record(changed).fingerprint() != record(overlay).fingerprint()
     with pytest.raises(ValueError):
         ChecksumOverlay(layout, sums[:-1])
+
+    from gemini_dcp.records import refs_by_location
+
+    by_loc = refs_by_location(overlay)
+    assert dict(by_loc.items()) == refs_by_location(plain)  # a view over the overlay, the same chunks
+    assert by_loc[(2, 64 * 59)] == plain[MetadataIndex("w3", [8, 0])]
