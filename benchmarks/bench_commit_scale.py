@@ -1,0 +1,170 @@
+"""Per-save commit bookkeeping and per-restore record work at large world sizes (single process).
+
+    python benchmarks/bench_commit_scale.py                       # 16 / 64 / 256 ranks x 900 tensors (~1 min)
+    python benchmarks/bench_commit_scale.py --world 64 1024 --tensors 300
+
+A thousand-GPU job cannot be run on this machine, but the Python work that a
+save or a restore does per chunk of *every* rank can be: this script builds, in
+one process, what a rank holds after the commit gather of a replayed save of W
+ranks with N tensors each (the recorded layout and every rank's compact report of
+checksums), and times both ways of committing it, in the same run:
+
+* ``expanded`` (the path before the checksum overlay, still used when a save is
+  not a replay): rebuild a WriteResult + ShardRef per chunk of every rank, build
+  the record's ``storage_data`` dict, encode the record (the node leader),
+  decode it (every other rank, once per save), fingerprint it, and index every
+  chunk by location (each restoring rank);
+* ``overlay`` (replayed saves now): ``records.ChecksumOverlay`` — the shared layout
+  plus one array of checksums — for the same steps; the fingerprint and location
+  index of a second record of the same plan (what every save after the first and
+  every restore after the first record costs).
+
+The restore decision's view size per rank is printed too (it no longer carries
+the record's rank → node map). Writes benchmarks/results/commit_scale.json and
+docs/img/bench_commit_scale.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import IMG, RESULTS, bar_chart, machine_info, median, write_json  # noqa: E402
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
+    """Median seconds of ``repeat`` calls, and the last result."""
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return float(median(times) or 0.0), out
+
+
+def _lookup(refs: Any, keys: list[tuple[int, int]]) -> list[Any]:
+    """What a restoring rank does: index the record by location once, read its own chunks."""
+    return [refs[k] for k in keys]
+
+
+def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from gemini_dcp.peer import refs_by_key
+    from gemini_dcp.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
+    from gemini_dcp.restore_plan import NodeView, StepView
+    from gemini_dcp.writer import _expand, _overlay, _RankReport, _SplitLayout
+
+    layout = {
+        MetadataIndex(f"model.layers.{i // 3}.w{i % 3}", [r * 64, 0]): ShardRef(r, i * 65536, 65536, 0, "crc32c", "bfloat16", (64, 512))
+        for r in range(world)
+        for i in range(tensors)
+    }
+    split = _SplitLayout.of(layout)
+    nodes = tuple(f"node-{r // ranks_per_node:05d}" for r in range(world))
+
+    def reports(step: int) -> list[Any]:
+        return [
+            _RankReport(rank=r, node_id=nodes[r], slot=step % 2, nbytes=tensors * 65536, results=(),
+                        checksums=tuple((step * 7919 + r * tensors + i) & 0xFFFFFFFF for i in range(tensors)))
+            for r in range(world)
+        ]
+
+    def record(step: int, storage_data: Any) -> Any:
+        return StepRecord("bench", step, world, Metadata({}, storage_data=storage_data), nodes,
+                          (tensors * 65536,) * world, {}, 2, "mixed", (RankSlot(0, step % 2, 1),), nodes[0])
+
+    reps1, reps2 = reports(1), reports(2)
+    mine = [(r, i * 65536) for r in (world // 2,) for i in range(tensors)]  # one rank's chunks, by location
+    out: dict[str, Any] = {"world": world, "tensors_per_rank": tensors, "chunks": world * tensors}
+
+    # ---- expanded: what a save did with every rank's results, and what a restore did with the record
+    def expand_build() -> Any:
+        full = [_expand(rep, split.by_rank) for rep in reps1]
+        return {wr.index: wr.storage_data for rep in full for wr in rep.results}
+
+    t_expand, plain = _best(expand_build, repeat)
+    rec_plain = record(1, plain)
+    t_enc, blob_plain = _best(lambda: encode_record(rec_plain), repeat)
+    t_dec, _ = _best(lambda: decode_record(blob_plain), repeat)
+    t_fp, fp_plain = _best(rec_plain.fingerprint, repeat)
+    t_refs, _ = _best(lambda: _lookup(refs_by_key(rec_plain), mine), repeat)
+    out["expanded"] = {"commit_s": t_expand, "encode_s": t_enc, "decode_s": t_dec, "fingerprint_s": t_fp,
+                       "refs_s": t_refs, "record_bytes": len(blob_plain)}
+
+    # ---- overlay: the same steps over the shared layout (first record warms the per-layout caches)
+    first = record(1, _overlay(split, reps1))
+    first.fingerprint()
+    _lookup(refs_by_key(first), mine)
+    t_ov, ov = _best(lambda: _overlay(split, reps2), repeat)
+    rec_ov = record(2, ov)
+    t_enc2, blob_ov = _best(lambda: encode_record(rec_ov), repeat)
+    t_dec2, _ = _best(lambda: decode_record(blob_ov), repeat)
+    t_fp2, _ = _best(rec_ov.fingerprint, repeat)
+    t_refs2, _ = _best(lambda: _lookup(refs_by_key(rec_ov), mine), repeat)
+    out["overlay"] = {"commit_s": t_ov, "encode_s": t_enc2, "decode_s": t_dec2, "fingerprint_s": t_fp2,
+                      "refs_s": t_refs2, "record_bytes": len(blob_ov)}
+    out["fingerprints_agree"] = record(1, _overlay(split, reps1)).fingerprint() == fp_plain
+
+    # ---- restore decision: what every rank sends (and receives world_size times)
+    held = tuple(range(ranks_per_node * 2))
+    view = NodeView(0, nodes[0], tuple(StepView(s, "0123456789abcdef", world, held, 1.0, True) for s in (1, 2, 3)))
+    out["view_bytes"] = len(pickle.dumps(view, protocol=pickle.HIGHEST_PROTOCOL))
+    out["view_bytes_before"] = out["view_bytes"] + 3 * len(pickle.dumps((nodes, (tensors * 65536,) * world), protocol=pickle.HIGHEST_PROTOCOL))
+
+    e, o = out["expanded"], out["overlay"]
+    out["save_s"] = {"expanded": e["commit_s"] + e["encode_s"] + e["decode_s"], "overlay": o["commit_s"] + o["encode_s"] + o["decode_s"]}
+    out["restore_s"] = {"expanded": e["decode_s"] + e["fingerprint_s"] + e["refs_s"], "overlay": o["decode_s"] + o["fingerprint_s"] + o["refs_s"]}
+    out["ratios"] = {
+        "save_overlay_vs_expanded": out["save_s"]["overlay"] / out["save_s"]["expanded"],
+        "restore_overlay_vs_expanded": out["restore_s"]["overlay"] / out["restore_s"]["expanded"],
+        "view_bytes_after_vs_before": out["view_bytes"] / out["view_bytes_before"],
+    }
+    return out
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    print(f"{'ranks':>6} {'chunks':>8} | {'save: expanded':>15} {'overlay':>9} {'ratio':>7} | "
+          f"{'restore: expanded':>18} {'overlay':>9} {'ratio':>7} | {'view B (before)':>16}")
+    for r in rows:
+        s, q = r["save_s"], r["restore_s"]
+        print(f"{r['world']:>6} {r['chunks']:>8} | {s['expanded'] * 1e3:>12.1f} ms {s['overlay'] * 1e3:>6.1f} ms "
+              f"{r['ratios']['save_overlay_vs_expanded']:>7.3f} | {q['expanded'] * 1e3:>15.1f} ms {q['overlay'] * 1e3:>6.1f} ms "
+              f"{r['ratios']['restore_overlay_vs_expanded']:>7.3f} | {r['view_bytes']:>6} ({r['view_bytes_before']})")
+    print("save = commit bookkeeping + record encode (node leader) + decode (other ranks), per save on every rank;")
+    print("restore = decode + fingerprint + one rank's chunk refs, per record at restore; ratios < 1: faster now.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--tensors", type=int, default=900, help="tensors (chunks) per rank (default 900: a ~7B model with Adam)")
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=RESULTS / "commit_scale.json")
+    ap.add_argument("--png", type=Path, default=IMG / "bench_commit_scale.png")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    rows = [measure(w, args.tensors, args.ranks_per_node, args.repeat) for w in args.world]
+    report(rows)
+    write_json(args.json, {"benchmark": "commit_scale", "machine": machine_info(), "config": vars(args) | {"json": str(args.json), "png": str(args.png)},
+                           "rows": rows, "wall_s": time.perf_counter() - t0})
+    labels, values, notes = [], [], []
+    for r in rows:
+        for kind in ("expanded", "overlay"):
+            labels.append(f"{r['world']} ranks: save, {kind}")
+            values.append(r["save_s"][kind] * 1e3)
+            notes.append(f"{r['save_s'][kind] * 1e3:.1f} ms")
+    bar_chart(args.png, labels, values, ylabel="ms per save (every rank)", annotate=notes,
+              colors=["#C44E52", "#4C72B0"] * len(rows),
+              title=f"Replayed-save commit bookkeeping, {args.tensors} tensors per rank (expanded results vs checksum overlay)")
+    print(f"wrote {args.json} and {args.png}")
+
+
+if __name__ == "__main__":
+    main()
