@@ -88,27 +88,26 @@ def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[
         full = [_expand(rep, split.by_rank) for rep in reps1]
         return {wr.index: wr.storage_data for rep in full for wr in rep.results}
 
+    def record_work(commit_s: float, rec: Any) -> dict[str, Any]:
+        """Time the record's life after the commit bookkeeping: encode, decode, fingerprint, one rank's refs."""
+        t_enc, blob = _best(lambda: encode_record(rec), repeat)
+        t_dec, _ = _best(lambda: decode_record(blob), repeat)
+        t_fp, _ = _best(rec.fingerprint, repeat)
+        t_refs, _ = _best(lambda: _lookup(refs_by_key(rec), mine), repeat)
+        return {"commit_s": commit_s, "encode_s": t_enc, "decode_s": t_dec, "fingerprint_s": t_fp,
+                "refs_s": t_refs, "record_bytes": len(blob)}
+
     t_expand, plain = _best(expand_build, repeat)
     rec_plain = record(1, plain)
-    t_enc, blob_plain = _best(lambda: encode_record(rec_plain), repeat)
-    t_dec, _ = _best(lambda: decode_record(blob_plain), repeat)
-    t_fp, fp_plain = _best(rec_plain.fingerprint, repeat)
-    t_refs, _ = _best(lambda: _lookup(refs_by_key(rec_plain), mine), repeat)
-    out["expanded"] = {"commit_s": t_expand, "encode_s": t_enc, "decode_s": t_dec, "fingerprint_s": t_fp,
-                       "refs_s": t_refs, "record_bytes": len(blob_plain)}
+    fp_plain = rec_plain.fingerprint()
+    out["expanded"] = record_work(t_expand, rec_plain)
 
     # ---- overlay: the same steps over the shared layout (first record warms the per-layout caches)
     first = record(1, _overlay(split, reps1))
     first.fingerprint()
     _lookup(refs_by_key(first), mine)
     t_ov, ov = _best(lambda: _overlay(split, reps2), repeat)
-    rec_ov = record(2, ov)
-    t_enc2, blob_ov = _best(lambda: encode_record(rec_ov), repeat)
-    t_dec2, _ = _best(lambda: decode_record(blob_ov), repeat)
-    t_fp2, _ = _best(rec_ov.fingerprint, repeat)
-    t_refs2, _ = _best(lambda: _lookup(refs_by_key(rec_ov), mine), repeat)
-    out["overlay"] = {"commit_s": t_ov, "encode_s": t_enc2, "decode_s": t_dec2, "fingerprint_s": t_fp2,
-                      "refs_s": t_refs2, "record_bytes": len(blob_ov)}
+    out["overlay"] = record_work(t_ov, record(2, ov))
     out["fingerprints_agree"] = record(1, _overlay(split, reps1)).fingerprint() == fp_plain
 
     # ---- restore decision: what every rank sends (and receives world_size times)
