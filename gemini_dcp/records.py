@@ -355,7 +355,11 @@ def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
     cached, blob = _layout_blob_cache
     if cached is layout:
         return blob
-    blob = pickle.dumps(_pack_storage_data(dict(layout)), protocol=pickle.HIGHEST_PROTOCOL)
+    # The location digest and order of the fingerprint ride along (computed once per layout
+    # here), so a restoring rank does not sort and hash every chunk of every rank again.
+    digest, order = _location_digest(layout)
+    packed = (_pack_storage_data(dict(layout)), digest, order.astype("<i8").tobytes())
+    blob = pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
     _layout_blob_cache = (layout, blob)
     return blob
 
@@ -363,7 +367,15 @@ def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
 def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
     layout = _layouts_by_blob.get(blob)
     if layout is None:
-        layout = _unpack_storage_data(pickle.loads(blob))  # type: ignore[assignment]
+        loaded = pickle.loads(blob)
+        digest: bytes | None = None
+        if isinstance(loaded, tuple) and len(loaded) == 3 and loaded[0] != _PACKED:  # (layout, digest, order)
+            loaded, digest, order_bytes = loaded
+        layout = _unpack_storage_data(loaded)  # type: ignore[assignment]
+        if digest is not None and isinstance(layout, dict):
+            order = np.frombuffer(order_bytes, dtype="<i8").astype(np.int64)
+            if len(order) == len(layout):
+                _digest_cache[:] = [(layout, (digest, order))] + _digest_cache[: _MAX_LAYOUTS - 1]
         with _shells_lock:
             while len(_layouts_by_blob) >= _MAX_LAYOUTS:
                 del _layouts_by_blob[next(iter(_layouts_by_blob))]

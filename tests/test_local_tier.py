@@ -384,3 +384,14 @@ def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
     by_loc = refs_by_location(overlay)
     assert dict(by_loc.items()) == refs_by_location(plain)  # a view over the overlay, the same chunks
     assert by_loc[(2, 64 * 59)] == plain[MetadataIndex("w3", [8, 0])]
+
+    # a fresh process: the fingerprint's location digest arrives with the layout, not recomputed
+    from gemini_dcp import records
+    from gemini_dcp.records import decode_record, encode_record
+
+    blob = encode_record(record(overlay))
+    records._digest_cache.clear()
+    records._layouts_by_blob.clear()
+    decoded = decode_record(blob)
+    assert records._digest_cache and records._digest_cache[0][0] is decoded.metadata.storage_data.layout
+    assert decoded.fingerprint() == record(plain).fingerprint()
