@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -128,7 +129,7 @@ class _Recorded:
     metadata: Metadata
     key: tuple[Any, ...] | None = None  # structure_key of the recorded state dict (None: compare plans)
     meshes: tuple[Any, ...] = ()  # keeps the meshes in ``key`` alive
-    layout: dict[MetadataIndex, ShardRef] | None = None  # the recorded save's committed_layout: replays send only checksums
+    layout: Mapping[MetadataIndex, ShardRef] | None = None  # the recorded save's committed_layout: replays send only checksums
 
 
 def same_plan(a: SavePlan, b: SavePlan) -> bool:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from array import array
-from collections.abc import Iterator, Mapping, Sequence
 import struct
 import threading
 import time
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 import xxhash
@@ -139,10 +140,10 @@ class StepRecord:
         h.update(f"{self.job_id}|{self.step}|{self.world_size}|{self.rank_nodes}|{self.rank_nbytes}".encode())
         sd = self.metadata.storage_data
         if isinstance(sd, ChecksumOverlay):
-            digest, order = _location_digest(sd.layout)
+            digest, order = _digests.get(sd.layout, lambda: _location_digest(sd.layout))
             sums = np.frombuffer(sd.checksums, dtype=np.uint64)[order]
         else:
-            digest, order = _location_digest(sd, cache=False)
+            digest, order = _location_digest(sd)
             values = list(sd.values())
             sums = np.fromiter((values[i].checksum for i in order), dtype=np.uint64, count=len(order))
         h.update(digest)
@@ -194,8 +195,20 @@ def _pack_storage_data(storage_data: object) -> object:
 _MAX_SHELLS = 8
 _MAX_INDEXES = 1 << 16
 _shells: dict[bytes, Metadata] = {}
-_shells_lock = threading.Lock()
 _indexes: dict[tuple[object, ...], MetadataIndex] = {}
+_remember_lock = threading.Lock()
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _remember(cache: dict[K, V], key: K, value: V, bound: int) -> V:
+    """Store ``value`` under ``key``, evicting the oldest entries beyond ``bound`` (saving threads decode too)."""
+    with _remember_lock:
+        while len(cache) >= bound:
+            del cache[next(iter(cache))]
+        cache[key] = value
+    return value
 
 
 def _unpack_storage_data(packed: object) -> object:
@@ -216,11 +229,7 @@ def _unpack_storage_data(packed: object) -> object:
 def _metadata_shell(meta_blob: bytes) -> Metadata:
     shell = _shells.get(meta_blob)
     if shell is None:
-        shell = pickle.loads(meta_blob)
-        with _shells_lock:  # saving threads decode too; evict the oldest entry
-            while len(_shells) >= _MAX_SHELLS:
-                del _shells[next(iter(_shells))]
-            _shells[meta_blob] = shell
+        shell = _remember(_shells, meta_blob, pickle.loads(meta_blob), _MAX_SHELLS)
     return shell
 
 
@@ -248,7 +257,8 @@ class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
         self.checksums = sums
 
     def __getitem__(self, index: MetadataIndex) -> ShardRef:
-        return self.layout[index].with_checksum(self.checksums[_positions(self.layout)[index]])
+        positions = _positions.get(self.layout, lambda: {idx: i for i, idx in enumerate(self.layout)})
+        return self.layout[index].with_checksum(self.checksums[positions[index]])
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         return iter(self.layout)
@@ -273,7 +283,8 @@ class _RefsByLocation(Mapping[tuple[int, int], ShardRef]):
 
     def __init__(self, overlay: ChecksumOverlay) -> None:
         self.overlay = overlay
-        self.index_of = _locations(overlay.layout)
+        layout = overlay.layout
+        self.index_of = _locations.get(layout, lambda: {(ref.rank, ref.offset): idx for idx, ref in layout.items()})
 
     def __getitem__(self, key: tuple[int, int]) -> ShardRef:
         return self.overlay[self.index_of[key]]
@@ -297,71 +308,57 @@ def refs_by_location(storage_data: Mapping[MetadataIndex, ShardRef]) -> Mapping[
     return {(ref.rank, ref.offset): ref for ref in storage_data.values()}
 
 
-_location_cache: list[tuple[Mapping[MetadataIndex, ShardRef], dict[tuple[int, int], MetadataIndex]]] = []
+class _PerLayout(Generic[V]):
+    """A value computed once per layout object, for the last few layouts.
+
+    Keyed by identity, not equality (a layout has one entry per chunk of every rank,
+    and every record of a plan shares one). Entries hold their layout, so an id
+    cannot be reused while its entry stands; the list is replaced in one step.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: list[tuple[object, V]] = []
+
+    def get(self, layout: object, build: Callable[[], V]) -> V:
+        for cached, value in tuple(self._entries):
+            if cached is layout:
+                return value
+        return self.put(layout, build())
+
+    def put(self, layout: object, value: V) -> V:
+        self._entries = [(layout, value)] + self._entries[: self._size - 1]
+        return value
 
 
-def _locations(layout: Mapping[MetadataIndex, ShardRef]) -> dict[tuple[int, int], MetadataIndex]:
-    for cached, where in tuple(_location_cache):
-        if cached is layout:
-            return where
-    where = {(ref.rank, ref.offset): idx for idx, ref in layout.items()}
-    _location_cache[:] = [(layout, where)] + _location_cache[: _MAX_LAYOUTS - 1]
-    return where
-
-
-# Identity caches for the overlay's shared layout: its chunk positions, its pickled form
-# (encode), and the layout decoded from that form (decode). Entries hold the layout, so
-# ids cannot be reused while an entry stands; single tuples are replaced atomically.
 _MAX_LAYOUTS = 4
-_position_cache: list[tuple[Mapping[MetadataIndex, ShardRef], dict[MetadataIndex, int]]] = []
-_layout_blob_cache: tuple[object, bytes] = (None, b"")
-_layouts_by_blob: dict[bytes, dict[MetadataIndex, ShardRef]] = {}
+_positions: _PerLayout[dict[MetadataIndex, int]] = _PerLayout(_MAX_LAYOUTS)  # index -> position
+_locations: _PerLayout[dict[tuple[int, int], MetadataIndex]] = _PerLayout(_MAX_LAYOUTS)  # (rank, offset) -> index
+_digests: _PerLayout[tuple[bytes, "np.ndarray"]] = _PerLayout(_MAX_LAYOUTS)  # fingerprint location part
+_layout_blobs: _PerLayout[bytes] = _PerLayout(1)  # the pickled layout (encode)
+_layouts_by_blob: dict[bytes, dict[MetadataIndex, ShardRef]] = {}  # decode
 
 
-_digest_cache: list[tuple[Mapping[MetadataIndex, ShardRef], tuple[bytes, "np.ndarray"]]] = []
-
-
-def _location_digest(
-    storage_data: Mapping[MetadataIndex, ShardRef], *, cache: bool = True
-) -> tuple[bytes, "np.ndarray"]:
+def _location_digest(storage_data: Mapping[MetadataIndex, ShardRef]) -> tuple[bytes, "np.ndarray"]:
     """(sha256 of every chunk's index and location in index order, that order as positions)."""
-    if cache:
-        for cached, out in tuple(_digest_cache):
-            if cached is storage_data:
-                return out
     items = list(storage_data.items())
     order = sorted(range(len(items)), key=lambda i: (items[i][0].fqn, tuple(items[i][0].offset or ())))
     h = hashlib.sha256()
     for i in order:
         idx, ref = items[i]
         h.update(f"{idx.fqn}|{tuple(idx.offset or ())}|{ref.rank}|{ref.offset}|{ref.length}\n".encode())
-    out = (h.digest(), np.asarray(order, dtype=np.int64))
-    if cache:
-        _digest_cache[:] = [(storage_data, out)] + _digest_cache[: _MAX_LAYOUTS - 1]
-    return out
-
-
-def _positions(layout: Mapping[MetadataIndex, ShardRef]) -> dict[MetadataIndex, int]:
-    for cached, pos in tuple(_position_cache):
-        if cached is layout:
-            return pos
-    pos = {idx: i for i, idx in enumerate(layout)}
-    _position_cache[:] = [(layout, pos)] + _position_cache[: _MAX_LAYOUTS - 1]
-    return pos
+    return h.digest(), np.asarray(order, dtype=np.int64)
 
 
 def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
-    global _layout_blob_cache
-    cached, blob = _layout_blob_cache
-    if cached is layout:
-        return blob
-    # The location digest and order of the fingerprint ride along (computed once per layout
-    # here), so a restoring rank does not sort and hash every chunk of every rank again.
-    digest, order = _location_digest(layout)
-    packed = (_pack_storage_data(dict(layout)), digest, order.astype("<i8").tobytes())
-    blob = pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
-    _layout_blob_cache = (layout, blob)
-    return blob
+    def build() -> bytes:
+        # The location digest and order of the fingerprint ride along (computed once per layout
+        # here), so a restoring rank does not sort and hash every chunk of every rank again.
+        digest, order = _digests.get(layout, lambda: _location_digest(layout))
+        packed = (_pack_storage_data(dict(layout)), digest, order.astype("<i8").tobytes())
+        return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+
+    return _layout_blobs.get(layout, build)
 
 
 def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
@@ -371,15 +368,11 @@ def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
         digest: bytes | None = None
         if isinstance(loaded, tuple) and len(loaded) == 3 and loaded[0] != _PACKED:  # (layout, digest, order)
             loaded, digest, order_bytes = loaded
-        layout = _unpack_storage_data(loaded)  # type: ignore[assignment]
+        layout = _remember(_layouts_by_blob, blob, _unpack_storage_data(loaded), _MAX_LAYOUTS)  # type: ignore[arg-type]
         if digest is not None and isinstance(layout, dict):
             order = np.frombuffer(order_bytes, dtype="<i8").astype(np.int64)
             if len(order) == len(layout):
-                _digest_cache[:] = [(layout, (digest, order))] + _digest_cache[: _MAX_LAYOUTS - 1]
-        with _shells_lock:
-            while len(_layouts_by_blob) >= _MAX_LAYOUTS:
-                del _layouts_by_blob[next(iter(_layouts_by_blob))]
-            _layouts_by_blob[blob] = layout  # type: ignore[assignment]
+                _digests.put(layout, (digest, order))
     return ChecksumOverlay(layout, checksums)  # type: ignore[arg-type]
 
 

@@ -28,6 +28,7 @@ import os
 import pickle
 import time
 from array import array
+from collections.abc import Mapping
 from torch.futures import Future
 from pathlib import Path
 from typing import Any, Callable
@@ -77,7 +78,7 @@ def _inline_metadata(blob: bytes | None, world_size: int) -> bool:
     return blob is not None and len(blob) * max(world_size - 1, 1) <= INLINE_METADATA_PADDING
 
 
-def _rank_layouts(layout: dict[MetadataIndex, ShardRef]) -> dict[int, list[tuple[MetadataIndex, ShardRef]]]:
+def _rank_layouts(layout: Mapping[MetadataIndex, ShardRef]) -> dict[int, list[tuple[MetadataIndex, ShardRef]]]:
     """The recorded save's chunks per rank, in that rank's write order (the commit's dict order)."""
     out: dict[int, list[tuple[MetadataIndex, ShardRef]]] = {}
     for idx, ref in layout.items():
@@ -89,14 +90,14 @@ def _rank_layouts(layout: dict[MetadataIndex, ShardRef]) -> dict[int, list[tuple
 class _SplitLayout:
     """A recorded layout split per rank: computed once per layout, not once per save."""
 
-    source: Any  # the layout (mapping index -> ShardRef), kept for identity
+    source: Mapping[MetadataIndex, ShardRef]  # the layout, kept for identity
     by_rank: dict[int, list[tuple[MetadataIndex, ShardRef]]]
     # The layout lists the ranks' chunks in ascending rank order, each rank's together: the
     # ranks' checksums concatenated in rank order are then in the layout's own order.
     rank_ordered: bool
 
     @classmethod
-    def of(cls, layout: Any) -> "_SplitLayout":
+    def of(cls, layout: Mapping[MetadataIndex, ShardRef]) -> "_SplitLayout":
         ranks = [ref.rank for ref in layout.values()]
         return cls(layout, _rank_layouts(layout), all(a <= b for a, b in zip(ranks, ranks[1:])))
 
@@ -208,7 +209,7 @@ class GeminiStorageWriter(StorageWriter):
         # The global metadata of the last save (rank 0's plan, known to every rank after the commit gather).
         self.planned_metadata: Metadata | None = None
         # Where every rank's chunks of the last committed save live (index -> ShardRef), known to every rank.
-        self.committed_layout: dict[MetadataIndex, ShardRef] | None = None
+        self.committed_layout: Mapping[MetadataIndex, ShardRef] | None = None
         self.last_commit_compact = False  # the last commit gather sent this rank's checksums only
         self._split: _SplitLayout | None = None  # the replay layout, split per rank (cached)
         self.persistent = None
@@ -275,7 +276,7 @@ class GeminiStorageWriter(StorageWriter):
         plan: SavePlan,
         planner: SavePlanner,
         metadata: Metadata,
-        layout: dict[MetadataIndex, ShardRef] | None = None,
+        layout: Mapping[MetadataIndex, ShardRef] | None = None,
     ) -> list[WriteResult]:
         """Write ``plan`` and commit with ``metadata``, both from an earlier ``dcp.save``
         of a state dict of the same structure (:mod:`gemini_dcp.plan_replay`).
@@ -304,7 +305,7 @@ class GeminiStorageWriter(StorageWriter):
         known: Metadata | None,
         *,
         check_space: bool = False,
-        layout: dict[MetadataIndex, ShardRef] | None = None,
+        layout: Mapping[MetadataIndex, ShardRef] | None = None,
     ) -> list[WriteResult]:
         """The body of a save. ``planned``: rank 0's metadata, sent to every rank in the
         report gather; ``known``: metadata every rank already has (nothing to send)."""
@@ -512,7 +513,7 @@ class GeminiStorageWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=ref))
         return slot_idx, slot, tuple(results), total
 
-    def _split_layout(self, layout: Any) -> _SplitLayout | None:
+    def _split_layout(self, layout: Mapping[MetadataIndex, ShardRef] | None) -> _SplitLayout | None:
         if layout is None:
             return None
         split = self._split

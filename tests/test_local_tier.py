@@ -390,8 +390,8 @@ def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
     from gemini_dcp.records import decode_record, encode_record
 
     blob = encode_record(record(overlay))
-    records._digest_cache.clear()
+    records._digests._entries.clear()
     records._layouts_by_blob.clear()
     decoded = decode_record(blob)
-    assert records._digest_cache and records._digest_cache[0][0] is decoded.metadata.storage_data.layout
+    assert records._digests._entries and records._digests._entries[0][0] is decoded.metadata.storage_data.layout
     assert decoded.fingerprint() == record(plain).fingerprint()
