@@ -20,7 +20,10 @@ checksums), and times both ways of committing it, in the same run:
   every restore after the first record costs).
 
 The restore decision's view size per rank is printed too (it no longer carries
-the record's rank → node map). Writes benchmarks/results/commit_scale.json and
+the record's rank → node map), and so is what one rank receives and unpickles in
+the commit gather of a plain ``dcp.save`` of an unchanged structure: every rank's
+write results in full plus the planned metadata (before), or checksums against
+the last committed layout with the metadata already held (now). Writes benchmarks/results/commit_scale.json and
 docs/img/bench_commit_scale.png.
 """
 
@@ -116,6 +119,8 @@ def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[
     out["view_bytes"] = len(pickle.dumps(view, protocol=pickle.HIGHEST_PROTOCOL))
     out["view_bytes_before"] = out["view_bytes"] + 3 * len(pickle.dumps((nodes, (tensors * 65536,) * world), protocol=pickle.HIGHEST_PROTOCOL))
 
+    out["plain_gather"] = plain_gather(world, tensors, nodes, repeat)
+
     e, o = out["expanded"], out["overlay"]
     out["save_s"] = {"expanded": e["commit_s"] + e["encode_s"] + e["decode_s"], "overlay": o["commit_s"] + o["encode_s"] + o["decode_s"]}
     out["restore_s"] = {"expanded": e["decode_s"] + e["fingerprint_s"] + e["refs_s"], "overlay": o["decode_s"] + o["fingerprint_s"] + o["refs_s"]}
@@ -125,6 +130,52 @@ def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[
         "view_bytes_after_vs_before": out["view_bytes"] / out["view_bytes_before"],
     }
     return out
+
+
+def plain_gather(world: int, tensors: int, nodes: tuple[str, ...], repeat: int) -> dict[str, Any]:
+    """What one rank receives and unpickles in the commit of a plain ``dcp.save`` of an unchanged
+    structure: every rank's write results in full plus the planned metadata (before), or every
+    rank's checksums against the last committed layout and no metadata (after: every rank holds it)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from gemini_dcp.records import ShardRef
+    from gemini_dcp.writer import INLINE_METADATA_PADDING, _RankReport
+
+    fqns = [f"model.layers.{i // 3}.w{i % 3}" for i in range(tensors)]
+    meta = Metadata({
+        f: TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([64 * world, 512]),
+                                 [ChunkStorageMetadata(torch.Size([r * 64, 0]), torch.Size([64, 512])) for r in range(world)])
+        for f in fqns
+    })
+    meta_blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    inline = len(meta_blob) * (world - 1) <= INLINE_METADATA_PADDING
+    r = world // 2  # a typical rank's part (every part is padded to the largest anyway)
+    full = _RankReport(rank=r, node_id=nodes[r], slot=1, nbytes=tensors * 65536, results=tuple(
+        WriteResult(index=MetadataIndex(f, torch.Size([r * 64, 0]), r), size_in_bytes=65536,
+                    storage_data=ShardRef(r, i * 65536, 65536, 0x9E3779B9 + i, "crc32c", "bfloat16", (64, 512)))
+        for i, f in enumerate(fqns)))
+    compact = _RankReport(rank=r, node_id=nodes[r], slot=1, nbytes=tensors * 65536, results=(),
+                          checksums=tuple(0x9E3779B9 + i for i in range(tensors)), known_metadata=b"d" * 16,
+                          basis=(1, world * tensors))
+    full_b, compact_b = (pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in (full, compact))
+    part_before = len(full_b) + (len(meta_blob) if inline else 0)
+    before_bytes = world * part_before + (0 if inline else len(meta_blob))
+    after_bytes = world * len(compact_b)
+
+    def receive(parts: list[bytes]) -> None:
+        for b in parts:
+            pickle.loads(b)
+
+    t_before, _ = _best(lambda: receive([full_b] * world + [meta_blob]), repeat)
+    t_after, _ = _best(lambda: receive([compact_b] * world), repeat)
+    return {"metadata_bytes": len(meta_blob), "metadata_inline_before": inline, "full_part_bytes": len(full_b),
+            "compact_part_bytes": len(compact_b), "received_bytes": {"before": before_bytes, "after": after_bytes},
+            "unpickle_s": {"before": t_before, "after": t_after},
+            "ratios": {"bytes_after_vs_before": after_bytes / before_bytes, "unpickle_after_vs_before": t_after / t_before}}
 
 
 def report(rows: list[dict[str, Any]]) -> None:
@@ -137,6 +188,15 @@ def report(rows: list[dict[str, Any]]) -> None:
               f"{r['ratios']['restore_overlay_vs_expanded']:>7.3f} | {r['view_bytes']:>6} ({r['view_bytes_before']})")
     print("save = commit bookkeeping + record encode (node leader) + decode (other ranks), per save on every rank;")
     print("restore = decode + fingerprint + one rank's chunk refs, per record at restore; ratios < 1: faster now.")
+    print()
+    print(f"{'ranks':>6} | plain dcp.save commit, received per rank: {'before':>10} {'after':>10} {'ratio':>7} | "
+          f"{'unpickle before':>15} {'after':>9}")
+    for r in rows:
+        g = r["plain_gather"]
+        b, u = g["received_bytes"], g["unpickle_s"]
+        print(f"{r['world']:>6} | {'':>41} {b['before'] / 2**20:>7.1f} MB {b['after'] / 2**20:>7.2f} MB "
+              f"{g['ratios']['bytes_after_vs_before']:>7.3f} | {u['before'] * 1e3:>12.1f} ms {u['after'] * 1e3:>6.1f} ms")
+    print("before: every rank's full write results + the planned metadata; after: checksums only, metadata already held.")
 
 
 def main() -> None:

@@ -98,7 +98,7 @@ class StepRecord:
         return (
             _rebuild_record,
             (
-                self.job_id, self.step, self.world_size, _metadata_blob(meta), meta.storage_meta,
+                self.job_id, self.step, self.world_size, metadata_shell_blob(meta), meta.storage_meta,
                 _pack_storage_data(meta.storage_data),
                 self.rank_nodes, self.rank_nbytes, self.holders, self.replicas, self.placement, self.slots,
                 self.node_id, self.created_unix, self.complete,
@@ -157,7 +157,7 @@ class StepRecord:
 _blob_cache: tuple[tuple[object, ...], bytes] = ((), b"")
 
 
-def _metadata_blob(meta: Metadata) -> bytes:
+def metadata_shell_blob(meta: Metadata) -> bytes:
     """``meta`` without ``storage_data`` and ``storage_meta``, pickled (cached while its parts are the same objects)."""
     global _blob_cache
     shell = replace(meta, storage_data=None, storage_meta=None)
@@ -234,10 +234,11 @@ def _metadata_shell(meta_blob: bytes) -> Metadata:
 
 
 class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
-    """``storage_data`` of a replayed save: the recorded layout, with this save's checksums.
+    """``storage_data`` of a save whose chunks all land where an earlier save put them (a
+    replayed plan, or a plain ``dcp.save`` of an unchanged structure): that layout, with
+    this save's checksums.
 
-    A save that replays a plan puts every chunk where the recorded save put it, so
-    only the checksums are new. Holding them as one array beside the shared layout
+    Only the checksums are new. Holding them as one array beside the shared layout
     keeps a step's commit O(1) in Python objects — materializing a ShardRef (and a
     WriteResult) per chunk of every rank cost ~0.9 s per save on every rank at 64
     ranks × 900 tensors — and pickles as the layout's cached blob plus the array.

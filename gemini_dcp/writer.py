@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -43,7 +44,7 @@ from .comm import Comm, get_comm
 from .config import TierOptions, parse_step, resolve_node_id
 from .errors import ConfigError, InvalidStepError, TierFullError
 from .local_tier import LocalTier
-from .records import ChecksumOverlay, RankSlot, ShardRef, StepRecord
+from .records import ChecksumOverlay, RankSlot, ShardRef, StepRecord, metadata_shell_blob
 from .slots import ALIGN, SlotFile, align, free_bytes, round_capacity, tier_full_message
 
 log = logging.getLogger(__name__)
@@ -59,14 +60,25 @@ class _RankReport:
     nbytes: int
     results: tuple[WriteResult, ...]
     replica_slots: tuple[RankSlot, ...] = ()  # peer replicas this rank stored for other nodes
-    # Rank 0 only: the planner's global metadata, pickled. Inline when small for the world size
+    # Rank 0 only, on a planned save: the digest of the planner's global metadata (pickled
+    # without storage_data / storage_meta, see records.metadata_shell_blob) and this save's
+    # storage_meta. The pickled metadata itself rides inline when small for the world size
     # (all_gather_object pads every rank's part to the largest, so an inline blob costs every
-    # rank world_size x its size); else ``metadata_follows`` and one broadcast sends it once.
+    # rank world_size x its size) and rank 0 did not plan the same metadata last time; else it
+    # follows in one broadcast, unless every rank already holds it (``known_metadata``).
+    metadata_digest: bytes | None = None
     metadata_blob: bytes | None = None
-    metadata_follows: bool = False
-    # A replayed save whose results match the recorded layout sends only its checksums, in the
-    # layout's order for this rank; ``results`` is then empty until :func:`_expand` rebuilds it.
+    storage_meta: StorageMeta | None = None
+    # Every rank: the digest of the planned metadata this writer holds from its last save.
+    known_metadata: bytes | None = None
+    # A save whose results match a known layout (the replayed plan's, or the last committed
+    # one) sends only its checksums, in the layout's order for this rank; ``results`` is then
+    # empty until :func:`_expand` rebuilds it.
     checksums: tuple[int, ...] | None = None
+    # The last committed layout this rank's writer holds, as (step that committed it, chunks);
+    # None when it holds none. A plain ``dcp.save`` may use the compact form only when every
+    # rank reports the same basis (all hold the same layout); else it gathers again in full.
+    basis: tuple[int, int] | None = None
 
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.
@@ -100,6 +112,18 @@ class _SplitLayout:
     def of(cls, layout: Mapping[MetadataIndex, ShardRef]) -> "_SplitLayout":
         ranks = [ref.rank for ref in layout.values()]
         return cls(layout, _rank_layouts(layout), all(a <= b for a, b in zip(ranks, ranks[1:])))
+
+
+def _base_layout(layout: Mapping[MetadataIndex, ShardRef]) -> Mapping[MetadataIndex, ShardRef]:
+    """The chunk locations under ``layout``: an overlay's shared layout (every save of one
+    structure has the same one), else ``layout`` itself. Checksums aside, the two agree."""
+    return layout.layout if isinstance(layout, ChecksumOverlay) else layout
+
+
+def _agreed_basis(reports: list["_RankReport"]) -> bool:
+    """Every rank holds the same last committed layout (same commit step, same chunk count)."""
+    first = reports[0].basis
+    return first is not None and all(rep.basis == first for rep in reports)
 
 
 def _overlay(split: _SplitLayout, reports: list[_RankReport]) -> ChecksumOverlay | None:
@@ -208,10 +232,16 @@ class GeminiStorageWriter(StorageWriter):
         self.last_replication: dict[str, Any] = {}
         # The global metadata of the last save (rank 0's plan, known to every rank after the commit gather).
         self.planned_metadata: Metadata | None = None
+        # (digest, shell) of the planned metadata of the last save (see _RankReport.metadata_digest).
+        self._known_metadata: tuple[bytes | None, Metadata | None] = (None, None)
+        self.last_metadata_transfer = "none"  # how the last save's metadata reached this rank
         # Where every rank's chunks of the last committed save live (index -> ShardRef), known to every rank.
         self.committed_layout: Mapping[MetadataIndex, ShardRef] | None = None
         self.last_commit_compact = False  # the last commit gather sent this rank's checksums only
         self._split: _SplitLayout | None = None  # the replay layout, split per rank (cached)
+        # The chunk locations of the last committed save and the step that first committed
+        # them: a plain dcp.save of the same structure sends only checksums against it.
+        self._basis: tuple[tuple[int, int], Mapping[MetadataIndex, ShardRef]] | None = None
         self.persistent = None
         if persistent is not None:
             from .persistent import PersistentTier  # noqa: PLC0415 - optional tier
@@ -266,7 +296,9 @@ class GeminiStorageWriter(StorageWriter):
         """
         comm = get_comm(self.options.timeout_s, self.process_group)
         planned = getattr(planner, "metadata", None) if comm.rank == 0 else None  # the coordinator's global metadata
-        results = self._write_and_commit(comm, plan, planner, planned if isinstance(planned, Metadata) else None, None)
+        results = self._write_and_commit(
+            comm, plan, planner, planned if isinstance(planned, Metadata) else None, None, use_basis=True
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -306,25 +338,40 @@ class GeminiStorageWriter(StorageWriter):
         *,
         check_space: bool = False,
         layout: Mapping[MetadataIndex, ShardRef] | None = None,
+        use_basis: bool = False,
     ) -> list[WriteResult]:
         """The body of a save. ``planned``: rank 0's metadata, sent to every rank in the
-        report gather; ``known``: metadata every rank already has (nothing to send)."""
+        report gather; ``known``: metadata every rank already has (nothing to send).
+
+        ``layout``: a layout every rank holds (the replayed plan's): results matching it
+        go compact. ``use_basis``: compact against this writer's last committed layout
+        instead, which a rank may lack (a fresh writer): the reports say which one each
+        rank holds, and unless all agree every rank gathers its full results again.
+        """
         t0 = time.perf_counter()
         step = self._require_step()
         rank = comm.rank
+        basis: tuple[int, int] | None = None
+        if use_basis and self._basis is not None and comm.distributed:
+            basis, layout = self._basis
         error: BaseException | None = None
         report: _RankReport | None = None
         planned_blob: bytes | None = None
+        digest: bytes | None = None
         try:
             if planned is not None and comm.distributed:
-                planned_blob = pickle.dumps(planned, protocol=pickle.HIGHEST_PROTOCOL)
+                planned_blob = metadata_shell_blob(planned)
+                digest = xxhash.xxh3_128_digest(planned_blob)
             if check_space:
                 self.prepare_local_plan(plan)
             slot_idx, slot, results, nbytes = self._write_local(plan, planner, step, rank)
-            inline = _inline_metadata(planned_blob, comm.world_size)
+            # Unchanged since rank 0's last save: every rank probably holds it (checked after the gather).
+            inline = _inline_metadata(planned_blob, comm.world_size) and digest != self._known_metadata[0]
             report = _RankReport(
                 rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results,
-                metadata_blob=planned_blob if inline else None, metadata_follows=planned_blob is not None and not inline,
+                metadata_digest=digest, metadata_blob=planned_blob if inline else None,
+                storage_meta=planned.storage_meta if digest is not None and planned is not None else None,
+                known_metadata=self._known_metadata[0], basis=basis,
             )
         except BaseException as exc:  # reported to every rank below, then re-raised
             error = exc
@@ -340,12 +387,19 @@ class GeminiStorageWriter(StorageWriter):
         reports = comm.all_gather_object(sent)
         self._raise_if_failed(error, reports, "writing shards into the local tier")
         assert report is not None
+        if use_basis and not _agreed_basis(reports):
+            # Some rank lacks this layout (or holds another): it could not rebuild compact
+            # reports. Every rank sees the same reports, so all take this branch together.
+            split = layouts = None
+            if any(rep.checksums is not None for rep in reports):
+                reports = comm.all_gather_object(report)
+            self.last_commit_compact = False
         # Replayed save, every rank compact: keep the reports compact and record the layout plus
         # the checksums; otherwise rebuild every rank's write results.
         overlay = _overlay(split, reports) if split is not None else None
         if layouts is not None and overlay is None:
             reports = [_expand(rep, layouts) for rep in reports]
-        meta = known if known is not None else self._gathered_metadata(comm, planned, planned_blob, reports[0])
+        meta = known if known is not None else self._gathered_metadata(comm, planned, planned_blob, reports)
         self.planned_metadata = meta
         if self.options.replicas > 1 and comm.distributed:
             from .peer import replicate  # noqa: PLC0415
@@ -357,6 +411,7 @@ class GeminiStorageWriter(StorageWriter):
             reports = [dataclasses.replace(rep, replica_slots=rs) for rep, rs in zip(reports, gathered)]
         record = self._build_record(step, comm, reports, meta, overlay)
         self.committed_layout = record.metadata.storage_data
+        self._remember_basis(step, overlay, record.metadata.storage_data)
         self._commit_on_node(record, reports, rank)
         if record.complete:  # else the coordinator's finish() completes it
             self.last_committed_step = step
@@ -364,18 +419,37 @@ class GeminiStorageWriter(StorageWriter):
         self.last_save_seconds = time.perf_counter() - t0
         return list(report.results)
 
-    @staticmethod
     def _gathered_metadata(
-        comm: Comm, planned: Metadata | None, planned_blob: bytes | None, first: _RankReport
+        self, comm: Comm, planned: Metadata | None, planned_blob: bytes | None, reports: list[_RankReport]
     ) -> Metadata | None:
-        """Rank 0's planned metadata on every rank: from its report, or — large for the world
-        size — one broadcast that every rank joins (every rank saw ``metadata_follows``)."""
-        if comm.rank == 0:
-            if first.metadata_follows:
-                comm.broadcast_object(planned_blob, src=0)
-            return planned
-        blob = comm.broadcast_object(None, src=0) if first.metadata_follows else first.metadata_blob
-        return None if blob is None else pickle.loads(blob)
+        """Rank 0's planned metadata on every rank: the copy every rank already holds when it
+        is unchanged, else from rank 0's report or — large for the world size — one broadcast
+        that every rank joins (every rank sees the same reports, so all decide alike)."""
+        first = reports[0]
+        digest = first.metadata_digest
+        if digest is None:  # one process (nothing to share), or a planner without metadata
+            return planned if comm.rank == 0 else None
+        held_digest, held = self._known_metadata
+        if held_digest != digest or held is None:
+            held = None
+        if first.metadata_blob is not None:
+            self.last_metadata_transfer = "inline"
+            blob = first.metadata_blob
+        elif all(rep.known_metadata == digest for rep in reports):
+            self.last_metadata_transfer = "none"
+            blob = None
+        else:
+            self.last_metadata_transfer = "broadcast"
+            blob = comm.broadcast_object(planned_blob if comm.rank == 0 else None, src=0)
+        if held is None:
+            if comm.rank == 0 and planned is not None:
+                held = dataclasses.replace(planned, storage_data=None, storage_meta=None)
+            else:
+                assert blob is not None, "metadata unchanged on every rank, yet this rank holds none"
+                held = pickle.loads(blob)
+        # The same shell objects save after save: records.metadata_shell_blob reuses its pickle.
+        self._known_metadata = (digest, held)
+        return dataclasses.replace(held, storage_meta=first.storage_meta)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only: confirm the commit (writing the final metadata if the
@@ -513,9 +587,23 @@ class GeminiStorageWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=ref))
         return slot_idx, slot, tuple(results), total
 
+    def _remember_basis(
+        self, step: int, overlay: ChecksumOverlay | None, storage_data: Mapping[MetadataIndex, ShardRef]
+    ) -> None:
+        """Keep the committed chunk locations for the next plain save to compact against.
+
+        Decided from the gathered reports alone, so every rank keeps the same basis: an
+        overlay on the kept layout keeps it (and its step); any other layout starts a new one.
+        """
+        base = _base_layout(storage_data)
+        if overlay is not None and self._basis is not None and self._basis[1] is base:
+            return
+        self._basis = ((step, len(base)), base)
+
     def _split_layout(self, layout: Mapping[MetadataIndex, ShardRef] | None) -> _SplitLayout | None:
         if layout is None:
             return None
+        layout = _base_layout(layout)
         split = self._split
         if split is None or split.source is not layout:
             split = self._split = _SplitLayout.of(layout)

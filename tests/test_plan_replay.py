@@ -184,6 +184,56 @@ def test_replayed_commit_sends_checksums_only_and_replicas_restore(roots: list[s
     assert res[0]["from"]["peer"] > 0  # the replaced node's shards came from the peer replica written by a replay
 
 
+def _plain_saves(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Plain ``dcp.save`` every step: after the first, the commit sends checksums only."""
+    from gemini_dcp.local_tier import LocalTier
+    from gemini_dcp.records import read_record
+
+    def writer() -> GeminiStorageWriter:
+        return GeminiStorageWriter(root=root, job_id="plain", keep=2, replicas=2, timeout_s=60)
+
+    w = writer()
+    compact, kinds, meta = [], [], []
+    for step in range(6):
+        if step == 3 and rank == 1:
+            w = writer()  # a fresh writer on one rank: it holds no layout, so nobody may compact
+        dcp.save(_state(rank, step, False), storage_writer=w, checkpoint_id=step)
+        compact.append(w.last_commit_compact)
+        kinds.append(type(w.committed_layout).__name__)
+        meta.append(w.last_metadata_transfer)
+        assert w.planned_metadata is not None and {"rank0.w", "rank1.w", "shared"} <= set(w.planned_metadata.state_dict_metadata)
+    on_disk = read_record(LocalTier(root, "plain").layout.record_path(5))
+    torch.distributed.barrier()
+    if rank == 1:  # node 1 is replaced: its shards of step 5 must come from node 0's replica
+        shutil.rmtree(os.path.join(root, "plain"))
+    torch.distributed.barrier()
+    out = _state(rank, 99, False)
+    out["nested"] = {"m": torch.zeros(32), "step": -1}
+    reader = GeminiStorageReader(root=root, job_id="plain")
+    dcp.load(out, storage_reader=reader)
+    want = _state(rank, 5, False)
+    ok = all(torch.equal(out[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
+    ok = ok and torch.equal(out["nested"]["m"], want["nested"]["m"]) and out["nested"]["step"] == 5
+    return {"compact": compact, "kinds": kinds, "meta": meta, "disk": type(on_disk.metadata.storage_data).__name__, "ok": ok,
+            "step": reader.restored_step, "from": dict(reader.restored_from)}
+
+
+@pytest.mark.timeout(240)
+def test_plain_dcp_save_commits_checksums_only_once_every_rank_holds_the_layout(roots: list[str]) -> None:
+    res = run_ranks(_plain_saves, 2, roots)
+    # step 0: no layout yet; 1-2 compact; 3: rank 1's writer is fresh, so both gather in full
+    # (and agree on the new layout); 4-5 compact again
+    assert [r["compact"] for r in res] == [[False, True, True, False, True, True]] * 2
+    kinds = ["dict", "ChecksumOverlay", "ChecksumOverlay", "dict", "ChecksumOverlay", "ChecksumOverlay"]
+    assert [r["kinds"] for r in res] == [kinds] * 2
+    assert all(r["disk"] == "ChecksumOverlay" for r in res)
+    # The planned metadata travels when it is new to some rank; unchanged, nothing is sent
+    # (step 3: rank 0 did not inline it, rank 1's fresh writer lacked it, so it was broadcast).
+    assert [r["meta"] for r in res] == [["inline", "none", "none", "broadcast", "none", "none"]] * 2
+    assert all(r["ok"] and r["step"] == 5 for r in res), res
+    assert res[1]["from"]["peer"] > 0
+
+
 def test_compact_report_round_trip() -> None:
     from torch.distributed.checkpoint.storage import WriteResult
 
