@@ -9,12 +9,12 @@ one process, what a rank holds after the commit gather of a replayed save of W
 ranks with N tensors each (the recorded layout and every rank's compact report of
 checksums), and times both ways of committing it, in the same run:
 
-* ``expanded`` (the path before the checksum overlay, still used when a save is
-  not a replay): rebuild a WriteResult + ShardRef per chunk of every rank, build
+* ``expanded`` (the path before the checksum overlay, still used by a save whose
+  chunk layout changed): rebuild a WriteResult + ShardRef per chunk of every rank, build
   the record's ``storage_data`` dict, encode the record (the node leader),
   decode it (every other rank, once per save), fingerprint it, and index every
   chunk by location (each restoring rank);
-* ``overlay`` (replayed saves now): ``records.ChecksumOverlay`` — the shared layout
+* ``overlay`` (replayed saves, and plain saves of an unchanged structure, now): ``records.ChecksumOverlay`` — the shared layout
   plus one array of checksums — for the same steps; the fingerprint and location
   index of a second record of the same plan (what every save after the first and
   every restore after the first record costs).
