@@ -14,8 +14,9 @@ checksums), and times both ways of committing it, in the same run:
   the record's ``storage_data`` dict, encode the record (the node leader),
   decode it (every other rank, once per save), fingerprint it, and index every
   chunk by location (each restoring rank);
-* ``overlay`` (replayed saves, and plain saves of an unchanged structure, now): ``records.ChecksumOverlay`` — the shared layout
-  plus one array of checksums — for the same steps; the fingerprint and location
+* ``overlay`` (replayed saves, and plain saves of an unchanged structure, now):
+  ``records.ChecksumOverlay`` — the shared layout plus one array of checksums —
+  for the same steps; the fingerprint and location
   index of a second record of the same plan (what every save after the first and
   every restore after the first record costs).
 
