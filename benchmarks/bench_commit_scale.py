@@ -24,8 +24,10 @@ The restore decision's view size per rank is printed too (it no longer carries
 the record's rank → node map), and so is what one rank receives and unpickles in
 the commit gather of a plain ``dcp.save`` of an unchanged structure: every rank's
 write results in full plus the planned metadata (before), or checksums against
-the last committed layout with the metadata already held (now). Writes benchmarks/results/commit_scale.json and
-docs/img/bench_commit_scale.png.
+the last committed layout with the metadata already held (now); and the first
+record of a layout in a process (the leader's encode; a fresh restoring process's
+decode, packed rows vs one MetadataIndex + ShardRef per chunk as before).
+Writes benchmarks/results/commit_scale.json and docs/img/bench_commit_scale.png.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[
     out["view_bytes_before"] = out["view_bytes"] + 3 * len(pickle.dumps((nodes, (tensors * 65536,) * world), protocol=pickle.HIGHEST_PROTOCOL))
 
     out["plain_gather"] = plain_gather(world, tensors, nodes, repeat)
+    out["first_record"] = first_record(record(3, _overlay(split, reports(3))), repeat)
 
     e, o = out["expanded"], out["overlay"]
     out["save_s"] = {"expanded": e["commit_s"] + e["encode_s"] + e["decode_s"], "overlay": o["commit_s"] + o["encode_s"] + o["decode_s"]}
@@ -179,6 +182,35 @@ def plain_gather(world: int, tensors: int, nodes: tuple[str, ...], repeat: int) 
             "ratios": {"bytes_after_vs_before": after_bytes / before_bytes, "unpickle_after_vs_before": t_after / t_before}}
 
 
+def first_record(rec: Any, repeat: int) -> dict[str, Any]:
+    """The first record of a layout in a process: the node leader's encode (layout pickled and its
+    location digest computed once per layout), and a restoring process's decode, kept packed
+    (now) vs materializing a MetadataIndex and a ShardRef per chunk (what decoding did before)."""
+    from gemini_dcp import records
+
+    def cold() -> None:
+        for cache in (records._layout_blobs, records._digests, records._positions, records._locations):
+            cache._entries.clear()
+        records._layouts_by_blob.clear()
+        records._indexes.clear()
+
+    def encode() -> bytes:
+        cold()
+        return records.encode_record(rec)
+
+    t_enc, blob = _best(encode, repeat)
+
+    def decode(materialize: bool) -> Any:
+        cold()
+        sd = records.decode_record(blob).metadata.storage_data
+        return dict(sd.layout.items()) if materialize else sd
+
+    t_packed, _ = _best(lambda: decode(False), repeat)
+    t_mat, _ = _best(lambda: decode(True), repeat)
+    return {"encode_s": t_enc, "decode_s": {"materialized": t_mat, "packed": t_packed},
+            "ratios": {"decode_packed_vs_materialized": t_packed / t_mat}}
+
+
 def report(rows: list[dict[str, Any]]) -> None:
     print(f"{'ranks':>6} {'chunks':>8} | {'save: expanded':>15} {'overlay':>9} {'ratio':>7} | "
           f"{'restore: expanded':>18} {'overlay':>9} {'ratio':>7} | {'view B (before)':>16}")
@@ -198,6 +230,12 @@ def report(rows: list[dict[str, Any]]) -> None:
         print(f"{r['world']:>6} | {'':>41} {b['before'] / 2**20:>7.1f} MB {b['after'] / 2**20:>7.2f} MB "
               f"{g['ratios']['bytes_after_vs_before']:>7.3f} | {u['before'] * 1e3:>12.1f} ms {u['after'] * 1e3:>6.1f} ms")
     print("before: every rank's full write results + the planned metadata; after: checksums only, metadata already held.")
+    print()
+    print(f"{'ranks':>6} | first record of a layout: encode (leader) | decode in a fresh process: materialized  packed  ratio")
+    for r in rows:
+        f = r["first_record"]
+        print(f"{r['world']:>6} | {f['encode_s'] * 1e3:>38.0f} ms | {f['decode_s']['materialized'] * 1e3:>36.0f} ms "
+              f"{f['decode_s']['packed'] * 1e3:>5.0f} ms {f['ratios']['decode_packed_vs_materialized']:>6.3f}")
 
 
 def main() -> None:

@@ -16,10 +16,10 @@ import struct
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import xxhash
@@ -32,12 +32,15 @@ RECORD_MAGIC = b"GEMREC01"
 _HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of payload
 
 
-@dataclass(frozen=True, slots=True)
-class ShardRef:
+class ShardRef(NamedTuple):
     """Where one stored item (tensor chunk or pickled bytes) lives: ``storage_data`` of a WriteResult.
 
     ``offset``/``length`` are bytes inside the owning rank's slot for the step;
     ``dtype``/``shape`` describe a tensor chunk (None for a bytes item).
+
+    A named tuple, immutable like a frozen dataclass but ~10x cheaper to build: a step
+    record holds one per chunk of every rank, and a restoring process decodes them all
+    (230 k chunks at 256 ranks x 900 tensors).
     """
 
     rank: int
@@ -50,16 +53,18 @@ class ShardRef:
 
     def astuple(self) -> tuple[object, ...]:
         """The fields in order: ``ShardRef(*ref.astuple()) == ref``."""
-        return (self.rank, self.offset, self.length, self.checksum, self.algo, self.dtype, self.shape)
+        return tuple(self)
 
     def with_checksum(self, checksum: int) -> "ShardRef":
         """The same chunk location with another checksum (a later save of the same plan)."""
-        return ShardRef(self.rank, self.offset, self.length, checksum, self.algo, self.dtype, self.shape)
+        return _new_ref(ShardRef, (self[0], self[1], self[2], checksum, self[4], self[5], self[6]))
 
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        # A plain tuple: a slotted frozen dataclass pickles through dataclasses.fields()
-        # per object, ~5x slower, and a step's metadata holds one ShardRef per chunk.
-        return (ShardRef, self.astuple())
+        # The fields as a plain tuple, as records written by earlier versions store them.
+        return (ShardRef, tuple(self))
+
+
+_new_ref = tuple.__new__  # builds a ShardRef from a full 7-tuple without the keyword machinery
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,17 +181,16 @@ _PACKED = "gemini_dcp.shardrefs.v1"
 def _pack_storage_data(storage_data: object) -> object:
     """``{MetadataIndex: ShardRef}`` as flat tuples (pickling torch's MetadataIndex field by
     field costs ~3x more); anything else unchanged."""
-    if not isinstance(storage_data, dict) or not all(
-        type(k) is MetadataIndex and type(v) is ShardRef for k, v in storage_data.items()
-    ):
+    if isinstance(storage_data, PackedLayout):
+        return (_PACKED, storage_data.rows)
+    if not isinstance(storage_data, dict):
         return storage_data
-    return (
-        _PACKED,
-        tuple(
-            (k.fqn, None if k.offset is None else tuple(k.offset), k.index, *v.astuple())
-            for k, v in storage_data.items()
-        ),
-    )
+    rows = []
+    for k, v in storage_data.items():
+        if type(k) is not MetadataIndex or type(v) is not ShardRef:
+            return storage_data
+        rows.append((k.fqn, None if k.offset is None else tuple(k.offset), k.index, *v))
+    return (_PACKED, tuple(rows))
 
 
 # Decoding, the other way round: the records of one plan carry the same metadata shell and
@@ -214,16 +218,116 @@ def _remember(cache: dict[K, V], key: K, value: V, bound: int) -> V:
 def _unpack_storage_data(packed: object) -> object:
     if not (isinstance(packed, tuple) and len(packed) == 2 and packed[0] == _PACKED):
         return packed
-    if len(_indexes) > _MAX_INDEXES:
-        _indexes.clear()
-    out: dict[MetadataIndex, ShardRef] = {}
-    for fqn, offset, index, *ref in packed[1]:  # type: ignore[misc]
-        key = (fqn, offset, index)
-        idx = _indexes.get(key)
-        if idx is None:
-            idx = _indexes[key] = MetadataIndex(fqn, offset, index)
-        out[idx] = ShardRef(*ref)
-    return out
+    return PackedLayout(packed[1])  # type: ignore[arg-type]
+
+
+def _index(fqn: str, offset: tuple[int, ...] | None, hint: int | None) -> MetadataIndex:
+    """The shared MetadataIndex for these fields (records of one plan share their indexes)."""
+    key = (fqn, offset, hint)
+    idx = _indexes.get(key)
+    if idx is None:
+        if len(_indexes) > _MAX_INDEXES:
+            _indexes.clear()
+        idx = _indexes[key] = MetadataIndex(fqn, offset, hint)
+    return idx
+
+
+_Row = tuple  # (fqn, offset tuple | None, index hint, *ShardRef fields): one stored chunk
+
+
+class PackedLayout(Mapping[MetadataIndex, ShardRef]):
+    """A decoded ``{MetadataIndex: ShardRef}``, kept as the flat rows it was stored as.
+
+    A record holds one entry per chunk of every rank (230 k at 256 ranks x 900 tensors);
+    building a MetadataIndex and a ShardRef for each cost ~2 s per decoded layout, paid
+    by every restoring process before it read a byte, though a rank reads only its own
+    chunks and those it serves. Here decoding is the unpickling of plain tuples; a lookup
+    builds (once per layout) a dict keyed by ``(fqn, offset)`` or ``(rank, slot offset)``
+    tuples and materializes only the ShardRefs read. Iterating the keys materializes the
+    MetadataIndexes once. It compares equal to the dict of the same items.
+    """
+
+    __slots__ = ("rows", "_by_index", "_by_location", "_keys")
+
+    def __init__(self, rows: tuple[_Row, ...]) -> None:
+        self.rows = rows
+        self._by_index: dict[tuple[str, tuple[int, ...] | None], int] | None = None
+        self._by_location: dict[tuple[int, int], int] | None = None
+        self._keys: list[MetadataIndex] | None = None
+
+    def position(self, index: MetadataIndex) -> int:
+        """The row of ``index`` (KeyError if absent)."""
+        pos = self._by_index
+        if pos is None:
+            pos = self._by_index = {(r[0], r[1]): i for i, r in enumerate(self.rows)}
+        offset = getattr(index, "offset", None)
+        return pos[(getattr(index, "fqn", None), None if offset is None else tuple(offset))]  # type: ignore[index]
+
+    def location_positions(self) -> dict[tuple[int, int], int]:
+        """``(saving rank, slot offset) -> row``, built once."""
+        pos = self._by_location
+        if pos is None:
+            pos = self._by_location = {(r[3], r[4]): i for i, r in enumerate(self.rows)}
+        return pos
+
+    def ref_at(self, i: int) -> ShardRef:
+        return _new_ref(ShardRef, self.rows[i][3:])
+
+    def keys_in_order(self) -> list[MetadataIndex]:
+        keys = self._keys
+        if keys is None:
+            keys = self._keys = [_index(r[0], r[1], r[2]) for r in self.rows]
+        return keys
+
+    def locations(self) -> Iterator[tuple[str, tuple[int, ...], int, int, int]]:
+        """(fqn, chunk offset, rank, slot offset, length) per row: what the fingerprint hashes."""
+        return ((r[0], tuple(r[1] or ()), r[3], r[4], r[5]) for r in self.rows)
+
+    def __getitem__(self, index: MetadataIndex) -> ShardRef:
+        try:
+            return self.ref_at(self.position(index))
+        except (KeyError, TypeError):
+            raise KeyError(index) from None
+
+    def __contains__(self, index: object) -> bool:
+        try:
+            self.position(index)  # type: ignore[arg-type]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self.keys_in_order())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def values(self) -> ValuesView[ShardRef]:
+        return _PackedValues(self)
+
+    def items(self) -> ItemsView[MetadataIndex, ShardRef]:
+        return _PackedItems(self)
+
+    def __repr__(self) -> str:
+        return f"PackedLayout({len(self)} chunks)"
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (PackedLayout, (self.rows,))
+
+
+class _PackedValues(ValuesView[ShardRef]):
+    _mapping: PackedLayout
+
+    def __iter__(self) -> Iterator[ShardRef]:
+        return (_new_ref(ShardRef, r[3:]) for r in self._mapping.rows)
+
+
+class _PackedItems(ItemsView[MetadataIndex, ShardRef]):
+    _mapping: PackedLayout
+
+    def __iter__(self) -> Iterator[tuple[MetadataIndex, ShardRef]]:
+        m = self._mapping
+        return zip(m.keys_in_order(), (_new_ref(ShardRef, r[3:]) for r in m.rows))
 
 
 def _metadata_shell(meta_blob: bytes) -> Metadata:
@@ -258,8 +362,15 @@ class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
         self.checksums = sums
 
     def __getitem__(self, index: MetadataIndex) -> ShardRef:
-        positions = _positions.get(self.layout, lambda: {idx: i for i, idx in enumerate(self.layout)})
-        return self.layout[index].with_checksum(self.checksums[positions[index]])
+        layout = self.layout
+        if isinstance(layout, PackedLayout):
+            try:
+                i = layout.position(index)
+            except (KeyError, TypeError):
+                raise KeyError(index) from None
+            return layout.ref_at(i).with_checksum(self.checksums[i])
+        positions = _positions.get(layout, lambda: {idx: i for i, idx in enumerate(layout)})
+        return layout[index].with_checksum(self.checksums[positions[index]])
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         return iter(self.layout)
@@ -278,33 +389,43 @@ class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
 
 
 class _RefsByLocation(Mapping[tuple[int, int], ShardRef]):
-    """``(saving rank, slot offset) -> ShardRef`` over a ChecksumOverlay, materializing only what is read."""
+    """``(saving rank, slot offset) -> ShardRef`` over a packed layout (with an overlay's
+    checksums, if any) or an overlay of a dict layout, materializing only what is read."""
 
-    __slots__ = ("overlay", "index_of")
+    __slots__ = ("ref_at", "row_of")
 
-    def __init__(self, overlay: ChecksumOverlay) -> None:
-        self.overlay = overlay
-        layout = overlay.layout
-        self.index_of = _locations.get(layout, lambda: {(ref.rank, ref.offset): idx for idx, ref in layout.items()})
+    def __init__(self, storage_data: "PackedLayout | ChecksumOverlay") -> None:
+        layout = storage_data.layout if isinstance(storage_data, ChecksumOverlay) else storage_data
+        sums = storage_data.checksums if isinstance(storage_data, ChecksumOverlay) else None
+        if isinstance(layout, PackedLayout):
+            self.row_of = layout.location_positions()
+            self.ref_at: Callable[[int], ShardRef] = (
+                layout.ref_at if sums is None else (lambda i: layout.ref_at(i).with_checksum(sums[i]))
+            )
+        else:  # an overlay of a dict layout (the writer's own process)
+            assert isinstance(storage_data, ChecksumOverlay)
+            refs = _values.get(layout, lambda: list(layout.values()))
+            self.row_of = _locations.get(layout, lambda: {(ref.rank, ref.offset): i for i, ref in enumerate(refs)})
+            self.ref_at = lambda i: refs[i].with_checksum(sums[i])  # type: ignore[index]
 
     def __getitem__(self, key: tuple[int, int]) -> ShardRef:
-        return self.overlay[self.index_of[key]]
+        return self.ref_at(self.row_of[key])
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter(self.index_of)
+        return iter(self.row_of)
 
     def __len__(self) -> int:
-        return len(self.index_of)
+        return len(self.row_of)
 
 
 def refs_by_location(storage_data: Mapping[MetadataIndex, ShardRef]) -> Mapping[tuple[int, int], ShardRef]:
     """Every stored chunk by ``(saving rank, offset in its slot)``.
 
-    A restore reads only the chunks its rank needs or serves; for a replayed record the
-    map is a view (the location index is built once per layout) instead of one ShardRef
-    per chunk of every rank (~1.5 s on every rank at 256 ranks x 900 tensors).
+    A restore reads only the chunks its rank needs or serves; for a decoded or replayed
+    record the map is a view (the location index is built once per layout) instead of one
+    ShardRef per chunk of every rank (~1.5 s on every rank at 256 ranks x 900 tensors).
     """
-    if isinstance(storage_data, ChecksumOverlay):
+    if isinstance(storage_data, (ChecksumOverlay, PackedLayout)):
         return _RefsByLocation(storage_data)
     return {(ref.rank, ref.offset): ref for ref in storage_data.values()}
 
@@ -334,20 +455,24 @@ class _PerLayout(Generic[V]):
 
 _MAX_LAYOUTS = 4
 _positions: _PerLayout[dict[MetadataIndex, int]] = _PerLayout(_MAX_LAYOUTS)  # index -> position
-_locations: _PerLayout[dict[tuple[int, int], MetadataIndex]] = _PerLayout(_MAX_LAYOUTS)  # (rank, offset) -> index
+_locations: _PerLayout[dict[tuple[int, int], int]] = _PerLayout(_MAX_LAYOUTS)  # (rank, offset) -> position
+_values: _PerLayout[list[ShardRef]] = _PerLayout(_MAX_LAYOUTS)  # the refs in order
 _digests: _PerLayout[tuple[bytes, "np.ndarray"]] = _PerLayout(_MAX_LAYOUTS)  # fingerprint location part
 _layout_blobs: _PerLayout[bytes] = _PerLayout(1)  # the pickled layout (encode)
-_layouts_by_blob: dict[bytes, dict[MetadataIndex, ShardRef]] = {}  # decode
+_layouts_by_blob: dict[bytes, "PackedLayout"] = {}  # decode
 
 
 def _location_digest(storage_data: Mapping[MetadataIndex, ShardRef]) -> tuple[bytes, "np.ndarray"]:
     """(sha256 of every chunk's index and location in index order, that order as positions)."""
-    items = list(storage_data.items())
-    order = sorted(range(len(items)), key=lambda i: (items[i][0].fqn, tuple(items[i][0].offset or ())))
-    h = hashlib.sha256()
-    for i in order:
-        idx, ref = items[i]
-        h.update(f"{idx.fqn}|{tuple(idx.offset or ())}|{ref.rank}|{ref.offset}|{ref.length}\n".encode())
+    if isinstance(storage_data, PackedLayout):
+        rows = list(storage_data.locations())
+    else:
+        rows = [(k.fqn, tuple(k.offset or ()), v.rank, v.offset, v.length) for k, v in storage_data.items()]
+    # (fqn, chunk offset) is unique per chunk, so whole-row order is index order (compared in C).
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    h = hashlib.sha256(b"gemini_dcp.locations.v2")
+    # repr, not marshal or pickle: their bytes depend on object sharing and interning.
+    h.update(repr([rows[i] for i in order]).encode())
     return h.digest(), np.asarray(order, dtype=np.int64)
 
 
@@ -356,7 +481,8 @@ def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
         # The location digest and order of the fingerprint ride along (computed once per layout
         # here), so a restoring rank does not sort and hash every chunk of every rank again.
         digest, order = _digests.get(layout, lambda: _location_digest(layout))
-        packed = (_pack_storage_data(dict(layout)), digest, order.astype("<i8").tobytes())
+        packed = (_pack_storage_data(layout if isinstance(layout, PackedLayout) else dict(layout)), digest,
+                  order.astype("<i8").tobytes())
         return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
 
     return _layout_blobs.get(layout, build)
@@ -370,7 +496,7 @@ def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
         if isinstance(loaded, tuple) and len(loaded) == 3 and loaded[0] != _PACKED:  # (layout, digest, order)
             loaded, digest, order_bytes = loaded
         layout = _remember(_layouts_by_blob, blob, _unpack_storage_data(loaded), _MAX_LAYOUTS)  # type: ignore[arg-type]
-        if digest is not None and isinstance(layout, dict):
+        if digest is not None and isinstance(layout, (dict, PackedLayout)):
             order = np.frombuffer(order_bytes, dtype="<i8").astype(np.int64)
             if len(order) == len(layout):
                 _digests.put(layout, (digest, order))

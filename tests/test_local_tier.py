@@ -395,3 +395,52 @@ def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
     decoded = decode_record(blob)
     assert records._digests._entries and records._digests._entries[0][0] is decoded.metadata.storage_data.layout
     assert decoded.fingerprint() == record(plain).fingerprint()
+
+
+def test_decoded_layout_is_packed_and_behaves_like_the_dict() -> None:
+    """A decoded record keeps its chunks as the packed rows it stored (no per-chunk objects until
+    read); lookups, iteration order, pickling, location views and fingerprints match the dict."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    from gemini_dcp.records import (
+        ChecksumOverlay, PackedLayout, RankSlot, ShardRef, StepRecord, decode_record, encode_record, refs_by_location,
+    )
+
+    plain = {MetadataIndex(f"w{i % 7}", [i // 7, 0], i % 5): ShardRef(i % 3, 64 * i, 64, i * 7919, "crc32c", "float32", (4, 4))
+             for i in range(60)}
+    plain[MetadataIndex("extra")] = ShardRef(0, 64 * 60, 10, 1, "crc32c")  # a bytes item: no offset, dtype, shape
+
+    def record(sd: object) -> StepRecord:
+        return StepRecord("j", 5, 3, Metadata({"extra": BytesStorageMetadata()}, storage_data=sd), ("a", "b", "b"),
+                          (1, 2, 3), {}, 2, "mixed", (RankSlot(0, 0, 1),), "a")
+
+    decoded = decode_record(encode_record(record(plain)))
+    sd = decoded.metadata.storage_data
+    assert isinstance(sd, PackedLayout) and sd._keys is None  # nothing materialized by the decode
+    assert sd[MetadataIndex("w3", [1, 0])] == plain[MetadataIndex("w3", [1, 0])]
+    assert sd[MetadataIndex("extra")] == plain[MetadataIndex("extra")]
+    assert MetadataIndex("w3", [1, 0]) in sd and MetadataIndex("w3", [99, 0]) not in sd and "w3" not in sd
+    with pytest.raises(KeyError):
+        sd[MetadataIndex("nope", [0])]
+    assert sd == plain and plain == sd and len(sd) == len(plain)
+    assert list(sd) == list(plain) and [k.index for k in sd] == [k.index for k in plain]  # hints kept
+    assert list(sd.values()) == list(plain.values()) and list(sd.items()) == list(plain.items())
+    assert dict(refs_by_location(sd).items()) == refs_by_location(plain)
+    assert decoded.fingerprint() == record(plain).fingerprint()
+    assert pickle.loads(pickle.dumps(sd)) == plain
+    assert decode_record(encode_record(decoded)).metadata.storage_data == plain  # re-encoded as rows
+
+    # an overlay decoded from a record sits on a packed layout; its views read the overlay's checksums
+    layout = {k: v for k, v in plain.items() if k.fqn != "extra"}
+    sums = [(i * 2654435761) % (1 << 32) for i in range(len(layout))]
+    overlay = ChecksumOverlay(layout, sums)
+    back = decode_record(encode_record(record(overlay))).metadata.storage_data
+    assert isinstance(back, ChecksumOverlay) and isinstance(back.layout, PackedLayout)
+    assert back == overlay and back[MetadataIndex("w3", [8, 0])] == overlay[MetadataIndex("w3", [8, 0])]
+    assert dict(refs_by_location(back).items()) == dict(refs_by_location(overlay).items())
+    assert record(back).fingerprint() == record(overlay).fingerprint() == record(dict(overlay)).fingerprint()
+    # content only: the same chunks built from other string objects (not interned) fingerprint alike
+    rebuilt = {MetadataIndex("".join(list(k.fqn)), k.offset, k.index): ShardRef(*v) for k, v in plain.items()}
+    assert record(rebuilt).fingerprint() == record(plain).fingerprint() == decoded.fingerprint()
