@@ -158,19 +158,25 @@ def _replay_replicated(rank: int, world: int, root: str) -> dict[str, Any]:
     tier = LocalTier(root, "rep")
     on_disk = read_record(tier.layout.record_path(3))  # decoded from the file, not the cache
     same_record = on_disk == tier.record(3) and type(on_disk.metadata.storage_data).__name__ == "ChecksumOverlay"
+    ok, reader = _replace_node1_and_load(rank, root, "rep", 3)
+    return {"compact": compact, "kinds": kinds, "same_record": same_record, "ok": ok, "step": reader.restored_step,
+            "from": dict(reader.restored_from)}
+
+
+def _replace_node1_and_load(rank: int, root: str, job: str, step: int) -> tuple[bool, GeminiStorageReader]:
+    """Collective: node 1 loses its memory (a replaced machine), then every rank loads the newest
+    step; (bit-exact equal to ``step``'s state, the reader)."""
     torch.distributed.barrier()
-    if rank == 1:  # node 1 is replaced: its memory is gone, its shards must come from node 0's replica
-        shutil.rmtree(os.path.join(root, "rep"))
+    if rank == 1:  # node 1's shards must now come from node 0's replica
+        shutil.rmtree(os.path.join(root, job))
     torch.distributed.barrier()
     out = _state(rank, 99, False)
     out["nested"] = {"m": torch.zeros(32), "step": -1}
-    reader = GeminiStorageReader(root=root, job_id="rep")
+    reader = GeminiStorageReader(root=root, job_id=job)
     dcp.load(out, storage_reader=reader)
-    want = _state(rank, 3, False)
+    want = _state(rank, step, False)
     ok = all(torch.equal(out[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
-    ok = ok and torch.equal(out["nested"]["m"], want["nested"]["m"]) and out["nested"]["step"] == 3
-    return {"compact": compact, "kinds": kinds, "same_record": same_record, "ok": ok, "step": reader.restored_step,
-            "from": dict(reader.restored_from)}
+    return ok and torch.equal(out["nested"]["m"], want["nested"]["m"]) and out["nested"]["step"] == step, reader
 
 
 @pytest.mark.timeout(240)
@@ -203,17 +209,7 @@ def _plain_saves(rank: int, world: int, root: str) -> dict[str, Any]:
         meta.append(w.last_metadata_transfer)
         assert w.planned_metadata is not None and {"rank0.w", "rank1.w", "shared"} <= set(w.planned_metadata.state_dict_metadata)
     on_disk = read_record(LocalTier(root, "plain").layout.record_path(5))
-    torch.distributed.barrier()
-    if rank == 1:  # node 1 is replaced: its shards of step 5 must come from node 0's replica
-        shutil.rmtree(os.path.join(root, "plain"))
-    torch.distributed.barrier()
-    out = _state(rank, 99, False)
-    out["nested"] = {"m": torch.zeros(32), "step": -1}
-    reader = GeminiStorageReader(root=root, job_id="plain")
-    dcp.load(out, storage_reader=reader)
-    want = _state(rank, 5, False)
-    ok = all(torch.equal(out[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
-    ok = ok and torch.equal(out["nested"]["m"], want["nested"]["m"]) and out["nested"]["step"] == 5
+    ok, reader = _replace_node1_and_load(rank, root, "plain", 5)
     return {"compact": compact, "kinds": kinds, "meta": meta, "disk": type(on_disk.metadata.storage_data).__name__, "ok": ok,
             "step": reader.restored_step, "from": dict(reader.restored_from)}
 
