@@ -139,6 +139,20 @@ class Drainer:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def restage(self, record: Any) -> None:
+        """Replace the staged record of a requested drain by ``record``, its completed form.
+
+        The coordinator completes a record in ``finish`` when the planner did not expose its
+        metadata during the write; without this the drain would find the complete form only
+        in the tier, which a later save may have evicted by the time a restarted drain resumes.
+        """
+        stage = self.paths.stage(record.step) / "record.rec"
+        if not stage.exists():
+            return
+        from .records import write_record  # noqa: PLC0415
+
+        write_record(stage, record)  # atomic: written beside, renamed over the staged copy
+
     def submit(self, record: Any, rank: int) -> bool:
         """Request a drain of ``record``'s step from this node; True if one was requested.
 
@@ -593,11 +607,8 @@ class _Server:
 
         step = int(req["step"])
         if not record.complete:  # the coordinator completes its record in finish(); take that one
-            try:
-                fresh = read_record(Path(req["record_path"]))
-            except (OSError, ValueError):
-                return False
-            if not fresh.complete or fresh.fingerprint() != req["fingerprint"]:
+            fresh = _completed_record(req, [self.p.stage(step) / "record.rec", Path(req["record_path"])])
+            if fresh is None:
                 return False
             record = fresh
         ptier = self._tier(req)
@@ -700,6 +711,22 @@ def _classify(exc: BaseException) -> tuple[str, str]:
         return "abandon", text
     log.warning("drain upload error: %s", text, exc_info=exc)
     return "retry", text
+
+
+def _completed_record(req: dict[str, Any], paths: list[Path]) -> Any:
+    """The first complete record of the request's save among ``paths`` (its staged copy, which
+    ``Drainer.restage`` replaces once the coordinator completed it, then the tier's), or None."""
+    from gemini_dcp.records import read_record  # noqa: PLC0415
+
+    for path in paths:
+        try:
+            rec = read_record(path)
+        except (OSError, ValueError) as exc:
+            log.debug("step %s: no complete record at %s (%s)", req["step"], path, exc)
+            continue
+        if rec.complete and rec.fingerprint() == req["fingerprint"]:
+            return rec
+    return None
 
 
 def _already_in_store(ptier: Any, step: int, fingerprint: str) -> bool:

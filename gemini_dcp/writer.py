@@ -460,6 +460,11 @@ class GeminiStorageWriter(StorageWriter):
             storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
             final = dataclasses.replace(rec, metadata=dataclasses.replace(metadata, storage_data=storage_data), complete=True)
             self.tier.write_record(final)
+            if self._drainer is not None:
+                try:
+                    self._drainer.restage(final)
+                except OSError as exc:  # the in-memory commit stands; the drain still finds it in the tier
+                    log.warning("step %s: could not restage the completed record for the drain: %s", step, exc)
         self.last_committed_step = step
 
     def _after_commit(self, record: StepRecord, rank: int) -> None:

@@ -136,6 +136,63 @@ def test_sigkill_during_drain_then_restart_resumes(root: str, store: Path, monke
     assert all(torch.equal(sd[k], v) for k, v in _big_state(3).items())
 
 
+def _wait_lock_released(pdir: Path, timeout_s: float = 30.0) -> None:
+    import fcntl
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fd = os.open(pdir / "daemon.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            assert time.monotonic() < deadline, "the killed drain server still holds its lock"
+        finally:
+            os.close(fd)
+        time.sleep(0.02)
+
+
+class _PlannerWithoutMetadata(dcp.DefaultSavePlanner):
+    """A planner that does not expose its global metadata while the writer writes: the
+    writer's record is then completed by the coordinator's ``finish``."""
+
+    def create_global_plan(self, all_plans: Any) -> Any:
+        plans, metadata = super().create_global_plan(all_plans)
+        del self.metadata
+        return plans, metadata
+
+
+def test_drain_of_a_record_completed_in_finish_resumes_after_its_step_was_evicted(
+    root: str, store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"file://{store}"
+    job = "late"
+    pdir = _persist_dir(root, job)
+    monkeypatch.setenv("GEMINI_DCP_DRAIN_THROTTLE_BPS", str(256 << 10))
+    w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)
+    dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3, planner=_PlannerWithoutMetadata())
+    assert LocalTier(root, job).record(3).complete  # type: ignore[union-attr]
+    data = store / job / "step-3" / "__0_0.distcp"
+    deadline = time.monotonic() + 180
+    while not (data.exists() and data.stat().st_size > 100_000):
+        assert time.monotonic() < deadline, drain_status(pdir)
+        time.sleep(0.05)
+    pid = server_pid(pdir)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    _wait_lock_released(pdir)  # a dying server holds its lock until the kernel has closed its files
+    monkeypatch.delenv("GEMINI_DCP_DRAIN_THROTTLE_BPS")
+    for step in (4, 5):  # keep=1: step 3's record leaves the tier; only the staged copy remains
+        dcp.save(_big_state(step), storage_writer=GeminiStorageWriter(root=root, job_id=job, keep=1), checkpoint_id=step)
+    assert LocalTier(root, job).steps() == [5]
+    GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)  # restart resumes
+    assert wait_idle(pdir, 180), drain_status(pdir)
+    assert PersistentTier(url, job).committed_steps() == [3]
+    sd = _big_state(0)
+    dcp.load(sd, checkpoint_id=str(store / job / "step-3"))
+    assert all(torch.equal(sd[k], v) for k, v in _big_state(3).items())
+
+
 # ---- memory:// (in-process drain thread) + restore with every memory tier wiped --------------------
 def _odd_state(step: int) -> dict[str, Any]:
     """plain_state plus the awkward tensors: empty, 0-d bfloat16, bool, non-contiguous."""
