@@ -100,6 +100,17 @@ def _big_state(step: int) -> dict[str, Any]:
     return {f"t{i}": torch.full((64, 1024), float(step * 10 + i)) for i in range(8)}  # 8 x 256 KiB
 
 
+def _kill_drain_midway(data: Path, pdir: Path, nbytes: int) -> None:
+    """SIGKILL the (throttled) drain server once ``data`` has grown past ``nbytes`` in the store."""
+    deadline = time.monotonic() + 180
+    while not (data.exists() and data.stat().st_size > nbytes):
+        assert time.monotonic() < deadline, drain_status(pdir)
+        time.sleep(0.05)
+    pid = server_pid(pdir)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
 def test_sigkill_during_drain_then_restart_resumes(root: str, store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"file://{store}"
     job = "k"
@@ -107,14 +118,7 @@ def test_sigkill_during_drain_then_restart_resumes(root: str, store: Path, monke
     monkeypatch.setenv("GEMINI_DCP_DRAIN_THROTTLE_BPS", str(256 << 10))  # ~8 s for the whole step
     w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)
     dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3)
-    data = store / job / "step-3" / "__0_0.distcp"
-    deadline = time.monotonic() + 180
-    while not (data.exists() and data.stat().st_size > 300_000):
-        assert time.monotonic() < deadline, drain_status(pdir)
-        time.sleep(0.05)
-    pid = server_pid(pdir)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
+    _kill_drain_midway(store / job / "step-3" / "__0_0.distcp", pdir, 300_000)
     time.sleep(0.2)
     # torn drain: data is there, .metadata is not, so no reader takes it as a checkpoint
     assert not (store / job / "step-3" / ".metadata").exists()
@@ -172,14 +176,7 @@ def test_drain_of_a_record_completed_in_finish_resumes_after_its_step_was_evicte
     w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)
     dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3, planner=_PlannerWithoutMetadata())
     assert LocalTier(root, job).record(3).complete  # type: ignore[union-attr]
-    data = store / job / "step-3" / "__0_0.distcp"
-    deadline = time.monotonic() + 180
-    while not (data.exists() and data.stat().st_size > 100_000):
-        assert time.monotonic() < deadline, drain_status(pdir)
-        time.sleep(0.05)
-    pid = server_pid(pdir)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
+    _kill_drain_midway(store / job / "step-3" / "__0_0.distcp", pdir, 100_000)
     _wait_lock_released(pdir)  # a dying server holds its lock until the kernel has closed its files
     monkeypatch.delenv("GEMINI_DCP_DRAIN_THROTTLE_BPS")
     for step in (4, 5):  # keep=1: step 3's record leaves the tier; only the staged copy remains
