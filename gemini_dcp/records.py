@@ -256,12 +256,15 @@ class PackedLayout(Mapping[MetadataIndex, ShardRef]):
         self._keys: list[MetadataIndex] | None = None
 
     def position(self, index: MetadataIndex) -> int:
-        """The row of ``index`` (KeyError if absent)."""
+        """The row of ``index``; KeyError if absent (or not an index at all)."""
         pos = self._by_index
         if pos is None:
             pos = self._by_index = {(r[0], r[1]): i for i, r in enumerate(self.rows)}
         offset = getattr(index, "offset", None)
-        return pos[(getattr(index, "fqn", None), None if offset is None else tuple(offset))]  # type: ignore[index]
+        try:
+            return pos[(getattr(index, "fqn", None), None if offset is None else tuple(offset))]  # type: ignore[index]
+        except (KeyError, TypeError):
+            raise KeyError(index) from None
 
     def location_positions(self) -> dict[tuple[int, int], int]:
         """``(saving rank, slot offset) -> row``, built once."""
@@ -284,15 +287,12 @@ class PackedLayout(Mapping[MetadataIndex, ShardRef]):
         return ((r[0], tuple(r[1] or ()), r[3], r[4], r[5]) for r in self.rows)
 
     def __getitem__(self, index: MetadataIndex) -> ShardRef:
-        try:
-            return self.ref_at(self.position(index))
-        except (KeyError, TypeError):
-            raise KeyError(index) from None
+        return self.ref_at(self.position(index))
 
     def __contains__(self, index: object) -> bool:
         try:
             self.position(index)  # type: ignore[arg-type]
-        except (KeyError, TypeError):
+        except KeyError:
             return False
         return True
 
@@ -364,10 +364,7 @@ class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
     def __getitem__(self, index: MetadataIndex) -> ShardRef:
         layout = self.layout
         if isinstance(layout, PackedLayout):
-            try:
-                i = layout.position(index)
-            except (KeyError, TypeError):
-                raise KeyError(index) from None
+            i = layout.position(index)
             return layout.ref_at(i).with_checksum(self.checksums[i])
         positions = _positions.get(layout, lambda: {idx: i for i, idx in enumerate(layout)})
         return layout[index].with_checksum(self.checksums[positions[index]])
@@ -481,8 +478,8 @@ def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
         # The location digest and order of the fingerprint ride along (computed once per layout
         # here), so a restoring rank does not sort and hash every chunk of every rank again.
         digest, order = _digests.get(layout, lambda: _location_digest(layout))
-        packed = (_pack_storage_data(layout if isinstance(layout, PackedLayout) else dict(layout)), digest,
-                  order.astype("<i8").tobytes())
+        rows = layout if isinstance(layout, (dict, PackedLayout)) else dict(layout)  # no copy of a dict
+        packed = (_pack_storage_data(rows), digest, order.astype("<i8").tobytes())
         return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
 
     return _layout_blobs.get(layout, build)
