@@ -24,7 +24,11 @@ killing the worker group does not stop it, and it shares no GIL with training.
 It holds an ``flock`` on ``persist/daemon.lock`` (one per node and job), exits
 after ``$GEMINI_DCP_DRAIN_IDLE_S`` (60 s) with nothing to do, and is started
 again by the next request or by a writer constructed after a restart (which
-resumes any request left on tmpfs). ``memory://`` stores live inside one
+resumes any request left on tmpfs). A SIGKILLed server holds its lock until the
+kernel has closed its files, which can outlast a worker restart: a writer that
+resumes pending requests while the lock is held starts a *standby* server
+(at most one, ``persist/standby.lock``) that waits for the lock and serves as
+soon as it is free, or exits once no request is pending. ``memory://`` stores live inside one
 process, so for them (or with ``GEMINI_DCP_DRAIN_MODE=thread``) the server is a
 thread of the training process instead.
 
@@ -63,6 +67,8 @@ ENV_NICE = "GEMINI_DCP_DRAIN_NICE"  # niceness of the drain process (default 10:
 ENV_THREADS = "GEMINI_DCP_DRAIN_THREADS"  # files written in parallel per node (default 2)
 
 POLL_S = 0.05
+STANDBY_POLL_S = 0.1
+STANDBY_S = 600.0  # a standby server gives up waiting for the lock after this long
 AWAIT_POLL_S = 0.5
 MAX_ATTEMPTS = 5
 SPLIT_BYTES = 64 << 20  # a rank with more than this is written as several files in parallel
@@ -84,6 +90,7 @@ class Paths:
         self.requests = self.dir / "requests"
         self.stage_root = self.dir / "stage"
         self.lock = self.dir / "daemon.lock"
+        self.standby_lock = self.dir / "standby.lock"
         self.pid = self.dir / "daemon.pid"
         self.status = self.dir / "status.json"
         self.log = self.dir / "drain.log"
@@ -200,9 +207,13 @@ class Drainer:
         return True
 
     def resume(self) -> None:
-        """Start a server for requests left by a previous worker generation (after a restart)."""
+        """Start a server for requests left by a previous worker generation (after a restart).
+
+        The previous generation's server may have been killed with the workers and still hold
+        its lock while the kernel tears it down: then a standby server waits for the lock.
+        """
         if self.paths.pending():
-            self.ensure_server()
+            ensure_server(self.paths.dir, self.mode, standby=True)
 
     def ensure_server(self) -> None:
         ensure_server(self.paths.dir, self.mode)
@@ -211,12 +222,18 @@ class Drainer:
         return wait_idle(self.paths.dir, timeout_s)
 
 
-def ensure_server(persist_dir: str | os.PathLike[str], mode: str = "process") -> None:
-    """Start a drain server for ``persist_dir`` unless one holds its lock."""
+def ensure_server(persist_dir: str | os.PathLike[str], mode: str = "process", *, standby: bool = False) -> None:
+    """Start a drain server for ``persist_dir`` unless one holds its lock.
+
+    With ``standby=True`` (process mode), a held lock still gets a standby server: it waits
+    for the lock while requests are pending, for a holder that is dying rather than serving.
+    """
     p = Paths(persist_dir)
     # The lock, not the liveness of a thread or process, says whether a server will see new requests:
     # a server that is about to exit drops the lock first and then looks for requests once more.
-    if not _lock_free(p):
+    if not _lock_free(p.lock, p.dir):
+        if standby and mode == "process" and _lock_free(p.standby_lock, p.dir):
+            _spawn(p, standby=True)
         return
     if mode == "thread":
         key = str(p.dir)
@@ -228,18 +245,14 @@ def ensure_server(persist_dir: str | os.PathLike[str], mode: str = "process") ->
     _spawn(p)
 
 
-def _lock_free(p: Paths) -> bool:
-    _private_dir(p.dir)
-    fd = os.open(p.lock, os.O_RDWR | os.O_CREAT, 0o600)
+def _lock_free(lock: Path, parent: Path) -> bool:
+    """Whether no process holds ``lock`` (tested by taking and dropping it)."""
+    _private_dir(parent)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise
+        return _try_flock(fd)
     finally:
         os.close(fd)  # closing drops the lock if we took it
-    return True
 
 
 _BOOT = (
@@ -249,7 +262,7 @@ _BOOT = (
 )
 
 
-def _spawn(p: Paths) -> None:
+def _spawn(p: Paths, *, standby: bool = False) -> None:
     """Start a detached drain process (own session: a kill of the worker group does not reach it)."""
     pkg_parent = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
@@ -257,7 +270,8 @@ def _spawn(p: Paths) -> None:
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with open(p.log, "ab") as logf:
         subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            [sys.executable, "-c", _BOOT, str(Path(__file__).resolve()), str(p.dir), pkg_parent],
+            [sys.executable, "-c", _BOOT, str(Path(__file__).resolve()), str(p.dir), pkg_parent]
+            + (["--standby"] if standby else []),
             stdin=subprocess.DEVNULL,
             stdout=logf,
             stderr=logf,
@@ -299,14 +313,14 @@ def server_pid(persist_dir: str | os.PathLike[str]) -> int | None:
 
 # ---- server ------------------------------------------------------------------------------------
 def main(argv: list[str]) -> None:
-    """Entry point of the detached drain process: ``main([persist_dir, package_parent])``."""
+    """Entry point of the detached drain process: ``main([persist_dir, package_parent, ["--standby"]])``."""
     persist_dir = argv[0]
     if len(argv) > 1 and argv[1] not in sys.path:
         sys.path.insert(0, argv[1])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s drain[{os.getpid()}] %(levelname)s %(message)s")
     _lower_priority(os.environ.get(ENV_NICE, "10"))
     idle = float(os.environ.get(ENV_IDLE, "60"))
-    serve(persist_dir, idle_s=idle)
+    serve(persist_dir, idle_s=idle, standby_s=STANDBY_S if "--standby" in argv[2:] else 0.0)
 
 
 def _lower_priority(setting: str) -> None:
@@ -320,17 +334,19 @@ def _lower_priority(setting: str) -> None:
         log.warning("drain: could not lower priority to %r (%s); running at normal priority", setting, exc)
 
 
-def serve(persist_dir: str, *, idle_s: float = 60.0) -> None:
-    """Run the drain server of ``persist_dir`` until idle; returns at once if another one runs."""
+def serve(persist_dir: str, *, idle_s: float = 60.0, standby_s: float = 0.0) -> None:
+    """Run the drain server of ``persist_dir`` until idle.
+
+    Returns at once if another server holds the lock, unless ``standby_s > 0``: then it waits
+    for the lock (up to ``standby_s``) while requests are pending and no other standby waits.
+    """
     p = Paths(persist_dir)
     try:
         _private_dir(p.dir)
         fd = os.open(p.lock, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    if not _take_lock(p, fd, standby_s):
         os.close(fd)
         return
     try:
@@ -343,6 +359,41 @@ def serve(persist_dir: str, *, idle_s: float = 60.0) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def _take_lock(p: Paths, fd: int, standby_s: float) -> bool:
+    """Take the server lock on ``fd``; as a standby, wait for it while requests are pending."""
+    if _try_flock(fd):
+        return True
+    if standby_s <= 0:
+        return False
+    try:
+        standby_fd = os.open(p.standby_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return False
+    try:
+        if not _try_flock(standby_fd):
+            return False  # another standby already waits
+        log.info("drain lock held by another server; standing by for up to %.0f s", standby_s)
+        deadline = time.monotonic() + standby_s
+        while p.pending() and time.monotonic() < deadline:
+            time.sleep(STANDBY_POLL_S)
+            if _try_flock(fd):
+                log.info("drain lock taken over from the previous server")
+                return True
+        return False
+    finally:
+        os.close(standby_fd)
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
 
 
 class _Server:

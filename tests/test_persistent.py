@@ -156,6 +156,43 @@ def _wait_lock_released(pdir: Path, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def test_restart_while_the_killed_drain_server_still_holds_its_lock_starts_a_standby(root: str, store: Path) -> None:
+    """A SIGKILLed server keeps its flock until the kernel has closed its files, which can
+    outlast a torchrun restart. The restarted writer must not leave the pending drain to the
+    next due save: a standby server waits for the lock and serves as soon as it is free.
+    The dying holder is played by this process, which holds the real lock on the real file."""
+    import fcntl
+
+    url = f"file://{store}"
+    job = "standby"
+    pdir = _persist_dir(root, job)
+    pdir.mkdir(parents=True, exist_ok=True)
+    held = os.open(pdir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3)
+        dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3)  # requests a drain; the lock is held
+        assert drain_status(pdir)["pending"] == [3]
+        # "restart": a writer constructed again resumes; with the lock held it starts a standby
+        GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3)
+        GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3)  # a second finds one waiting
+        deadline = time.monotonic() + 60
+        while not (pdir / "drain.log").exists() or "standing by" not in (pdir / "drain.log").read_text():
+            assert time.monotonic() < deadline, "no standby drain server started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert drain_status(pdir)["pending"] == [3]  # nothing is served while the lock is held
+    finally:
+        os.close(held)  # the dying server is gone
+    assert wait_idle(pdir, 180), drain_status(pdir)
+    assert PersistentTier(url, job).committed_steps() == [3]
+    log = (pdir / "drain.log").read_text()
+    assert log.count("standing by") == 1 and "taken over" in log
+    sd = _big_state(0)
+    dcp.load(sd, checkpoint_id=str(store / job / "step-3"))
+    assert all(torch.equal(sd[k], v) for k, v in _big_state(3).items())
+
+
 class _PlannerWithoutMetadata(dcp.DefaultSavePlanner):
     """A planner that does not expose its global metadata while the writer writes: the
     writer's record is then completed by the coordinator's ``finish``."""
