@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .checksum import checksum, copy_and_checksum
+from .compat import DCP_FORMAT_VERSION, metadata_kwargs
 from .config import resolve_node_id
 from .errors import (
     ChecksumMismatchError,
@@ -184,11 +185,13 @@ def write_rank_file(
 def stock_metadata(metadata: Metadata, storage: dict[MetadataIndex, _StorageInfo], checkpoint_id: str, save_id: str) -> Metadata:
     """The ``.metadata`` of a stock checkpoint: the step's DCP metadata with file storage infos."""
     return Metadata(
-        state_dict_metadata=metadata.state_dict_metadata,
-        planner_data=metadata.planner_data,
-        storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
-        version=CURRENT_DCP_VERSION,
+        **metadata_kwargs(
+            state_dict_metadata=metadata.state_dict_metadata,
+            planner_data=metadata.planner_data,
+            storage_data=storage,
+            storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
+            version=DCP_FORMAT_VERSION,
+        )
     )
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install gemini_dcp and its CPU stack (idempotent; quick when already installed).
 # torch 2.13.0 CPU + fbgemm-gpu-cpu 1.8.0 + torchrec 1.8.0 (without its CUDA deps) is a known-good set.
+# GEMINI_DCP_TORCH=2.7.1 installs another torch when none is installed (the supported floor is 2.7;
+# torchrec has a known-good pairing for 2.7, 2.13 and 2.14, others skip the torchrec tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -12,16 +14,17 @@ sys.exit(0 if (not want or v.split("+")[0] == want) else 1)
 PYEOF
 }
 pipi() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
-if ! have torch; then pipi "torch==2.13.0"; fi
+if ! have torch; then pipi "torch==${GEMINI_DCP_TORCH:-2.13.0}"; fi
 TORCH_MINOR=$("$PY" -c 'import torch; print(".".join(torch.__version__.split(".")[:2]))')
 if [ "${GEMINI_DCP_SKIP_TORCHREC:-0}" != "1" ] && ! have torchrec; then
   case "$TORCH_MINOR" in
-    2.13) FBGEMM=1.8.0; TREC=1.8.0 ;;
-    2.14) FBGEMM=1.9.0; TREC=1.9.0 ;;
+    2.7) FBGEMM=1.2.0; TREC=1.2.0; TDICT="tensordict==0.8.3" ;;
+    2.13) FBGEMM=1.8.0; TREC=1.8.0; TDICT=tensordict ;;
+    2.14) FBGEMM=1.9.0; TREC=1.9.0; TDICT=tensordict ;;
     *) FBGEMM=""; TREC="" ;;
   esac
   if [ -n "$FBGEMM" ]; then
-    pipi "fbgemm-gpu-cpu==$FBGEMM" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
+    pipi "fbgemm-gpu-cpu==$FBGEMM" "$TDICT" "torchmetrics==1.0.3" tqdm pyre-extensions iopath
     pipi --no-deps "torchrec==$TREC"
   else
     echo "install.sh: no known-good torchrec for torch $TORCH_MINOR; torchrec tests will be skipped" >&2

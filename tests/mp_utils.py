@@ -39,6 +39,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, roots: list[str],
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
             result = ("ok", fn(rank, world_size, roots[rank], **kw))
+            Path(out_dir, f"{rank}.returned").touch()  # for the timeout message: a hang in teardown
         finally:
             # A caught DCP error leaves reference cycles (traceback <-> frames) that hold
             # process-group objects; collected only at interpreter exit, their C++ teardown
@@ -69,7 +70,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, roots: list[str] | str, t
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
-                raise TimeoutError(f"ranks did not finish in {timeout}s")
+                returned = [r for r in range(world_size) if Path(out_dir, f"{r}.returned").exists()]
+                raise TimeoutError(
+                    f"ranks did not finish in {timeout}s; ranks {returned} had returned from {fn.__name__} "
+                    "(a rank listed here hung in gc or destroy_process_group)"
+                )
         results = []
         for r in range(world_size):
             status, value = pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes())
