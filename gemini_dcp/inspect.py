@@ -211,7 +211,10 @@ def _step_info(layout: JobLayout, step: int, persisted: set[int] | None, now: fl
     info.peer_ranks.sort()
     info.missing_ranks = [r for r in range(rec.world_size) if r not in present]
     if not rec.complete:
-        info.problem = "commit not finished (record without the coordinator's final metadata)"
+        info.problem = (
+            "record without the DCP metadata: the commit did not finish, or the save planner does not expose "
+            "planner.metadata and only the coordinator's node holds it (restorable together with that node)"
+        )
         info.restorable = "persistent" if info.in_persistent else "no"
         return info
     if not info.missing_ranks:

@@ -101,12 +101,18 @@ class RestoreDecision:
 
 
 def _memory_candidates(views: Sequence[NodeView]) -> dict[tuple[int, str], list[tuple[NodeView, StepView]]]:
+    """Every node's views of each (step, fingerprint) that some node holds a complete record of.
+
+    An incomplete record (a planner that does not expose its metadata while the writer writes
+    leaves the DCP metadata to the coordinator's ``finish``) still locates and checksums its
+    node's bytes exactly as the complete one does (same fingerprint), so its node counts as a
+    holder; the complete record, from another node, supplies the metadata.
+    """
     out: dict[tuple[int, str], list[tuple[NodeView, StepView]]] = {}
     for v in views:
         for sv in v.steps:
-            if sv.complete:
-                out.setdefault((sv.step, sv.fingerprint), []).append((v, sv))
-    return out
+            out.setdefault((sv.step, sv.fingerprint), []).append((v, sv))
+    return {key: entries for key, entries in out.items() if any(sv.complete for _, sv in entries)}
 
 
 def decide(
@@ -130,6 +136,15 @@ def decide(
     all_steps = sorted({s for s, _ in cands} | persisted, reverse=True)
 
     if not all_steps:
+        headless = sorted({sv.step for v in views for sv in v.steps})
+        if headless:
+            raise ShardUnavailableError(
+                f"job {job_id!r}: steps {headless} are held in memory, but no surviving node has a complete "
+                "record of them: their DCP metadata was kept only by the coordinator's node (the save planner "
+                "does not expose planner.metadata, so it reached the storage writer only in finish()), and that "
+                "node is gone or its commit never finished. Configure persistent=<url> to survive this, or save "
+                "with a planner that sets planner.metadata in create_global_plan (DefaultSavePlanner does)."
+            )
         others = sorted({j for v in views for j in v.other_jobs})
         roots = sorted({v.root for v in views if v.root})
         hint = f" Jobs present there: {others}." if others else ""
@@ -158,7 +173,7 @@ def decide(
                     if r in holders:
                         holders[r].add(v.node_id)
             missing = tuple(r for r, h in holders.items() if not h)
-            src = min(v.rank for v, _ in entries)
+            src = min(v.rank for v, sv in entries if sv.complete)  # the record broadcast must carry the metadata
             frozen = {r: tuple(sorted(h)) for r, h in holders.items()}
             nr = {n: tuple(rs) for n, rs in node_ranks.items()}
             if not missing:

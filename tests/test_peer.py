@@ -12,7 +12,7 @@ import pytest
 
 from gemini_dcp.local_tier import LocalTier
 from mp_utils import run_ranks
-from workloads import load_and_check, save_steps
+from workloads import MetadataHidingPlanner, load_and_check, save_steps
 
 
 @pytest.fixture
@@ -60,6 +60,37 @@ def test_two_nodes_two_ranks_each_recover_lost_node_from_peer(node_roots) -> Non
     out = run_ranks(load_and_check, 4, roots, job="p", expect=3)
     assert all(o.get("ok") for o in out), out
     assert out[0]["from"]["peer"] > 0 and out[0]["from"]["local"] > 0
+
+
+def test_planner_without_metadata_every_node_serves_its_own_shards(node_roots) -> None:
+    """A planner that does not expose ``planner.metadata`` leaves the DCP metadata to the
+    coordinator's ``finish``: only node 0's record is complete. Node 1's record still locates
+    and checksums node 1's bytes (same fingerprint), so with nothing lost every rank reads its
+    own shards locally; a lost non-coordinator node comes back from its peer; with the
+    coordinator's node lost, the error says why no record is usable."""
+    n = node_roots(2)
+    run_ranks(save_steps, 2, n, job="nm", steps=[1, 2], planner=MetadataHidingPlanner)
+    rec0, rec1 = LocalTier(n[0], "nm").record(2), LocalTier(n[1], "nm").record(2)
+    assert rec0 is not None and rec1 is not None and rec0.complete and not rec1.complete
+    assert rec0.fingerprint() == rec1.fingerprint()
+    out = run_ranks(load_and_check, 2, n, job="nm", expect=2)
+    assert all(o.get("ok") for o in out), out
+    assert out[1]["rank_from"]["local"] > 0  # rank 1's shards from its own node, not "held by no node"
+
+    n = node_roots(2)
+    run_ranks(save_steps, 2, n, job="nm2", steps=[1, 2], replicas=2, planner=MetadataHidingPlanner)
+    out = run_ranks(load_and_check, 2, n, job="nm2", expect=2)
+    assert all(o.get("ok") for o in out), out
+    assert out[0]["from"]["peer"] == 0  # both nodes hold everything: nothing crosses the network
+    wipe(n[1])
+    out = run_ranks(load_and_check, 2, n, job="nm2", expect=2)
+    assert all(o.get("ok") for o in out), out
+    assert out[1]["rank_from"]["peer"] > 0 and out[1]["rank_from"]["local"] == 0
+    run_ranks(save_steps, 2, n, job="nm2", steps=[3], replicas=2, planner=MetadataHidingPlanner)
+    wipe(n[0])  # the coordinator's node: node 1's records have no metadata
+    out = run_ranks(load_and_check, 2, n, job="nm2")
+    assert all(o.get("error") == "ShardUnavailableError" for o in out), out
+    assert "no surviving node has a complete record" in out[1]["message"] and "planner.metadata" in out[1]["message"]
 
 
 def test_three_nodes_sigkill_and_replacement_then_resave(node_roots) -> None:

@@ -25,7 +25,7 @@ from gemini_dcp.drain import drain_status, server_pid, wait_idle
 from gemini_dcp.local_tier import LocalTier
 from gemini_dcp.persistent import PersistentTier
 from mp_utils import run_ranks, run_until_death
-from workloads import COLS, ROWS, dtensor_state, full_weight, plain_state
+from workloads import COLS, ROWS, MetadataHidingPlanner, dtensor_state, full_weight, plain_state
 
 
 @pytest.fixture(autouse=True)
@@ -193,16 +193,6 @@ def test_restart_while_the_killed_drain_server_still_holds_its_lock_starts_a_sta
     assert all(torch.equal(sd[k], v) for k, v in _big_state(3).items())
 
 
-class _PlannerWithoutMetadata(dcp.DefaultSavePlanner):
-    """A planner that does not expose its global metadata while the writer writes: the
-    writer's record is then completed by the coordinator's ``finish``."""
-
-    def create_global_plan(self, all_plans: Any) -> Any:
-        plans, metadata = super().create_global_plan(all_plans)
-        del self.metadata
-        return plans, metadata
-
-
 def test_drain_of_a_record_completed_in_finish_resumes_after_its_step_was_evicted(
     root: str, store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -211,7 +201,7 @@ def test_drain_of_a_record_completed_in_finish_resumes_after_its_step_was_evicte
     pdir = _persist_dir(root, job)
     monkeypatch.setenv("GEMINI_DCP_DRAIN_THROTTLE_BPS", str(256 << 10))
     w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)
-    dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3, planner=_PlannerWithoutMetadata())
+    dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3, planner=MetadataHidingPlanner())
     assert LocalTier(root, job).record(3).complete  # type: ignore[union-attr]
     _kill_drain_midway(store / job / "step-3" / "__0_0.distcp", pdir, 100_000)
     _wait_lock_released(pdir)  # a dying server holds its lock until the kernel has closed its files

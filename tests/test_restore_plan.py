@@ -10,8 +10,8 @@ from gemini_dcp.errors import ShardUnavailableError
 from gemini_dcp.restore_plan import NodeView, StepView, decide, unrestorable_error
 
 
-def _view(rank: int, node: str, held: tuple[int, ...], world: int = 4, step: int = 7) -> NodeView:
-    return NodeView(rank, node, (StepView(step, "fp", world, held, 1.0, True),))
+def _view(rank: int, node: str, held: tuple[int, ...], world: int = 4, step: int = 7, complete: bool = True) -> NodeView:
+    return NodeView(rank, node, (StepView(step, "fp", world, held, 1.0, complete),))
 
 
 def test_newest_step_held_by_the_union_of_nodes() -> None:
@@ -39,3 +39,20 @@ def test_a_view_does_not_grow_with_the_world_size() -> None:
     small = len(pickle.dumps(_view(0, "node-0", tuple(range(8)), world=16)))
     large = len(pickle.dumps(_view(0, "node-0", tuple(range(8)), world=1024)))
     assert large - small < 8 and large < 1024
+
+
+def test_a_node_with_an_incomplete_record_still_holds_its_bytes() -> None:
+    """A planner that hides its metadata: only the coordinator's node (a) has a complete record.
+    Node b's record has the same fingerprint, so b holds ranks 2 and 3; a broadcasts the record."""
+    views = [_view(0, "a", (0, 1)), _view(1, "a", (0, 1)), _view(2, "b", (2, 3), complete=False), _view(3, "b", (2, 3), complete=False)]
+    d = decide(views, None, "j")
+    assert d.step == 7 and not d.missing_ranks and d.holders[2] == ("b",)
+    assert d.record_src == 0  # a holder of the complete record, never rank 2
+    views = [_view(0, "b", (2, 3), complete=False), _view(1, "a", (0, 1))]
+    assert decide(views, None, "j").record_src == 1
+
+
+def test_only_incomplete_records_left_names_the_missing_metadata() -> None:
+    views = [_view(0, "b", (0, 1, 2, 3), complete=False), _view(1, "b", (0, 1, 2, 3), complete=False)]
+    with pytest.raises(ShardUnavailableError, match=r"steps \[7\] are held in memory, but no surviving node has a complete record"):
+        decide(views, None, "j")

@@ -56,11 +56,25 @@ def zero_like(sd: Any) -> Any:
     return sd
 
 
-def save_steps(rank: int, world_size: int, root: str, *, job: str, steps: list[int], kind: str = "dtensor", **writer_kw: Any) -> list[int]:
+class MetadataHidingPlanner(dcp.DefaultSavePlanner):
+    """A save planner that does not expose its global metadata while the writer writes, as
+    custom planners may: DCP hands it to the storage writer only in the coordinator's ``finish``."""
+
+    def create_global_plan(self, all_plans: Any) -> Any:
+        plans, metadata = super().create_global_plan(all_plans)
+        del self.metadata
+        return plans, metadata
+
+
+def save_steps(
+    rank: int, world_size: int, root: str, *, job: str, steps: list[int], kind: str = "dtensor",
+    planner: type[dcp.SavePlanner] | None = None, **writer_kw: Any,
+) -> list[int]:
     done = []
     for step in steps:
         sd = dtensor_state(step, world_size) if kind == "dtensor" else plain_state(step, rank)
-        dcp.save(sd, storage_writer=GeminiStorageWriter(root=root, job_id=job, **writer_kw), checkpoint_id=step)
+        writer = GeminiStorageWriter(root=root, job_id=job, **writer_kw)
+        dcp.save(sd, storage_writer=writer, checkpoint_id=step, planner=planner() if planner else None)
         done.append(step)
     return done
 
