@@ -162,6 +162,10 @@ def _free_port() -> int:
 
 def teardown() -> None:
     if dist.is_initialized():
+        # Let gloo's worker threads drop finished collectives' tensors (they need the GIL) before
+        # destroy_process_group() takes the group's lock with the GIL held: torch 2.7 can deadlock.
+        gc.collect()
+        time.sleep(0.05)
         dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +46,12 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, roots: list[str],
             # process-group objects; collected only at interpreter exit, their C++ teardown
             # can abort the process ("terminate called without an active exception").
             gc.collect()
+            # torch 2.7's gloo worker threads drop their last reference to a finished collective's
+            # tensors after completing it, under the group's lock, and need the GIL for that; a
+            # destroy_process_group() that starts meanwhile waits for the lock while holding the
+            # GIL: a deadlock (seen twice in ~1,600 rank runs, after DTensor.full_tensor()).
+            # Releasing the GIL briefly first lets the workers finish.
+            time.sleep(0.05)
             dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent test
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -61,8 +68,6 @@ def _start(fn: Callable[..., Any], world_size: int, roots: list[str] | str, out_
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, roots: list[str] | str, timeout: float = 240, **kw: Any) -> list[Any]:
-    import time
-
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = _start(fn, world_size, roots, out_dir, kw)
         deadline = time.monotonic() + timeout
@@ -89,8 +94,6 @@ def run_until_death(fn: Callable[..., Any], world_size: int, roots: list[str] | 
 
     This is what torchrun does to a worker group when one worker fails. Returns exit codes.
     """
-    import time
-
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = _start(fn, world_size, roots, out_dir, kw)
         deadline = time.monotonic() + timeout
