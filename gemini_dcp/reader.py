@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, LoadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .checksum import as_bytes, checksum, checksum_then_copy
+from .compat import failed_metadata, raise_if_failed
 from .comm import Comm, get_comm
 from .config import parse_step, resolve_node_id
 from .errors import ChecksumMismatchError, GeminiError, ShardUnavailableError
@@ -82,6 +83,7 @@ class GeminiStorageReader(StorageReader):
 
             self.persistent = PersistentTier(persistent, self.job_id)
         self._requested: int | None = None
+        self._metadata_error: Exception | None = None
         self._decision: RestoreDecision | None = None
         self._record: StepRecord | None = None
         self._local: dict[int, Path] = {}
@@ -107,8 +109,26 @@ class GeminiStorageReader(StorageReader):
         if self._requested is not None:
             self._decide()
 
-    def read_metadata(self) -> Metadata:
-        """Collective: agree on the step to restore and return its DCP metadata."""
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Collective: agree on the step to restore and return its DCP metadata.
+
+        A call with arguments is DCP's "rank-local metadata" retry after this call raised
+        (torch >= 2.10); it runs no collective (the other ranks are not in it) and answers with
+        a stand-in that re-raises the first error (``compat.failed_metadata``), so that the
+        error reaches the caller on torch releases whose ``dcp.load`` drops it.
+        """
+        if args or kwargs:
+            if self._metadata_error is None:
+                raise ShardUnavailableError("gemini_dcp has no rank-local metadata: the restore decision is collective.")
+            return failed_metadata(self._metadata_error)
+        self._metadata_error = None
+        try:
+            return self._read_metadata()
+        except Exception as exc:
+            self._metadata_error = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
         if self._decision is None:
             self._decide()
         if self._record is None:
@@ -169,6 +189,7 @@ class GeminiStorageReader(StorageReader):
         return details
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        raise_if_failed(metadata)  # read_metadata's error, on torch releases whose dcp.load dropped it
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

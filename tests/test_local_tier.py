@@ -12,10 +12,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import (
+    CheckpointNotFoundError,
     ChecksumMismatchError,
     GeminiStorageReader,
     GeminiStorageWriter,
     InvalidStepError,
+    ShardUnavailableError,
     StepNotFoundError,
     TierFullError,
     TierRootError,
@@ -247,6 +249,26 @@ def test_unknown_step_and_wrong_job(root: str) -> None:
         dcp.load(plain_state(0), storage_reader=GeminiStorageReader(root=root, job_id="real"), checkpoint_id=7)
     with pytest.raises(BaseException, match="no committed checkpoint of job 'wrong'.*real"):
         dcp.load(plain_state(0), storage_reader=GeminiStorageReader(root=root, job_id="wrong"))
+
+
+def test_a_failed_metadata_read_reaches_the_caller_on_every_torch(root: str) -> None:
+    """torch 2.10-2.12's dcp.load swallows read_metadata()'s error and retries with
+    read_metadata(rank=...): the retry's stand-in re-raises the first error when DCP sets the
+    reader up, so the caller sees our error (and its message) on every supported torch."""
+    dcp.save(plain_state(1), storage_writer=GeminiStorageWriter(root=root, job_id="real"), checkpoint_id=1)
+    reader = GeminiStorageReader(root=root, job_id="wrong")
+    with pytest.raises(ShardUnavailableError, match="collective"):
+        reader.read_metadata(rank=0)  # a retry with no first error: no collective is run alone
+    with pytest.raises(CheckpointNotFoundError) as first:
+        reader.read_metadata()
+    stand_in = reader.read_metadata(rank=0)
+    with pytest.raises(CheckpointNotFoundError) as again:
+        reader.set_up_storage_reader(stand_in, True, rank=0, use_collectives=False)
+    assert again.value is first.value
+    with pytest.raises(BaseException) as through_dcp:
+        dcp.load(plain_state(0), storage_reader=GeminiStorageReader(root=root, job_id="wrong"))
+    err = find_gemini_error(through_dcp.value)
+    assert isinstance(err, CheckpointNotFoundError) and "'real'" in str(err)
 
 
 def test_not_enough_space_is_checked_before_writing(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
