@@ -14,24 +14,9 @@ unwrapped; use :func:`find_gemini_error` to get ours out of a
 
 from __future__ import annotations
 
-import collections
-import threading
-
-# The newest GeminiErrors created in this process. torch >= 2.13's dcp.load turns a
-# failure of ``StorageReader.read_metadata`` into ``AssertionError(f"...: {exc}")``,
-# keeping only the message (no __cause__/__context__), so find_gemini_error has to
-# recognize our error by its message there.
-_RECENT: "collections.deque[GeminiError]" = collections.deque(maxlen=16)
-_RECENT_LOCK = threading.Lock()
-
 
 class GeminiError(Exception):
     """Root of every error raised by gemini_dcp."""
-
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
-        with _RECENT_LOCK:
-            _RECENT.append(self)
 
 
 class ConfigError(GeminiError, ValueError):
@@ -82,13 +67,12 @@ def find_gemini_error(exc: BaseException) -> GeminiError | None:
     """Return the first :class:`GeminiError` inside ``exc``.
 
     Looks at ``exc`` itself, its ``__cause__``/``__context__`` chain, and, for a
-    DCP ``CheckpointException``, at every rank's wrapped failure. Where DCP kept
-    only the message of our error (``read_metadata`` failures in torch >= 2.13),
-    the error this process raised with that message is returned.
+    DCP ``CheckpointException``, at every rank's wrapped failure. (A ``read_metadata``
+    failure reaches DCP's wrapper as the object itself on every supported torch: the
+    reader re-raises it from ``set_up_storage_reader``, see ``compat.failed_metadata``.)
     """
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
-    messages: list[str] = []
     while stack:
         cur = stack.pop()
         if id(cur) in seen:
@@ -96,7 +80,6 @@ def find_gemini_error(exc: BaseException) -> GeminiError | None:
         seen.add(id(cur))
         if isinstance(cur, GeminiError):
             return cur
-        messages.append(str(cur))
         failures = getattr(cur, "failures", None)
         if isinstance(failures, dict):
             for wrapped in failures.values():
@@ -106,10 +89,4 @@ def find_gemini_error(exc: BaseException) -> GeminiError | None:
         for nxt in (cur.__cause__, cur.__context__):
             if nxt is not None:
                 stack.append(nxt)
-    with _RECENT_LOCK:
-        recent = list(_RECENT)
-    for err in reversed(recent):
-        text = str(err)
-        if text and any(text in m for m in messages):
-            return err
     return None
