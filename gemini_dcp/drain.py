@@ -94,6 +94,16 @@ class Paths:
         self.pid = self.dir / "daemon.pid"
         self.status = self.dir / "status.json"
         self.log = self.dir / "drain.log"
+        self.config = self.dir / "config.json"
+
+    @property
+    def adopt(self) -> "Paths":
+        """The drain state of adopted parts (a lost node's ranks, uploaded from the replicas held here).
+
+        Kept apart from the node's own requests (which are keyed by step alone) and served by
+        a server of its own, so an adoption never waits behind, or blocks, the node's own drain.
+        """
+        return Paths(self.dir / "adopt")
 
     def request(self, step: int) -> Path:
         return self.requests / f"{_name(step)}.json"
@@ -142,6 +152,24 @@ class Drainer:
             from .errors import ConfigError  # noqa: PLC0415
 
             raise ConfigError(f"{ENV_MODE}={self.mode!r}: choose 'process' (default) or 'thread'.")
+        self._write_config()
+
+    def _write_config(self) -> None:
+        """Record this job's drain settings on the node's tmpfs: a restore after a node loss reads
+        them to upload the lost node's part of a pending step (``gemini_dcp.adopt``)."""
+        cfg = {
+            "version": 1, "url": self.persistent.url, "job_id": self.persistent.job_id, "every": self.every,
+            "keep": self.persistent.keep, "keep_every": self.persistent.keep_every, "mode": self.mode,
+            "protocol": self.persistent.protocol,
+        }
+        data = json.dumps(cfg, sort_keys=True).encode()
+        try:
+            if self.paths.config.read_bytes() == data:
+                return
+        except FileNotFoundError:
+            pass
+        _private_dir(self.paths.dir)
+        _write_atomic(self.paths.config, data)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -174,35 +202,14 @@ class Drainer:
         slots = [
             [s.rank, str(self.tier.slot_path(s.rank, s.slot)), int(s.nbytes)] for s in record.slots if s.rank in own
         ]
-        p = self.paths
-        _private_dir(p.requests)
-        stage = p.stage(record.step)
-        if stage.exists():  # a leftover of an older save of the same step number (abandoned timeline)
-            shutil.rmtree(stage, ignore_errors=True)
-        _private_dir(stage)
-        src = self.tier.layout.record_path(record.step)
-        try:
-            os.link(src, stage / "record.rec")  # records are renamed into place, never edited: a link is a snapshot
-        except OSError:
-            from .records import write_record  # noqa: PLC0415
-
-            write_record(stage / "record.rec", record)
         req = {
-            "version": 1,
-            "step": record.step,
             "url": self.persistent.url,
             "job_id": self.persistent.job_id,
             "keep": self.persistent.keep,
             "keep_every": self.persistent.keep_every,
-            "root": str(self.tier.root),
-            "record_path": str(src),
-            "node_id": record.node_id,
-            "fingerprint": record.fingerprint(),
             "rank0_node": bool(record.rank_nodes and record.rank_nodes[0] == record.node_id),
-            "slots": slots,
-            "created_unix": time.time(),
         }
-        _write_atomic(p.request(record.step), json.dumps(req).encode())
+        write_request(self.paths, self.tier, record, slots, req)
         self.ensure_server()
         return True
 
@@ -212,14 +219,57 @@ class Drainer:
         The previous generation's server may have been killed with the workers and still hold
         its lock while the kernel tears it down: then a standby server waits for the lock.
         """
-        if self.paths.pending():
-            ensure_server(self.paths.dir, self.mode, standby=True)
+        for p in (self.paths, self.paths.adopt):
+            if p.pending():
+                ensure_server(p.dir, self.mode, standby=True)
 
     def ensure_server(self) -> None:
         ensure_server(self.paths.dir, self.mode)
 
     def wait(self, timeout_s: float = 300.0) -> bool:
         return wait_idle(self.paths.dir, timeout_s)
+
+
+def write_request(p: Paths, tier: Any, record: Any, slots: list[list[Any]], fields: dict[str, Any]) -> None:
+    """Write the drain request of ``record``'s step into ``p`` (staging dir, record snapshot, request).
+
+    ``slots`` are ``[rank, slot path, nbytes]`` of the bytes to upload; ``fields`` carry the
+    store (``url``, ``job_id``, ``keep``, ``keep_every``) and the request's role (``rank0_node``,
+    ``adopted_from``).
+    """
+    _private_dir(p.requests)
+    stage = p.stage(record.step)
+    if stage.exists():  # a leftover of an older save of the same step number (abandoned timeline)
+        shutil.rmtree(stage, ignore_errors=True)
+    _private_dir(stage)
+    src = tier.layout.record_path(record.step)
+    try:
+        os.link(src, stage / "record.rec")  # records are renamed into place, never edited: a link is a snapshot
+    except OSError:
+        from .records import write_record  # noqa: PLC0415
+
+        write_record(stage / "record.rec", record)
+    req = {
+        "version": 1,
+        "step": record.step,
+        "root": str(tier.root),
+        "record_path": str(src),
+        "node_id": record.node_id,
+        "fingerprint": record.fingerprint(),
+        "slots": slots,
+        "created_unix": time.time(),
+        **fields,
+    }
+    _write_atomic(p.request(record.step), json.dumps(req).encode())
+
+
+def read_config(persist_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The drain settings a writer with a persistent tier left on this node (None if none did)."""
+    try:
+        cfg = json.loads(Paths(persist_dir).config.read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) and cfg.get("url") and int(cfg.get("every") or 0) >= 1 else None
 
 
 def ensure_server(persist_dir: str | os.PathLike[str], mode: str = "process", *, standby: bool = False) -> None:
@@ -569,7 +619,7 @@ class _Server:
     def _upload(self, req: dict[str, Any]) -> tuple[str, str]:
         from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
-        from gemini_dcp.persistent import PartMarker  # noqa: PLC0415
+        from gemini_dcp.persistent import PartMarker, node_tag  # noqa: PLC0415
         from gemini_dcp.records import read_record  # noqa: PLC0415
         from gemini_dcp.stock import exact_view, items_of_record, typed, verify, write_rank_file  # noqa: PLC0415
 
@@ -583,25 +633,35 @@ class _Server:
         direct = bool(staged.get("direct"))
         progress = _load_progress(d)
         sd = ptier.step_dir(step)
-        node_id = req["node_id"]
+        adopted_from = tuple(req.get("adopted_from") or ())
+        node_id = adoption_marker_id(req["node_id"], adopted_from) if adopted_from else req["node_id"]
         if not progress.get("begun"):
             if _already_in_store(ptier, step, req["fingerprint"]):
                 return "done", "the store already holds this exact save of the step"
+            if adopted_from:
+                outcome = _adoption_still_needed(ptier, sd, step, req, node_id)
+                if isinstance(outcome, tuple):
+                    return outcome
+                progress["slots"] = outcome  # the ranks no part marker covers yet, fixed for resumes
             sd.begin(node_id)
             progress["begun"] = True
             progress["threads"] = self.threads  # the file split must not change on resume
             _save_progress(d, progress)
+        slots = progress.get("slots", req["slots"])
         threads = int(progress.get("threads", self.threads))
+        # An adopting node names its files apart, so it never shares a file with a lost node's
+        # torn upload (or with that node itself, should it come back and resume).
+        prefix = f"a{node_tag(node_id)[:8]}_" if adopted_from else ""
         what = f"step {step}"
         # One or more data files per saving rank (__<rank>_<k>.distcp, as FileSystemWriter with
         # thread_count=k names them), written in parallel; progress is kept per file.
         jobs: list[tuple[str, Path, list[Any]]] = []
-        for rank, slot_path, nbytes in req["slots"]:
+        for rank, slot_path, nbytes in slots:
             items = items_of_record(record, [rank])
             path = Path(slot_path) if direct else d / f"rank-{rank:05d}.bin"
-            n_files = threads if nbytes >= SPLIT_BYTES and len(req["slots"]) < threads else 1
+            n_files = threads if nbytes >= SPLIT_BYTES and len(slots) < threads else 1
             for k, bucket in enumerate(_split_by_size(items, n_files)):
-                jobs.append((f"__{rank}_{k}.distcp", path, bucket))
+                jobs.append((f"__{rank}_{prefix}{k}.distcp", path, bucket))
         files: dict[str, Any] = progress.setdefault("files", {})
         lock = threading.Lock()
 
@@ -639,7 +699,7 @@ class _Server:
             storage.update(st)
             sums.update(cs)
             total += n
-        ranks = tuple(sorted(r for r, _, _ in req["slots"]))
+        ranks = tuple(sorted(r for r, _, _ in slots))
         t_marker = time.monotonic()
         sd.write_marker(PartMarker(step, req["fingerprint"], node_id, ranks, storage, sums, total, time.time()))
         progress["marker"] = True
@@ -778,6 +838,29 @@ def _completed_record(req: dict[str, Any], paths: list[Path]) -> Any:
         if rec.complete and rec.fingerprint() == req["fingerprint"]:
             return rec
     return None
+
+
+def adoption_marker_id(node_id: str, adopted_from: tuple[str, ...] | list[str]) -> str:
+    """The part-marker identity of ``node_id`` uploading the ranks of the lost nodes ``adopted_from``."""
+    return f"{node_id} (adopting {', '.join(sorted(adopted_from))})"
+
+
+def _adoption_still_needed(
+    ptier: Any, sd: Any, step: int, req: dict[str, Any], marker_id: str
+) -> tuple[str, str] | list[list[Any]]:
+    """The slots of an adoption request that no part marker of the same save covers yet,
+    or the request's outcome when nothing is left to do (a newer step is complete: the
+    store's retention drops this one anyway; or the lost nodes' parts got there after all)."""
+    newer = [s for s in ptier.committed_steps() if s > step]
+    if newer:
+        return "done", f"step {max(newer)} is complete in the store; step {step} is no longer needed there"
+    covered = {
+        r for m in sd.read_markers() if m.fingerprint == req["fingerprint"] and m.node_id != marker_id for r in m.ranks
+    }
+    slots = [s for s in req["slots"] if s[0] not in covered]
+    if not slots:
+        return "done", "the lost nodes' parts reached the store after all"
+    return slots
 
 
 def _already_in_store(ptier: Any, step: int, fingerprint: str) -> bool:

@@ -174,6 +174,16 @@ class GeminiStorageReader(StorageReader):
             for s in mine.slots:
                 self._local[s.rank] = self.tier.slot_path(s.rank, s.slot)
         self._decision, self._record = decision, record
+        self._adopt_lost_parts(views, comm.rank)
+
+    def _adopt_lost_parts(self, views: Sequence[NodeView], rank: int) -> None:
+        """Hand a lost node's part of the pending persistent step to this node's drain (``gemini_dcp.adopt``)."""
+        from .adopt import adopt_lost_parts  # noqa: PLC0415
+
+        try:
+            adopt_lost_parts(self.tier, views, rank)
+        except Exception as exc:  # noqa: BLE001 - the restore stands; the next drained step completes the store
+            log.warning("could not hand the lost nodes' part of the pending drain to this node: %s", exc)
 
     def _describe(self, comm: Comm, problems: Sequence[Unrestorable]) -> dict[tuple[int, str], Any]:
         """Collective (every rank reached the same ``problems``): the rank → node map and byte
