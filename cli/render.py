@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator
 
 from rich import box
@@ -145,6 +146,33 @@ def render_inspect(out: Console, info: Any) -> None:
             out.print("nodes: " + "; ".join(f"{short} = {escape(node)}" for node, short in legend.items()))
         for n in notes:
             out.print(f"[yellow]note[/] {escape(n)}")
+        if job.drain is not None:
+            render_drain(out, job.drain)
+
+
+def render_drain(out: Console, drain: dict[str, Any]) -> None:
+    """This node's drain to the persistent tier: where, how often, what is pending, the last outcomes."""
+    every = drain.get("every")
+    head = f"persistent drain -> {escape(str(drain.get('url') or '?'))}"
+    head += f" (steps that are multiples of {every})" if every else ""
+    pending = drain.get("pending") or []
+    out.print(f"{head}   pending: {', '.join(map(str, pending)) if pending else 'none'}")
+    for label, key, pkey in (("this node's part", "recent", None), ("adopted parts of lost nodes", "adopt_recent", "adopt_pending")):
+        entries = drain.get(key) or []
+        waiting = drain.get(pkey) if pkey else None
+        if not entries and not waiting:
+            continue
+        parts = []
+        for e in entries:
+            state = e.get("state", "?")
+            style = {"done": "green", "committed": "green", "abandoned": "red", "retry": "yellow"}.get(state, "")
+            text = f"[{style}]{state}[/]" if style else state
+            age = age_h(time.time() - e["unix"]) if e.get("unix") else "-"
+            why = e.get("reason") or e.get("detail")
+            parts.append(f"step {e['step']} {text} {age} ago" + (f" ({escape(str(why))})" if why else ""))
+        if waiting:
+            parts.append(f"pending: {', '.join(map(str, waiting))}")
+        out.print(f"  {label}: " + "; ".join(parts))
 
 
 # ---- verify --------------------------------------------------------------------------------------

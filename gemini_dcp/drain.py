@@ -354,6 +354,35 @@ def drain_status(persist_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return status
 
 
+def drain_summary(persist_dir: str | os.PathLike[str], recent: int = 3) -> dict[str, Any] | None:
+    """This node's drain of one job, for operators (``gemini-dcp inspect``); reads files only.
+
+    ``{"url", "every", "pending", "recent", "adopt_pending", "adopt_recent"}``: the store and
+    cadence a writer configured, the steps waiting, and the last ``recent`` outcomes (``step``,
+    ``state``, ``unix``, and ``reason`` / ``detail`` when there is one) of the node's own drain
+    and of adopted parts (``gemini_dcp.adopt``). None when no drain ever ran for the job here.
+    """
+    p = Paths(persist_dir)
+    cfg = read_config(p.dir) or {}
+    own, adopt = drain_status(p.dir), drain_status(p.adopt.dir)
+    if not cfg and not any(st["steps"] or st["pending"] for st in (own, adopt)):
+        return None
+
+    def latest(status: dict[str, Any]) -> list[dict[str, Any]]:
+        steps = status.get("steps", {})
+        out = []
+        for k in sorted(steps, key=int)[-recent:]:
+            entry = steps[k]
+            out.append({"step": int(k), **{f: entry[f] for f in ("state", "unix", "reason", "detail") if entry.get(f)}})
+        return out
+
+    return {
+        "url": cfg.get("url"), "every": cfg.get("every"),
+        "pending": own["pending"], "recent": latest(own),
+        "adopt_pending": adopt["pending"], "adopt_recent": latest(adopt),
+    }
+
+
 def server_pid(persist_dir: str | os.PathLike[str]) -> int | None:
     try:
         return int(Paths(persist_dir).pid.read_text().strip())

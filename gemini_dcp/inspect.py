@@ -146,6 +146,7 @@ class JobInfo:
     usage_bytes: int
     steps: list[StepInfo]
     persistent_error: str | None = None
+    drain: dict[str, Any] | None = None  # this node's drain to the persistent tier (drain.drain_summary)
 
     @property
     def newest_restorable(self) -> int | None:
@@ -252,8 +253,10 @@ def inspect_job(layout: JobLayout, persistent: str | None = None, *, now: float 
     for s in sorted((persisted or set()) - set(steps)):
         infos.append(StepInfo(step=s, committed=True, in_memory=False, in_persistent=True, restorable="persistent"))
     infos.sort(key=lambda i: i.step)
+    from .drain import drain_summary  # noqa: PLC0415
+
     return JobInfo(job_id=layout.job_id, path=str(layout.job_dir), usage_bytes=job_usage_bytes(layout),
-                   steps=infos, persistent_error=perr)
+                   steps=infos, persistent_error=perr, drain=drain_summary(layout.persist_dir))
 
 
 def inspect_root(

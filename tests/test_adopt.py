@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from gemini_dcp.adopt import Adoption, orphaned_part
 from gemini_dcp.drain import Paths, drain_status, server_pid, wait_idle
+from gemini_dcp.inspect import inspect_root
 from gemini_dcp.local_tier import LocalTier
 from gemini_dcp.persistent import PersistentTier
 from gemini_dcp.restore_plan import NodeView, StepView
@@ -133,6 +134,8 @@ def test_survivor_uploads_the_lost_nodes_part_after_the_restore(tmp_path: Path, 
         files = sorted(p.name for p in step_dir.glob("__*"))
         assert files[0] == "__0_0.distcp" and len(files) == 2 and files[1].startswith("__1_a"), files
         assert drain_status(Paths(pdirs[0]).adopt.dir)["steps"]["2"]["state"] == "done"
+        (job,) = inspect_root(roots[0]).jobs  # what `gemini-dcp inspect` shows the operator
+        assert job.drain is not None and [(e["step"], e["state"]) for e in job.drain["adopt_recent"]] == [(2, "done")]
         # stock DCP, no gemini_dcp reader: the sharded save consolidates into plain tensors
         sd = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS, dtype=torch.float64)}, "step": 0}
         dcp.load(sd, checkpoint_id=str(step_dir))

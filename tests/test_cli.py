@@ -140,6 +140,40 @@ def test_inspect_json_and_table(saved_root: str) -> None:
     assert "committed" in res.output and "memory" in res.output and "newest restorable step: 3" in res.output
 
 
+DRAIN_SCRIPT = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.simplefilter("ignore")
+    import torch, torch.distributed.checkpoint as dcp
+    from gemini_dcp import GeminiStorageWriter
+    from gemini_dcp.drain import wait_idle
+    root, url = sys.argv[1], sys.argv[2]
+    for step in (1, 2, 3, 4):
+        w = GeminiStorageWriter(root=root, job_id="d", persistent=url, persist_every=2)
+        dcp.save({"w": torch.full((8,), float(step))}, storage_writer=w, checkpoint_id=step)
+        assert wait_idle(w.tier.layout.persist_dir, 120)
+    """
+)
+
+
+def test_inspect_shows_the_drain_to_the_persistent_tier(saved_root: str, tmp_path: Path) -> None:
+    assert cli_json("inspect", "--root", saved_root)["jobs"][0]["drain"] is None  # no persistent tier configured
+    d = tempfile.mkdtemp(prefix="gemini-cli-drain-", dir=_tmp_base())
+    url = f"file://{tmp_path / 'store'}"
+    try:
+        subprocess.run([sys.executable, "-c", DRAIN_SCRIPT, d, url], check=True, cwd=REPO, timeout=300,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore", "GEMINI_DCP_DRAIN_IDLE_S": "1"})
+        drain = cli_json("inspect", "--root", d)["jobs"][0]["drain"]
+        assert drain["url"] == url and drain["every"] == 2 and drain["pending"] == [] and drain["adopt_pending"] == []
+        assert [(e["step"], e["state"]) for e in drain["recent"]] == [(2, "done"), (4, "done")], drain
+        res = cli("inspect", "--root", d)
+        assert res.exit_code == 0, res.output
+        assert f"persistent drain -> {url} (steps that are multiples of 2)   pending: none" in res.output
+        assert "this node's part: step 2 done" in res.output and "step 4 done" in res.output
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_inspect_errors_are_messages_not_tracebacks(saved_root: str, tmp_path: Path) -> None:
     assert_user_error(cli("inspect", "--root", str(tmp_path / "nope")), "does not exist")
     assert_user_error(cli("inspect", "--root", saved_root, "--job", "other"), "jobs present: j")
