@@ -7,7 +7,12 @@
     reader = GeminiStorageReader(job_id="run1")
     dcp.load(state_dict, storage_reader=reader)   # newest restorable step
     print(reader.restored_step, reader.restored_from)
+
+Per-step zero-stall snapshots (``gemini_dcp.snapshot``): ``AsyncCheckpointer`` (recommended),
+or ``AsyncGeminiStorageWriter`` for stock ``dcp.async_save`` (it is DCP's ``AsyncStager``).
 """
+
+from typing import Any
 
 from .errors import (
     CheckpointNotFoundError,
@@ -29,9 +34,26 @@ from .writer import GeminiStorageWriter
 
 __version__ = "0.1.0"
 
+_LAZY = {"AsyncCheckpointer": "snapshot", "AsyncGeminiStorageWriter": "snapshot", "InterleaveOptions": "snapshot"}
+
+
+def __getattr__(name: str) -> Any:
+    """The async-snapshot API, imported on first use (it pulls in the interleaving machinery)."""
+    if name in _LAZY:
+        import importlib  # noqa: PLC0415
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "GeminiStorageWriter",
     "GeminiStorageReader",
+    "AsyncCheckpointer",
+    "AsyncGeminiStorageWriter",
+    "InterleaveOptions",
     "GeminiError",
     "ConfigError",
     "InvalidStepError",

@@ -345,3 +345,16 @@ def _plain_async_save(rank: int, world: int, root: str, *, job: str) -> list[int
 def test_plain_dcp_async_save_with_gemini_writer(root: str) -> None:
     """The stock ``dcp.async_save`` path (DefaultStager) works with an unmodified writer, 2 gloo ranks."""
     assert run_ranks(_plain_async_save, 2, root, job="plain-async") == [[3, 1], [3, 1]]
+
+
+def test_the_async_api_is_exported_from_the_package(tmp_path: Path) -> None:
+    import gemini_dcp
+    from gemini_dcp import snapshot
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    for name in ("AsyncCheckpointer", "AsyncGeminiStorageWriter", "InterleaveOptions"):
+        assert getattr(gemini_dcp, name) is getattr(snapshot, name) and name in gemini_dcp.__all__
+    writer = gemini_dcp.AsyncGeminiStorageWriter(root=tmp_path, job_id="exported")
+    assert isinstance(writer, AsyncStager) and isinstance(writer, GeminiStorageWriter)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        gemini_dcp.Nope  # noqa: B018
