@@ -83,11 +83,14 @@ def _restore(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return load_and_check(rank, world_size, root, job=JOB)
 
 
-def _kill_drain_server(pdir: Path) -> None:
-    deadline = time.monotonic() + 60
-    while (pid := server_pid(pdir)) is None:
-        assert time.monotonic() < deadline, "node 1 never started its drain server"
+def _kill_drain_server_midway(pdir: Path, data: Path) -> None:
+    """SIGKILL a node's (throttled) drain server once its data file has begun to grow in the store."""
+    deadline = time.monotonic() + 120
+    while not (data.exists() and data.stat().st_size > 0):
+        assert time.monotonic() < deadline, ("node 1 never began its upload", drain_status(pdir))
         time.sleep(0.02)
+    pid = server_pid(pdir)
+    assert pid is not None
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -106,22 +109,23 @@ def test_survivor_uploads_the_lost_nodes_part_after_the_restore(tmp_path: Path, 
     store = tmp_path / "store"
     url = f"file://{store}"
     pdirs = [LocalTier(r, JOB).layout.persist_dir for r in roots]
-    # ~4 s per node's part: node 1's drain is killed long before it can write its marker
+    # ~4 s per node's part: node 1's drain is killed midway, long before it can write its marker
     monkeypatch.setenv("GEMINI_DCP_DRAIN_THROTTLE_BPS", "1024")
     try:
         codes = run_until_death(_save_then_die, 2, roots, url=url)
         assert all(c == -signal.SIGKILL for c in codes), codes
-        _kill_drain_server(pdirs[1])
+        step_dir = store / JOB / "step-2"
+        _kill_drain_server_midway(pdirs[1], step_dir / "__1_0.distcp")  # leaves a torn __1_0.distcp
         shutil.rmtree(roots[1])  # node 1 is replaced: a fresh machine with an empty tier root
         os.makedirs(roots[1])
         # node 0 writes its own part, then waits for node 1's, which will never come from node 1
-        step_dir = store / JOB / "step-2"
         deadline = time.monotonic() + 120
         while len(list((step_dir / ".gemini").glob("part-*.pkl"))) < 1:
             assert time.monotonic() < deadline, drain_status(pdirs[0])
             time.sleep(0.1)
         assert not (step_dir / ".metadata").exists()
-        assert sorted(p.name for p in step_dir.glob("__*")) == ["__0_0.distcp"]
+        assert sorted(p.name for p in step_dir.glob("__*")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert len(list((step_dir / ".gemini").glob("part-*.pkl"))) == 1
 
         out = run_ranks(_restore, 2, roots)
         assert all(o["ok"] and o["step"] == 2 for o in out), out
@@ -132,7 +136,9 @@ def test_survivor_uploads_the_lost_nodes_part_after_the_restore(tmp_path: Path, 
         assert pt.wait_for_step(2, timeout_s=120), (drain_status(pdirs[0]), drain_status(Paths(pdirs[0]).adopt.dir))
         assert wait_idle(Paths(pdirs[0]).adopt.dir, 60)
         files = sorted(p.name for p in step_dir.glob("__*"))
-        assert files[0] == "__0_0.distcp" and len(files) == 2 and files[1].startswith("__1_a"), files
+        assert files[:2] == ["__0_0.distcp", "__1_0.distcp"] and len(files) == 3 and files[2].startswith("__1_a"), files
+        md = dcp.FileSystemReader(str(step_dir)).read_metadata()  # rank 1's items point at the adopted file
+        assert {info.relative_path for info in md.storage_data.values()} == {"__0_0.distcp", files[2]}
         assert drain_status(Paths(pdirs[0]).adopt.dir)["steps"]["2"]["state"] == "done"
         (job,) = inspect_root(roots[0]).jobs  # what `gemini-dcp inspect` shows the operator
         assert job.drain is not None and [(e["step"], e["state"]) for e in job.drain["adopt_recent"]] == [(2, "done")]
