@@ -34,15 +34,15 @@ from .writer import GeminiStorageWriter
 
 __version__ = "0.1.0"
 
-_LAZY = {"AsyncCheckpointer": "snapshot", "AsyncGeminiStorageWriter": "snapshot", "InterleaveOptions": "snapshot"}
+_SNAPSHOT_API = ("AsyncCheckpointer", "AsyncGeminiStorageWriter", "InterleaveOptions")
 
 
 def __getattr__(name: str) -> Any:
     """The async-snapshot API, imported on first use (it pulls in the interleaving machinery)."""
-    if name in _LAZY:
-        import importlib  # noqa: PLC0415
+    if name in _SNAPSHOT_API:
+        from . import snapshot  # noqa: PLC0415
 
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(snapshot, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

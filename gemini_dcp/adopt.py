@@ -74,7 +74,7 @@ def adopt_lost_parts(tier: Any, views: Sequence[NodeView], rank: int) -> Adoptio
     group rank on its node) acts, and only if a writer with a persistent tier left its
     drain settings on this node. Returns what was requested, or None.
     """
-    from .drain import Paths, ensure_server, read_config, write_request  # noqa: PLC0415
+    from .drain import STORE_FIELDS, Paths, ensure_server, read_config, write_request  # noqa: PLC0415
 
     mine = next((v for v in views if v.rank == rank), None)
     if mine is None or rank != min(v.rank for v in views if v.node_id == mine.node_id):
@@ -95,27 +95,23 @@ def adopt_lost_parts(tier: Any, views: Sequence[NodeView], rank: int) -> Adoptio
     if adoption is None:
         return None
     p = Paths(tier.layout.persist_dir).adopt
-    if record.step in p.pending():
-        ensure_server(p.dir, cfg.get("mode") or "process")
-        return adoption  # requested by an earlier restore of this generation; its server resumes it
-    slots = []
-    for r in adoption.ranks:
-        s = record.slot_of(r)
-        if s is None:
-            log.warning("step %d: rank %d is in this node's view but its slot is missing; not adopted", record.step, r)
-            continue
-        slots.append([r, str(tier.slot_path(s.rank, s.slot)), int(s.nbytes)])
-    if not slots:
-        return None
-    write_request(p, tier, record, slots, {
-        "url": cfg["url"], "job_id": cfg["job_id"], "keep": cfg.get("keep"), "keep_every": cfg.get("keep_every"),
-        "rank0_node": False, "adopted_from": list(adoption.lost_nodes),
-    })
+    if record.step not in p.pending():  # else requested by an earlier restore of this generation: resume it
+        slots = []
+        for r in adoption.ranks:
+            s = record.slot_of(r)
+            if s is None:
+                log.warning("step %d: rank %d is in this node's view but its slot is missing; not adopted", record.step, r)
+                continue
+            slots.append([r, str(tier.slot_path(s.rank, s.slot)), int(s.nbytes)])
+        if not slots:
+            return None
+        fields = {k: cfg.get(k) for k in STORE_FIELDS}
+        write_request(p, tier, record, slots, {**fields, "rank0_node": False, "adopted_from": list(adoption.lost_nodes)})
+        log.warning(
+            "step %d: nodes %s lost their memory before their part reached %s; this node uploads their ranks %s "
+            "from its replicas", record.step, list(adoption.lost_nodes), cfg["url"], list(adoption.ranks),
+        )
     ensure_server(p.dir, cfg.get("mode") or "process")
-    log.warning(
-        "step %d: nodes %s lost their memory before their part reached %s; this node uploads their ranks %s "
-        "from its replicas", record.step, list(adoption.lost_nodes), cfg["url"], list(adoption.ranks),
-    )
     return adoption
 
 

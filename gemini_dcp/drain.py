@@ -152,16 +152,15 @@ class Drainer:
             from .errors import ConfigError  # noqa: PLC0415
 
             raise ConfigError(f"{ENV_MODE}={self.mode!r}: choose 'process' (default) or 'thread'.")
+        self.store = {
+            "url": persistent.url, "job_id": persistent.job_id, "keep": persistent.keep, "keep_every": persistent.keep_every,
+        }
         self._write_config()
 
     def _write_config(self) -> None:
         """Record this job's drain settings on the node's tmpfs: a restore after a node loss reads
         them to upload the lost node's part of a pending step (``gemini_dcp.adopt``)."""
-        cfg = {
-            "version": 1, "url": self.persistent.url, "job_id": self.persistent.job_id, "every": self.every,
-            "keep": self.persistent.keep, "keep_every": self.persistent.keep_every, "mode": self.mode,
-            "protocol": self.persistent.protocol,
-        }
+        cfg = {"version": 1, **self.store, "every": self.every, "mode": self.mode, "protocol": self.persistent.protocol}
         data = json.dumps(cfg, sort_keys=True).encode()
         try:
             if self.paths.config.read_bytes() == data:
@@ -202,14 +201,8 @@ class Drainer:
         slots = [
             [s.rank, str(self.tier.slot_path(s.rank, s.slot)), int(s.nbytes)] for s in record.slots if s.rank in own
         ]
-        req = {
-            "url": self.persistent.url,
-            "job_id": self.persistent.job_id,
-            "keep": self.persistent.keep,
-            "keep_every": self.persistent.keep_every,
-            "rank0_node": bool(record.rank_nodes and record.rank_nodes[0] == record.node_id),
-        }
-        write_request(self.paths, self.tier, record, slots, req)
+        rank0_node = bool(record.rank_nodes and record.rank_nodes[0] == record.node_id)
+        write_request(self.paths, self.tier, record, slots, {**self.store, "rank0_node": rank0_node})
         self.ensure_server()
         return True
 
@@ -261,6 +254,9 @@ def write_request(p: Paths, tier: Any, record: Any, slots: list[list[Any]], fiel
         **fields,
     }
     _write_atomic(p.request(record.step), json.dumps(req).encode())
+
+
+STORE_FIELDS = ("url", "job_id", "keep", "keep_every")  # where a request uploads to (Drainer.store)
 
 
 def read_config(persist_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
