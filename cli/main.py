@@ -165,7 +165,7 @@ def verify_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Recompute the checksum of every shard held here (memory slots; with --persistent, the store too). Exit 1 if any is bad or missing."""
-    from gemini_dcp.inspect import verify
+    from gemini_dcp.verify import verify
 
     with progress_bar(_err(), "verifying", disable=as_json) as tick:
         report = verify(root, job, step, persistent=persistent, progress=tick)
@@ -336,7 +336,7 @@ def plan_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Placement table and P(recover from memory) for k simultaneous failures; with --checkpoint-gb and --iteration-s, GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing."""
-    from gemini_dcp.inspect import plan
+    from gemini_dcp.tier_plan import plan
 
     figures = {"checkpoint_gb": checkpoint_gb, "iteration_s": iteration_s, "memory_bw_gbps": memory_bw_gbps,
                "persistent_bw_gbps": persistent_bw_gbps, "failures_per_day": failures_per_day,
@@ -369,7 +369,7 @@ def gc_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Evict old steps of a job from this node's memory, never the newest committed one; free slot files no step uses and no process has open. --remove-job drops a finished job entirely."""
-    from gemini_dcp.inspect import collect_garbage, remove_job as remove
+    from gemini_dcp.housekeeping import collect_garbage, remove_job as remove
 
     me = [os.getpid()]
     if remove_job:
@@ -407,7 +407,7 @@ def doctor_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Check the environment a job will run in: tier root, tmpfs, free space, /dev/shm size in containers, memory budget, GPUs, torch and extension versions. Exit 1 if a check fails."""
-    from gemini_dcp.inspect import doctor
+    from gemini_dcp.doctor import doctor
 
     rep = doctor(root, expected_gb=expected_gb, keep=keep, replicas=replicas, build_ext=build_ext)
     if as_json:

@@ -297,7 +297,7 @@ def test_gc_never_evicts_the_newest_committed_step(root_copy: str) -> None:
     assert again["evicted_steps"] == [] and tier.steps() == [3]
     res = cli("gc", "--keep", "0", "--root", root_copy, "--job", "j")
     assert res.exit_code == 2 and tier.steps() == [3]
-    from gemini_dcp.inspect import collect_garbage
+    from gemini_dcp.housekeeping import collect_garbage
 
     with pytest.raises(ConfigError, match="remove-job"):
         collect_garbage(root_copy, "j", 0)
@@ -353,14 +353,14 @@ def test_doctor(saved_root: str, tmp_path: Path) -> None:
 
 
 def _on_tmpfs(path: str) -> bool:
-    from gemini_dcp.inspect import mount_of
+    from gemini_dcp.doctor import mount_of
 
     m = mount_of(Path(path))
     return m is not None and m[1] == "tmpfs"
 
 
 def test_doctor_flags_disk_and_small_shm(tmp_path: Path) -> None:
-    from gemini_dcp.inspect import doctor
+    from gemini_dcp.doctor import doctor
 
     mounts = tmp_path / "mounts"
     mounts.write_text("/dev/sda1 / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n")
@@ -372,7 +372,7 @@ def test_doctor_flags_disk_and_small_shm(tmp_path: Path) -> None:
 
 
 def test_doctor_reports_tmpfs_page_size(tmp_path: Path) -> None:
-    from gemini_dcp.inspect import doctor, tmpfs_huge_pages
+    from gemini_dcp.doctor import doctor, tmpfs_huge_pages
 
     mounts = tmp_path / "mounts"
     sysfs = tmp_path / "shmem_enabled"
