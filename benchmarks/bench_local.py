@@ -41,12 +41,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from common import GB, GIB, fmt, gbps, median, spread  # noqa: E402
+from common import GIB, fmt, gbps, median, spread  # noqa: E402
 
 SAVE_TARGET = 5.0
 # What GeminiStorageWriter's default checksum="auto" resolves to on this machine (crc32c with the extension).

@@ -284,7 +284,6 @@ def analyze(evs: list[dict[str, Any]], plan: Plan, calibrate: bool) -> dict[str,
         iters = [s for st, s in done_steps if st > 1]
     ck = sorted((e["step"], e["seconds"]) for e in before if e["ev"] == "ckpt")
     ckpts = [s for _, s in ck[1:]] or [s for _, s in ck]  # the first save sets up slots / files
-    ck_bytes = None
     out: dict[str, Any] = {
         "iter_s": _median(iters),
         "ckpt_s": _median(ckpts),

@@ -738,7 +738,6 @@ class _Server:
         return ("await", "") if req.get("rank0_node") else ("done", "part written; another node commits")
 
     def _try_commit(self, req: dict[str, Any], record: Any) -> bool:
-        from gemini_dcp.records import read_record  # noqa: PLC0415
         from gemini_dcp.stock import try_finalize  # noqa: PLC0415
 
         step = int(req["step"])

@@ -13,7 +13,6 @@ import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import (
     CheckpointNotFoundError,
-    ChecksumMismatchError,
     GeminiStorageReader,
     GeminiStorageWriter,
     InvalidStepError,

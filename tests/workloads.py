@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
