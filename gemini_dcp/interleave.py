@@ -365,6 +365,7 @@ class Pacer:
         alpha: float = DEFAULT_ALPHA,
         chunk_bytes: int = DEFAULT_MAX_CHUNK,
         max_wait_s: float = 0.05,
+        one_iteration: bool = False,
     ) -> None:
         if bandwidth <= 0:
             raise ValueError("bandwidth must be positive")
@@ -382,6 +383,10 @@ class Pacer:
         self._used = 0
         self._exhausted: set[tuple[int, int]] = set()
         self._last: tuple[float, int] | None = None  # (return time, nbytes) of the previous chunk
+        # one_iteration: use only the gaps of the iteration of the first chunk; once the next
+        # iteration has begun, every chunk goes at once (no guard bounds such a transfer).
+        self._one_iteration = one_iteration
+        self._first_iteration: int | None = None
         self.stats = PacerStats()
 
     def hurry(self) -> None:
@@ -422,7 +427,13 @@ class Pacer:
                     self.stats.bytes_hurried += nbytes
                     break
                 it, kind, pos, since = tl.state()
-                if pos > self._last_pos or (pos == self._last_pos and (it, pos) in self._exhausted):
+                if self._one_iteration and self._first_iteration is None:
+                    self._first_iteration = it
+                if (
+                    pos > self._last_pos
+                    or (pos == self._last_pos and (it, pos) in self._exhausted)
+                    or (self._one_iteration and it != self._first_iteration)
+                ):
                     self.stats.bytes_leftover += nbytes  # past the last gap: before the deadline, at once
                     break
                 key = (it, pos)

@@ -98,21 +98,33 @@ def replicate(
     sent = recv_bytes = 0
     error: str | None = None
     try:
+        # Every receive is posted before any send waits, so paced (blocking) sends cannot deadlock.
         for src, dst in sorted(routes):
             nbytes = reports[src].nbytes
-            if nbytes == 0:
+            if dst != me or nbytes == 0:
                 continue
-            if src == me:
-                slot = writer._slot(me, reports[me].slot)
-                works.append(dist.isend(slot.view(0, nbytes), dst=comm.global_rank(dst), group=comm.group))
-                sent += nbytes
-            elif dst == me:
-                idx = writer.tier.choose_slot(src, writer.options.keep)
-                slot = writer._slot(src, idx)
-                slot.ensure_capacity(nbytes, budget_check=writer._budget_check)
-                works.append(dist.irecv(slot.view(0, nbytes), src=comm.global_rank(src), group=comm.group))
-                received.append((src, idx, slot))
-                recv_bytes += nbytes
+            idx = writer.tier.choose_slot(src, writer.options.keep)
+            slot = writer._slot(src, idx)
+            slot.ensure_capacity(nbytes, budget_check=writer._budget_check)
+            peer = comm.global_rank(src)
+            for off, n in _messages(nbytes, reports[src].wire_chunk):
+                works.append(dist.irecv(slot.view(off, n), src=peer, group=comm.group))
+            received.append((src, idx, slot))
+            recv_bytes += nbytes
+        targets = [comm.global_rank(dst) for src, dst in sorted(routes) if src == me]
+        nbytes = reports[me].nbytes
+        if targets and nbytes:
+            slot = writer._slot(me, reports[me].slot)
+            pace = writer.replication_pace if reports[me].wire_chunk else None
+            for off, n in _messages(nbytes, reports[me].wire_chunk):
+                chunk = slot.view(off, n)
+                if pace is None:
+                    works.extend(dist.isend(chunk, dst=t, group=comm.group) for t in targets)
+                    continue
+                pace(n)  # into the next idle span of training communication (gemini_dcp.interleave)
+                for w in [dist.isend(chunk, dst=t, group=comm.group) for t in targets]:
+                    w.wait()
+            sent = nbytes * len(targets)
         for w in works:
             w.wait()
     except RuntimeError as exc:  # gloo timeout / peer gone
@@ -139,6 +151,13 @@ def replicate(
     dt = time.perf_counter() - t0
     stats = {"sent_bytes": sent, "received_bytes": recv_bytes, "seconds": dt, "degraded": bool(errors)}
     return tuple(replica_slots), stats
+
+
+def _messages(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """(offset, length) of the messages a slot of ``nbytes`` travels in: one, or ``chunk``-sized ones."""
+    if chunk <= 0 or chunk >= nbytes:
+        return [(0, nbytes)]
+    return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
 
 
 def _verify_items(slot: Any, results: tuple[Any, ...]) -> list[str]:

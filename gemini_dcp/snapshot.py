@@ -95,6 +95,7 @@ __all__ = [
 ]
 
 DEFAULT_BANDWIDTH = 4e9  # bytes/s; replaced by the measured copy rate after the first chunks
+DEFAULT_NET_BANDWIDTH = 1e9  # bytes/s of the peer replication; replaced by its measured rate likewise
 
 
 class AsyncCheckpointError(GeminiError):
@@ -196,16 +197,24 @@ class SnapshotHandle:
         self.guard_wait_s: float = 0.0  # time the training thread waited for this copy
         self.cpu_s: float | None = None  # CPU time of the background save thread
         self.pacer_stats: dict[str, Any] | None = None
+        self.replication_pacer_stats: dict[str, Any] | None = None
         self._surfaced = False
         self._pacer: Pacer | None = None
-        self._hurry = False  # someone is blocked on this save: do not pace its copy
+        self._replication_pacer: Pacer | None = None
+        self._hurry = False  # someone is blocked on this save's copy: do not pace it
+        self._hurry_replication = False  # someone is blocked on its commit: do not pace anything
 
-    def hurry(self) -> None:
-        """Copy the rest at full speed (set before reading the pacer; the worker checks after setting it)."""
+    def hurry(self, *, replication: bool = True) -> None:
+        """Copy (and, with ``replication``, send to peers) the rest at full speed.
+
+        Flags are set before the pacers are read; the worker checks them after setting a pacer.
+        """
         self._hurry = True
-        p = self._pacer
-        if p is not None:
-            p.hurry()
+        if replication:
+            self._hurry_replication = True
+        for p in (self._pacer, self._replication_pacer if replication else None):
+            if p is not None:
+                p.hurry()
 
     def done(self) -> bool:
         return self.finished.is_set()
@@ -219,7 +228,7 @@ class SnapshotHandle:
 
     def wait_copied(self, timeout: float | None = None, *, surface: bool = True) -> None:
         if not self.copied.is_set():
-            self.hurry()
+            self.hurry(replication=False)
             t = time.perf_counter()
             ok = self.copied.wait(timeout)
             self.guard_wait_s += time.perf_counter() - t
@@ -248,6 +257,7 @@ class SnapshotHandle:
             "guard_wait_s": self.guard_wait_s,
             "cpu_s": self.cpu_s,
             "pacer": self.pacer_stats,
+            "replication_pacer": self.replication_pacer_stats,
             "error": None if self.error is None else repr(self.error),
         }
 
@@ -334,6 +344,7 @@ class AsyncCheckpointer:
         self.on_busy = on_busy
         self.opts = interleave if isinstance(interleave, InterleaveOptions) else InterleaveOptions(enabled=bool(interleave))
         self._bandwidth = self.opts.bandwidth or DEFAULT_BANDWIDTH
+        self._net_bandwidth = DEFAULT_NET_BANDWIDTH
         self.pacing = True  # False: copy as fast as possible even with a profile (A/B runs)
         self._clone_storages = _buffer_storages(model)
         self._model = model
@@ -370,7 +381,13 @@ class AsyncCheckpointer:
         # The guard: wait for the local copy, but let a failed save surface at the next
         # save()/wait() rather than inside optimizer.step().
         with self._lock:
-            pending = [h for h in self._outstanding if not h.copied.is_set()]
+            outstanding = list(self._outstanding)
+        pending = [h for h in outstanding if not h.copied.is_set()]
+        if pending:
+            # Training waits for a copy: an earlier save's replication ahead of it goes at full speed.
+            for h in outstanding:
+                if h.copied.is_set() and not h.finished.is_set():
+                    h.hurry()
         for h in pending:
             h.wait_copied(self.timeout_s, surface=False)
 
@@ -407,6 +424,10 @@ class AsyncCheckpointer:
                 self._finish(handle)
                 handle.blocked_s = time.perf_counter() - t0
                 return handle
+            with self._lock:  # the caller is blocked: no reason to pace the saves ahead of it
+                ahead = [h for h in self._outstanding if h is not handle]
+            for h in ahead:
+                h.hurry()
             self._queue.put(job)
         handle.blocked_s = time.perf_counter() - t0
         return handle
@@ -450,6 +471,7 @@ class AsyncCheckpointer:
                 self.profiler.remove()
             self.writer.on_local_copy_done = None
             self.writer.pace = None
+            self.writer.replication_pace = None
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -465,7 +487,7 @@ class AsyncCheckpointer:
 
     def stats(self) -> dict[str, Any]:
         hs = [h for h in self.history if h.finished.is_set() and not h.skipped]
-        out: dict[str, Any] = {"saves": len(hs), "bandwidth": self._bandwidth}
+        out: dict[str, Any] = {"saves": len(hs), "bandwidth": self._bandwidth, "replication_bandwidth": self._net_bandwidth}
         if self.profiler is not None:
             out["profile"] = self.profiler.summary()
         if self.replay is not None:
@@ -499,6 +521,21 @@ class AsyncCheckpointer:
             gaps, prof.timeline, where=self.opts.where, bandwidth=self._bandwidth, alpha=self.opts.alpha, chunk_bytes=chunk
         )
 
+    def _make_replication_pacer(self) -> Pacer | None:
+        """The pacer of the peer replication: only with replicas and a profile (else one message,
+        unpaced). Its gaps are the same; its rate is the network's; it uses the gaps of one
+        iteration only, since no guard bounds the replication."""
+        prof = self.profiler
+        if self.writer.options.replicas <= 1 or self._no_dist or not self.pacing or prof is None or not prof.done.is_set():
+            return None
+        gaps = prof.gaps()
+        if not gaps:
+            return None
+        bw, alpha = self._net_bandwidth, self.opts.alpha
+        chunk = choose_chunk_bytes(gaps.values(), bw, alpha, max_chunk_bytes=self.opts.max_chunk_bytes)
+        return Pacer(gaps, prof.timeline, where=self.opts.where, bandwidth=bw, alpha=alpha, chunk_bytes=chunk,
+                     one_iteration=True)
+
     def _copy_stream(self, ready: Any) -> Any:
         """CUDA state: copy on a dedicated lowest-priority stream that waits for ``ready``
         (training kernels on other streams are not serialized behind the D2H copies)."""
@@ -522,9 +559,12 @@ class AsyncCheckpointer:
             c_start = time.thread_time()
             handle.started_s = t_start - handle.t_submit
             pacer = self._make_pacer()
-            handle._pacer = pacer
+            rpacer = self._make_replication_pacer()
+            handle._pacer, handle._replication_pacer = pacer, rpacer
             if handle._hurry and pacer is not None:
                 pacer.hurry()
+            if handle._hurry_replication and rpacer is not None:
+                rpacer.hurry()
 
             def copied(_step: int, h: SnapshotHandle = handle) -> None:
                 h.copy_s = time.perf_counter() - t_start
@@ -532,6 +572,7 @@ class AsyncCheckpointer:
 
             self.writer.on_local_copy_done = copied
             self.writer.pace = pacer
+            self.writer.replication_pace = rpacer
             try:
                 with self._copy_stream(ready):
                     if self.replay is not None:
@@ -550,12 +591,17 @@ class AsyncCheckpointer:
                 log.debug("async save of step %s failed", handle.step, exc_info=True)
             finally:
                 self.writer.pace = None
+                self.writer.replication_pace = None
                 self.writer.on_local_copy_done = None
+                if rpacer is not None:
+                    handle.replication_pacer_stats = rpacer.stats.as_dict()
+                    if rpacer.stats.chunks >= 4 and not rpacer.hurried:
+                        self._net_bandwidth = rpacer.bandwidth
                 if pacer is not None:
                     handle.pacer_stats = pacer.stats.as_dict()
                     if pacer.stats.chunks >= 4 and not pacer.hurried:
                         self._bandwidth = pacer.bandwidth
-                handle._pacer = None
+                handle._pacer = handle._replication_pacer = None
                 handle.total_s = time.perf_counter() - handle.t_submit
                 handle.cpu_s = time.thread_time() - c_start
                 del sd

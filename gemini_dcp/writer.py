@@ -79,6 +79,9 @@ class _RankReport:
     # None when it holds none. A plain ``dcp.save`` may use the compact form only when every
     # rank reports the same basis (all hold the same layout); else it gathers again in full.
     basis: tuple[int, int] | None = None
+    # Bytes per message this rank sends its slot to peers in (0: one message). Set when the
+    # replication is paced (``writer.replication_pace``); receivers post matching receives.
+    wire_chunk: int = 0
 
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.
@@ -268,6 +271,9 @@ class GeminiStorageWriter(StorageWriter):
         # Optional pacing of the local copy (gemini_dcp.snapshot / interleave): called with
         # each block's size before it is copied; ``pace.block_bytes`` sets the block size.
         self.pace: Callable[[int], None] | None = None
+        # Optional pacing of the peer replication, the same contract: called with each message's
+        # size before this rank sends it; ``replication_pace.block_bytes`` sets the message size.
+        self.replication_pace: Callable[[int], None] | None = None
 
     # ---- StorageWriter API -------------------------------------------------------------
     @property
@@ -371,7 +377,7 @@ class GeminiStorageWriter(StorageWriter):
                 rank=rank, node_id=self.node_id, slot=slot_idx, nbytes=nbytes, results=results,
                 metadata_digest=digest, metadata_blob=planned_blob if inline else None,
                 storage_meta=planned.storage_meta if digest is not None and planned is not None else None,
-                known_metadata=self._known_metadata[0], basis=basis,
+                known_metadata=self._known_metadata[0], basis=basis, wire_chunk=self._wire_chunk(comm),
             )
         except BaseException as exc:  # reported to every rank below, then re-raised
             error = exc
@@ -418,6 +424,13 @@ class GeminiStorageWriter(StorageWriter):
         self._after_commit(self._pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0
         return list(report.results)
+
+    def _wire_chunk(self, comm: Comm) -> int:
+        """Message size of this rank's paced replication (0: one message, unpaced)."""
+        pace = self.replication_pace
+        if pace is None or self.options.replicas <= 1 or not comm.distributed:
+            return 0
+        return max(1, int(getattr(pace, "block_bytes", 0) or BLOCK_BYTES))
 
     def _gathered_metadata(
         self, comm: Comm, planned: Metadata | None, planned_blob: bytes | None, reports: list[_RankReport]

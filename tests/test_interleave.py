@@ -192,6 +192,30 @@ def test_pacer_past_last_gap_is_asap_and_hurry_releases() -> None:
     assert not th.is_alive() and waiting.stats.bytes_hurried == 2 * MB
 
 
+def test_pacer_of_one_iteration_stops_pacing_when_the_next_begins() -> None:
+    """The replication's pacer (no guard bounds it) uses the gaps of its first iteration only."""
+    clock = FakeClock()
+    tl = LiveTimeline(clock)
+    tl.iteration_start()
+    gaps = {1: 0.010}  # 10 ms x 1 GB/s x 0.5 = 5 MB
+    bounded = Pacer(gaps, tl, bandwidth=1e9, alpha=0.5, chunk_bytes=MB, max_wait_s=0.01, one_iteration=True)
+    free = Pacer(gaps, tl, bandwidth=1e9, alpha=0.5, chunk_bytes=MB, max_wait_s=0.01)
+    assert not _goes(bounded, MB, 0.05) and not _goes(free, MB, 0.05)  # position 0 is no gap: both wait
+    tl.iteration_start()  # the next iteration: the bounded pacer lets everything go, the other waits on
+    time.sleep(0.05)
+    assert bounded.stats.bytes_leftover == MB and _goes(bounded, MB) and bounded.stats.bytes_leftover == 2 * MB
+    assert free.stats.bytes_leftover == 0 and free.stats.bytes_in_spans == 0  # its first call still waits
+    free.hurry()
+
+
+def test_replication_messages_split_a_slot_exactly() -> None:
+    from gemini_dcp.peer import _messages
+
+    assert _messages(10, 0) == [(0, 10)] and _messages(10, 16) == [(0, 10)]
+    assert _messages(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert sum(n for _, n in _messages(MB + 3, 4096)) == MB + 3
+
+
 def test_pacer_without_gaps_only_measures() -> None:
     pacer = Pacer(bandwidth=1e9, chunk_bytes=MB)
     t = time.perf_counter()
@@ -246,9 +270,10 @@ def test_profiler_rejects_unstable_or_empty_timeline() -> None:
 GAP_S = 0.060
 
 
-def _interleaved_run(rank: int, world: int, root: str) -> dict[str, Any]:
+def _interleaved_run(rank: int, world: int, root: str, replicas: int = 1) -> dict[str, Any]:
     """A training stand-in with known gaps: all_reduce, 60 ms of 'compute', all_reduce,
-    60 ms, optimizer step. The checkpoint copy must land in the gaps."""
+    60 ms, optimizer step. The checkpoint copy (and, with ``replicas``, the peer
+    replication) must land in the gaps."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -261,8 +286,29 @@ def _interleaved_run(rank: int, world: int, root: str) -> dict[str, Any]:
     grad = torch.zeros(1 << 16)
     live: list[tuple[float, float]] = []
     chunk_log: list[tuple[float, int, bool]] = []
+    sends: list[tuple[float, int, bool]] = []
+
+    def recording(inner: Any, log: list[tuple[float, int, bool]]) -> Any:
+        if inner is None:
+            return None
+
+        class Rec:
+            block_bytes = inner.block_bytes
+            stats = inner.stats
+
+            def __getattr__(self, k: str) -> Any:
+                return getattr(inner, k)
+
+            def __call__(self, n: int) -> None:
+                inner(n)
+                log.append((time.perf_counter(), n, inner.hurried))
+
+        return Rec()
 
     class Recording(AsyncCheckpointer):
+        def _make_replication_pacer(self) -> Any:
+            return recording(super()._make_replication_pacer(), sends)
+
         def _make_pacer(self) -> Any:
             inner = super()._make_pacer()
 
@@ -280,7 +326,7 @@ def _interleaved_run(rank: int, world: int, root: str) -> dict[str, Any]:
             return Rec()
 
     ck = Recording(
-        GeminiStorageWriter(root=root, job_id="il", keep=2),
+        GeminiStorageWriter(root=root, job_id="il", keep=2, replicas=replicas),
         optimizer=opt,
         interleave=InterleaveOptions(warmup=1, iterations=4, alpha=0.6, where="between"),
     )
@@ -314,6 +360,7 @@ def _interleaved_run(rank: int, world: int, root: str) -> dict[str, Any]:
     ck.close()
     # which in-span chunks started while a training collective was running?
     in_coll = sum(1 for t, _, hurried in chunk_log if not hurried and any(s <= t <= e for s, e in live))
+    sends_in_coll = sum(1 for t, _, hurried in sends if not hurried and any(s <= t <= e for s, e in live))
     target = {"params": {k: torch.zeros_like(v) for k, v in ref.items()}, "opt": opt.state_dict()}
     dcp.load(target, storage_reader=GeminiStorageReader(root=root, job_id="il"), checkpoint_id=last)
     exact = all(torch.equal(target["params"][k], ref[k]) for k in ref)
@@ -325,8 +372,32 @@ def _interleaved_run(rank: int, world: int, root: str) -> dict[str, Any]:
         "stats": stats,
         "chunks": len(chunk_log),
         "chunks_in_collectives": in_coll,
+        "sends": len(sends),
+        "sends_in_collectives": sends_in_coll,
+        "last": last,
+        "digest": _digest(ref),
         "exact": exact,
     }
+
+
+def _digest(params: dict[str, torch.Tensor]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(params):
+        h.update(params[k].numpy().tobytes())
+    return h.hexdigest()
+
+
+def _restore_params(rank: int, world: int, root: str, step: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from gemini_dcp import GeminiStorageReader
+
+    target = {"params": {str(i): torch.zeros(1 << 20) for i in range(6)}}
+    reader = GeminiStorageReader(root=root, job_id="il")
+    dcp.load(target, storage_reader=reader, checkpoint_id=step)
+    return {"digest": _digest(target["params"]), "restored_from": dict(reader.restored_from)}
 
 
 def _profile_fsdp_and_ddp(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -385,6 +456,33 @@ def test_scheduled_copy_lands_in_gaps_and_restores(root: str) -> None:
         assert sum(s["pacer"]["bytes_in_spans"] for s in saves) > 0
         # chunks scheduled into gaps do not start while a training collective runs (allow 1 jitter hit)
         assert r["chunks_in_collectives"] <= 1, r
+
+
+@pytest.mark.slow
+def test_replication_is_paced_into_gaps_and_restores_from_the_peer() -> None:
+    """2 simulated nodes, replicas=2: each save's peer replication goes in messages paced into
+    the profiled gaps (none starts during a training collective), and after node 1's memory is
+    wiped its state restores bit-exact from node 0's replicas."""
+    base = tempfile.mkdtemp(prefix="gemini-ilrep-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    roots = [os.path.join(base, f"node{i}") for i in range(2)]
+    for r in roots:
+        os.mkdir(r)
+    try:
+        out = run_ranks(_interleaved_run, 2, roots, replicas=2)
+        for r in out:
+            assert r["exact"], r
+            saves = [s for s in r["stats"] if s["replication_pacer"] and s["step"] >= r["first_saved"]]
+            assert saves and all(s["error"] is None for s in saves), r["stats"]
+            assert sum(s["replication_pacer"]["bytes_in_spans"] for s in saves) > 0, saves
+            assert r["sends"] >= 2 * len(saves), r  # several messages per save, not one
+            assert r["sends_in_collectives"] <= 1, r
+        shutil.rmtree(roots[1])  # node 1's memory is gone; its replacement starts empty
+        os.mkdir(roots[1])
+        back = run_ranks(_restore_params, 2, roots, step=out[0]["last"])
+        assert all(b["digest"] == out[0]["digest"] for b in back), back
+        assert back[1]["restored_from"]["peer"] > 0, back
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.slow
