@@ -3,6 +3,7 @@
     python benchmarks/bench_async.py                       # defaults (~3-4 min on 2 cores)
     python benchmarks/bench_async.py --width 1024 --layers 8 --batch 512 --steps 16 --rounds 3
     python benchmarks/bench_async.py --device cuda ...     # GPU variant (one rank per GPU, or 1 rank)
+    python benchmarks/bench_async.py --replicas 2 --modes gemini gemini_asap   # + peer replication
 
 Modes, run in the same processes, in rotating order per round (the machine is
 shared, so passes drift; interleaving cancels most of it):
@@ -27,7 +28,10 @@ Figures: median step time per mode and ratio to ``none``; the *paired* ratio
 (median over rounds of the mode's median step / ``none``'s median step in the
 same round: robust to the host drifting between rounds); time the training
 thread is blocked per save (the ``save()``/``async_save`` call, and separately
-the optimizer-step guard wait). Rank 0 writes benchmarks/results/async.json
+the optimizer-step guard wait). With ``--replicas 2`` every rank is a simulated
+node of its own (its own tier root) and each gemini save also replicates to a
+peer: ``gemini`` paces the replication into the gaps too, ``gemini_asap`` sends it
+in one message at once; the share of replicated bytes sent inside gaps is reported. Rank 0 writes benchmarks/results/async.json
 and docs/img/async_steps.png.
 """
 
@@ -116,13 +120,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    root = tempfile.mkdtemp(prefix="bench-async-", dir=args.shm) if rank == 0 else None
-    box = [root]
+    base = tempfile.mkdtemp(prefix="bench-async-", dir=args.shm) if rank == 0 else None
+    box = [base]
     dist.broadcast_object_list(box, src=0)
-    root = box[0]
+    base = box[0]
+    root = base
+    if args.replicas > 1:  # every rank a simulated node: its own tier root
+        root = os.path.join(base, f"node{rank}")
+        os.makedirs(root, exist_ok=True)
     group = checkpoint_group()
     ck = AsyncCheckpointer(
-        GeminiStorageWriter(root=root, job_id="bench", keep=2),
+        GeminiStorageWriter(root=root, job_id="bench", keep=2, replicas=args.replicas),
         optimizer=opt,
         model=model,
         interleave=InterleaveOptions(warmup=args.profile_warmup, iterations=args.profile_iters, where=args.where, alpha=args.alpha),
@@ -158,7 +166,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     sync()
     profile = ck.profiler.summary() if ck.profiler is not None else None
 
-    records: dict[str, dict[str, list[float]]] = {m: {"step": [], "round": [], "blocked": [], "guard": [], "copy": [], "commit": [], "cpu": [], "in_gaps": []} for m in MODES}
+    records: dict[str, dict[str, list[float]]] = {m: {"step": [], "round": [], "blocked": [], "guard": [], "copy": [], "commit": [], "cpu": [], "in_gaps": [], "repl_in_gaps": []} for m in MODES}
     step_no = 0
     order = list(args.modes)
     for rnd in range(args.rounds):
@@ -218,6 +226,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                     tot = sum(p.get(k, 0) for k in ("bytes_in_spans", "bytes_leftover", "bytes_hurried"))
                     if tot:
                         records[mode]["in_gaps"].append(p.get("bytes_in_spans", 0) / tot)
+                    rp = h.replication_pacer_stats
+                    if args.replicas > 1:  # no replication pacer: one message at once, nothing in gaps
+                        rtot = sum((rp or {}).get(k, 0) for k in ("bytes_in_spans", "bytes_leftover", "bytes_hurried"))
+                        records[mode]["repl_in_gaps"].append((rp or {}).get("bytes_in_spans", 0) / rtot if rtot else 0.0)
             elif mode == "gemini_dcp_async":
                 if gstate["upload"] is not None:
                     gstate["upload"].result()
@@ -239,7 +251,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     dist.all_gather_object(gathered, {"records": records, "state_bytes": state_bytes, "profile": profile})
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -264,6 +276,7 @@ def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
         commit = [s for r in per_rank for s in r["records"][mode]["commit"]]
         cpu = [s for r in per_rank for s in r["records"][mode]["cpu"]]
         in_gaps = [s for r in per_rank for s in r["records"][mode]["in_gaps"]]
+        repl_in_gaps = [s for r in per_rank for s in r["records"][mode].get("repl_in_gaps", [])]
         modes[mode] = {
             "step_median_s": _med(steps),
             "step_mean_s": statistics.fmean(steps) if steps else None,
@@ -277,6 +290,7 @@ def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
             "commit_median_ms": None if not commit else _med(commit) * 1e3,
             "background_cpu_median_ms": None if not cpu else _med(cpu) * 1e3,
             "bytes_in_gaps_mean": None if not in_gaps else statistics.fmean(in_gaps),
+            "replicated_bytes_in_gaps_mean": None if not repl_in_gaps else statistics.fmean(repl_in_gaps),
         }
     # Paired per-round ratios: each round runs every mode back to back, so the ratio of a mode's
     # median to the baseline's median *in the same round* cancels the host's drift between rounds.
@@ -363,6 +377,7 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--replicas", type=int, default=1, help="2: each rank its own simulated node, saves replicated to a peer")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--shm", default="/dev/shm")
@@ -394,7 +409,7 @@ def main() -> None:
     print(f"state per rank: {res['state_bytes_per_rank'][0] / 2**20:.1f} MiB; profile: {json.dumps(res['profile_rank0'])}")
     print(
         f"{'mode':16s} {'step ms':>9s} {'ratio':>7s} {'mean r':>7s} {'paired':>7s} {'save ms':>8s} {'p95':>7s} {'guard ms':>9s} "
-        f"{'copy ms':>8s} {'commit ms':>9s} {'bg cpu ms':>9s} {'in gaps':>7s}"
+        f"{'copy ms':>8s} {'commit ms':>9s} {'bg cpu ms':>9s} {'in gaps':>7s} {'repl in gaps':>12s}"
     )
     for m, r in res["modes"].items():
         f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -402,7 +417,8 @@ def main() -> None:
             f"{m:16s} {f(r['step_median_s'] * 1e3 if r['step_median_s'] else None, 1):>9s} {f(r['step_ratio_vs_none'], 3):>7s} "
             f"{f(r['mean_ratio_vs_none'], 3):>7s} {f(r['paired_ratio_median'], 3):>7s} {f(r['blocked_median_ms']):>8s} {f(r['blocked_p95_ms']):>7s} "
             f"{f(r['guard_wait_median_ms']):>9s} {f(r['local_copy_median_ms'], 1):>8s} {f(r['commit_median_ms'], 1):>9s} "
-            f"{f(r['background_cpu_median_ms'], 1):>9s} {f(r['bytes_in_gaps_mean'], 2):>7s}"
+            f"{f(r['background_cpu_median_ms'], 1):>9s} {f(r['bytes_in_gaps_mean'], 2):>7s} "
+            f"{f(r.get('replicated_bytes_in_gaps_mean'), 2):>12s}"
         )
     print(f"wrote {args.json}" + (f" and {args.png}" if args.png else ""))
 
