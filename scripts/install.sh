@@ -2,7 +2,7 @@
 # Install gemini_dcp and its CPU stack (idempotent; quick when already installed).
 # torch 2.13.0 CPU + fbgemm-gpu-cpu 1.8.0 + torchrec 1.8.0 (without its CUDA deps) is a known-good set.
 # GEMINI_DCP_TORCH=2.7.1 installs another torch when none is installed (the supported floor is 2.7;
-# torchrec has a known-good pairing for 2.7, 2.11, 2.13 and 2.14; others skip the torchrec tests).
+# torchrec has a known-good pairing for 2.7, 2.9-2.14; others skip the torchrec tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -19,13 +19,18 @@ TORCH_MINOR=$("$PY" -c 'import torch; print(".".join(torch.__version__.split("."
 if [ "${GEMINI_DCP_SKIP_TORCHREC:-0}" != "1" ] && ! have torchrec; then
   case "$TORCH_MINOR" in
     2.7) FBGEMM=1.2.0; TREC=1.2.0; TDICT="tensordict==0.8.3" ;;
+    2.9) FBGEMM=1.4.2; TREC=1.4.0; TDICT="tensordict==0.10.0" ;;
+    2.10) FBGEMM=1.5.0; TREC=1.5.1; TDICT="tensordict==0.11.0" ;;
     2.11) FBGEMM=1.6.0; TREC=1.6.1; TDICT=tensordict ;;
+    2.12) FBGEMM=1.7.0; TREC=1.7.0; TDICT=tensordict ;;
     2.13) FBGEMM=1.8.0; TREC=1.8.0; TDICT=tensordict ;;
     2.14) FBGEMM=1.9.0; TREC=1.9.0; TDICT=tensordict ;;
     *) FBGEMM=""; TREC="" ;;
   esac
   if [ -n "$FBGEMM" ]; then
-    pipi "fbgemm-gpu-cpu==$FBGEMM" "$TDICT" "torchmetrics==1.0.3" tqdm pyre-extensions iopath
+    # torch==<installed> keeps pip from "upgrading" torch for a dependency (tensordict>=0.15 wants torch>=2.11).
+    TORCH_VER=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+    pipi "torch==$TORCH_VER" "fbgemm-gpu-cpu==$FBGEMM" "$TDICT" "torchmetrics==1.0.3" tqdm pyre-extensions iopath
     pipi --no-deps "torchrec==$TREC"
   else
     echo "install.sh: no known-good torchrec for torch $TORCH_MINOR; torchrec tests will be skipped" >&2
