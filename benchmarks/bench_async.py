@@ -354,7 +354,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
     cfg = res["config"]
     fig.suptitle(
         f"FSDP2 MLP {cfg['layers']}x{cfg['width']}, batch {cfg['batch']}, {cfg['world']} ranks ({cfg['device']}), "
-        f"{res['state_bytes_per_rank'][0] / 2**20:.0f} MiB state/rank",
+        f"{res['state_bytes_per_rank'][0] / 2**20:.0f} MiB state/rank"
+        + (f"; replicas={cfg['replicas']}, each rank a simulated node" if cfg.get("replicas", 1) > 1 else ""),
         fontsize=9,
     )
     fig.tight_layout()
