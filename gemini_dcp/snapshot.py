@@ -510,31 +510,28 @@ class AsyncCheckpointer:
         handle.copied.set()
         handle.finished.set()
 
-    def _make_pacer(self) -> Pacer | None:
+    def _gap_pacer(self, bandwidth: float, *, one_iteration: bool = False) -> Pacer | None:
+        """A pacer into the profiled gaps at ``bandwidth``; None without a profile (or pacing off)."""
         prof = self.profiler
         gaps = prof.gaps() if self.pacing and prof is not None and prof.done.is_set() else None
         if not gaps or prof is None:
-            # No profile (yet): as fast as possible; the pacer only measures the copy rate.
-            return Pacer(bandwidth=self._bandwidth, chunk_bytes=self.opts.max_chunk_bytes)
-        chunk = choose_chunk_bytes(gaps.values(), self._bandwidth, self.opts.alpha, max_chunk_bytes=self.opts.max_chunk_bytes)
-        return Pacer(
-            gaps, prof.timeline, where=self.opts.where, bandwidth=self._bandwidth, alpha=self.opts.alpha, chunk_bytes=chunk
-        )
+            return None
+        alpha = self.opts.alpha
+        chunk = choose_chunk_bytes(gaps.values(), bandwidth, alpha, max_chunk_bytes=self.opts.max_chunk_bytes)
+        return Pacer(gaps, prof.timeline, where=self.opts.where, bandwidth=bandwidth, alpha=alpha, chunk_bytes=chunk,
+                     one_iteration=one_iteration)
+
+    def _make_pacer(self) -> Pacer | None:
+        # No profile (yet): as fast as possible; the pacer only measures the copy rate.
+        return self._gap_pacer(self._bandwidth) or Pacer(bandwidth=self._bandwidth, chunk_bytes=self.opts.max_chunk_bytes)
 
     def _make_replication_pacer(self) -> Pacer | None:
         """The pacer of the peer replication: only with replicas and a profile (else one message,
         unpaced). Its gaps are the same; its rate is the network's; it uses the gaps of one
         iteration only, since no guard bounds the replication."""
-        prof = self.profiler
-        if self.writer.options.replicas <= 1 or self._no_dist or not self.pacing or prof is None or not prof.done.is_set():
+        if self.writer.options.replicas <= 1 or self._no_dist:
             return None
-        gaps = prof.gaps()
-        if not gaps:
-            return None
-        bw, alpha = self._net_bandwidth, self.opts.alpha
-        chunk = choose_chunk_bytes(gaps.values(), bw, alpha, max_chunk_bytes=self.opts.max_chunk_bytes)
-        return Pacer(gaps, prof.timeline, where=self.opts.where, bandwidth=bw, alpha=alpha, chunk_bytes=chunk,
-                     one_iteration=True)
+        return self._gap_pacer(self._net_bandwidth, one_iteration=True)
 
     def _copy_stream(self, ready: Any) -> Any:
         """CUDA state: copy on a dedicated lowest-priority stream that waits for ``ready``

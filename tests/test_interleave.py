@@ -289,6 +289,7 @@ def _interleaved_run(rank: int, world: int, root: str, replicas: int = 1) -> dic
     sends: list[tuple[float, int, bool]] = []
 
     def recording(inner: Any, log: list[tuple[float, int, bool]]) -> Any:
+        """``inner`` (a pacer, or None) that also logs when each chunk was let go."""
         if inner is None:
             return None
 
@@ -310,20 +311,7 @@ def _interleaved_run(rank: int, world: int, root: str, replicas: int = 1) -> dic
             return recording(super()._make_replication_pacer(), sends)
 
         def _make_pacer(self) -> Any:
-            inner = super()._make_pacer()
-
-            class Rec:
-                block_bytes = inner.block_bytes
-                stats = inner.stats
-
-                def __getattr__(self, k: str) -> Any:
-                    return getattr(inner, k)
-
-                def __call__(self, n: int) -> None:
-                    inner(n)
-                    chunk_log.append((time.perf_counter(), n, inner.hurried))
-
-            return Rec()
+            return recording(super()._make_pacer(), chunk_log)
 
     ck = Recording(
         GeminiStorageWriter(root=root, job_id="il", keep=2, replicas=replicas),
