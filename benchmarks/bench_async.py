@@ -276,7 +276,7 @@ def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
         commit = [s for r in per_rank for s in r["records"][mode]["commit"]]
         cpu = [s for r in per_rank for s in r["records"][mode]["cpu"]]
         in_gaps = [s for r in per_rank for s in r["records"][mode]["in_gaps"]]
-        repl_in_gaps = [s for r in per_rank for s in r["records"][mode].get("repl_in_gaps", [])]
+        repl_in_gaps = [s for r in per_rank for s in r["records"][mode]["repl_in_gaps"]]
         modes[mode] = {
             "step_median_s": _med(steps),
             "step_mean_s": statistics.fmean(steps) if steps else None,
@@ -419,7 +419,7 @@ def main() -> None:
             f"{f(r['mean_ratio_vs_none'], 3):>7s} {f(r['paired_ratio_median'], 3):>7s} {f(r['blocked_median_ms']):>8s} {f(r['blocked_p95_ms']):>7s} "
             f"{f(r['guard_wait_median_ms']):>9s} {f(r['local_copy_median_ms'], 1):>8s} {f(r['commit_median_ms'], 1):>9s} "
             f"{f(r['background_cpu_median_ms'], 1):>9s} {f(r['bytes_in_gaps_mean'], 2):>7s} "
-            f"{f(r.get('replicated_bytes_in_gaps_mean'), 2):>12s}"
+            f"{f(r['replicated_bytes_in_gaps_mean'], 2):>12s}"
         )
     print(f"wrote {args.json}" + (f" and {args.png}" if args.png else ""))
 
