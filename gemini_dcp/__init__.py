@@ -15,17 +15,22 @@ or ``AsyncGeminiStorageWriter`` for stock ``dcp.async_save`` (it is DCP's ``Asyn
 from typing import Any
 
 from .errors import (
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     ConfigError,
     GeminiError,
+    IncompatibleCheckpointError,
     InvalidStepError,
+    JobConflictError,
     PeerError,
     PersistentTierError,
+    RestartRequiredError,
     ShardUnavailableError,
     StepNotFoundError,
     TierFullError,
     TierRootError,
+    UntrustedDataError,
     WorldSizeError,
     find_gemini_error,
 )
@@ -66,6 +71,11 @@ __all__ = [
     "WorldSizeError",
     "PeerError",
     "PersistentTierError",
+    "RestartRequiredError",
+    "UntrustedDataError",
+    "JobConflictError",
+    "CheckpointMismatchError",
+    "IncompatibleCheckpointError",
     "find_gemini_error",
     "__version__",
 ]

@@ -63,6 +63,31 @@ class PersistentTierError(GeminiError):
     """The persistent (fsspec) tier is unreachable, misconfigured or failed."""
 
 
+class UntrustedDataError(GeminiError):
+    """Bytes read back from a tier root, a peer or a store are not ours to trust.
+
+    Raised for a file owned by another user, a planted symbolic link, a group- or
+    world-writable directory, or a record/side file whose content names anything
+    but the classes a gemini_dcp record may hold (it is never unpickled).
+    """
+
+
+class JobConflictError(ConfigError):
+    """Another live job (another launch) uses the same tier root and job id."""
+
+
+class CheckpointMismatchError(GeminiError):
+    """The state dict being loaded does not match the checkpoint (keys, shapes, dtypes)."""
+
+
+class IncompatibleCheckpointError(GeminiError):
+    """The checkpoint was written in a format (or by a torch) the running code cannot read."""
+
+
+class RestartRequiredError(PeerError):
+    """The checkpoint control group is broken (a peer timed out or died): the job must restart."""
+
+
 def find_gemini_error(exc: BaseException) -> GeminiError | None:
     """Return the first :class:`GeminiError` inside ``exc``.
 

@@ -1,0 +1,89 @@
+"""Named fault points for the fault-injection suite (tests/test_fault_injection.py).
+
+Production code marks each phase boundary of save, replicate, commit, drain and load
+with ``fault_point("<phase>")``. Unless ``$GEMINI_DCP_FAULT`` is set this is one dict
+lookup. With ``GEMINI_DCP_FAULT="<phase>[@<nth>][:<signal>][/<rank>]"`` the process
+kills itself with the signal (default SIGKILL) at the ``nth`` (default 1st) time it
+reaches that phase, optionally only on one global rank. ``GEMINI_DCP_FAULT_LOG=<dir>``
+makes every process append the phases it reached to ``<dir>/<pid>.phases`` (the harness
+uses it to enumerate the boundaries and to prove a fault fired).
+
+The phase names are part of the test contract; see :data:`PHASES`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+ENV_FAULT = "GEMINI_DCP_FAULT"
+ENV_FAULT_LOG = "GEMINI_DCP_FAULT_LOG"
+
+PHASES: tuple[str, ...] = (
+    # save (GeminiStorageWriter.write_data)
+    "save.before_copy",          # plan known, nothing written into the slot yet
+    "save.mid_copy",             # half of this rank's items copied into the slot
+    "save.after_copy",           # every item copied and checksummed, before the report gather
+    "save.after_gather",         # every rank's report gathered, before replication
+    "replicate.mid_send",        # peer replication under way
+    "replicate.after",           # replicas written and verified, before the commit
+    "commit.before_record",      # about to write this node's step record
+    "commit.after_record",       # record renamed into place, before eviction of old steps
+    "commit.after_evict",        # old steps evicted, before write_data returns
+    # drain (persistent tier, in the drain process)
+    "drain.before_upload",
+    "drain.mid_upload",
+    "drain.before_metadata",     # data files uploaded, before .metadata is committed
+    # load (GeminiStorageReader)
+    "load.after_decide",         # the step to restore is agreed
+    "load.mid_copy",             # some chunks copied into the live tensors
+)
+
+_counts: Counter[str] = Counter()
+
+
+def _spec() -> tuple[str, int, int, int | None] | None:
+    raw = os.environ.get(ENV_FAULT)
+    if not raw:
+        return None
+    rank: int | None = None
+    if "/" in raw:
+        raw, _, r = raw.rpartition("/")
+        rank = int(r)
+    sig = signal.SIGKILL
+    if ":" in raw:
+        raw, _, s = raw.partition(":")
+        sig = getattr(signal, s) if not s.isdigit() else signal.Signals(int(s))
+    nth = 1
+    if "@" in raw:
+        raw, _, n = raw.partition("@")
+        nth = int(n)
+    return raw, nth, int(sig), rank
+
+
+def fault_point(phase: str) -> None:
+    """Die here if the fault-injection environment says so (a no-op in production)."""
+    if ENV_FAULT not in os.environ and ENV_FAULT_LOG not in os.environ:
+        return
+    log_dir = os.environ.get(ENV_FAULT_LOG)
+    if log_dir:
+        try:
+            with open(os.path.join(log_dir, f"{os.getpid()}.phases"), "a") as f:
+                f.write(f"{os.environ.get('RANK', '0')} {phase}\n")
+        except OSError:
+            pass
+    spec = _spec()
+    if spec is None:
+        return
+    name, nth, sig, rank = spec
+    if name != phase:
+        return
+    if rank is not None and int(os.environ.get("RANK", "0")) != rank:
+        return
+    _counts[phase] += 1
+    if _counts[phase] == nth:
+        os.kill(os.getpid(), sig)
+
+
+__all__ = ["ENV_FAULT", "ENV_FAULT_LOG", "PHASES", "fault_point"]
