@@ -645,6 +645,7 @@ class _Server:
         from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
         from gemini_dcp.persistent import PartMarker, node_tag  # noqa: PLC0415
+        from gemini_dcp.faults import fault_point  # noqa: PLC0415 - torch-free, like this module
         from gemini_dcp.records import read_record  # noqa: PLC0415
         from gemini_dcp.stock import exact_view, items_of_record, typed, verify, write_rank_file  # noqa: PLC0415
 
@@ -704,7 +705,9 @@ class _Server:
             with lock:
                 files[rel] = result
                 _save_progress(d, progress)
+                fault_point("drain.mid_upload")  # one data file in the store
 
+        fault_point("drain.before_upload")
         t_write = time.monotonic()
         todo = [j for j in jobs if j[0] not in files]
         if len(todo) == 1 or threads == 1:
@@ -732,6 +735,7 @@ class _Server:
         t_commit = time.monotonic()
         self._set_status(step, "part-written", bytes=total, write_seconds=round(t_marker - t_write, 4),
                          marker_seconds=round(t_commit - t_marker, 4), files=len(jobs))
+        fault_point("drain.before_metadata")
         if self._try_commit(req, record):
             self._set_status(step, "committed", commit_seconds=round(time.monotonic() - t_commit, 4))
             return "done", ""

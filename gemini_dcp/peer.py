@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from .checksum import checksum
 from .comm import Comm
 from .errors import GeminiError, PeerError, ShardUnavailableError
+from .faults import fault_point
 from .records import RankSlot, ShardRef, StepRecord, refs_by_location
 from .restore_plan import RestoreDecision
 
@@ -125,6 +126,7 @@ def replicate(
                 for w in [dist.isend(chunk, dst=t, group=comm.group) for t in targets]:
                     w.wait()
             sent = nbytes * len(targets)
+        fault_point("replicate.mid_send")  # sends posted, not all delivered
         for w in works:
             w.wait()
     except RuntimeError as exc:  # gloo timeout / peer gone

@@ -39,6 +39,7 @@ from .compat import failed_metadata, raise_if_failed
 from .comm import Comm, get_comm
 from .config import parse_step, resolve_node_id
 from .errors import ChecksumMismatchError, GeminiError, ShardUnavailableError
+from .faults import fault_point
 from .local_tier import LocalTier
 from .records import ShardRef, StepRecord
 from .restore_plan import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
@@ -200,6 +201,7 @@ class GeminiStorageReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         raise_if_failed(metadata)  # read_metadata's error, on torch releases whose dcp.load dropped it
+        fault_point("load.after_decide")
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -339,6 +341,7 @@ class GeminiStorageReader(StorageReader):
                 continue
             if self._apply(items, ref, buf, planner):
                 counts["local"] += ref.length
+                fault_point("load.mid_copy")  # at least one chunk landed in the live tensors
             else:
                 failed[key] = "checksum"
                 log.warning("local copy of %s is corrupt; fetching another copy", _describe(items[0], ref, self._record.step))

@@ -43,6 +43,7 @@ from .checksum import BLOCK_BYTES, as_bytes, checksum, copy_and_checksum, resolv
 from .comm import Comm, get_comm
 from .config import TierOptions, parse_step, resolve_node_id
 from .errors import ConfigError, InvalidStepError, TierFullError
+from .faults import fault_point
 from .local_tier import LocalTier
 from .records import ChecksumOverlay, RankSlot, ShardRef, StepRecord, metadata_shell_blob
 from .slots import ALIGN, SlotFile, align, free_bytes, round_capacity, tier_full_message
@@ -370,7 +371,9 @@ class GeminiStorageWriter(StorageWriter):
                 digest = xxhash.xxh3_128_digest(planned_blob)
             if check_space:
                 self.prepare_local_plan(plan)
+            fault_point("save.before_copy")
             slot_idx, slot, results, nbytes = self._write_local(plan, planner, step, rank)
+            fault_point("save.after_copy")
             # Unchanged since rank 0's last save: every rank probably holds it (checked after the gather).
             inline = _inline_metadata(planned_blob, comm.world_size) and digest != self._known_metadata[0]
             report = _RankReport(
@@ -392,6 +395,7 @@ class GeminiStorageWriter(StorageWriter):
         self.last_commit_compact = sent is not report
         reports = comm.all_gather_object(sent)
         self._raise_if_failed(error, reports, "writing shards into the local tier")
+        fault_point("save.after_gather")
         assert report is not None
         if use_basis and not _agreed_basis(reports):
             # Some rank lacks this layout (or holds another): it could not rebuild compact
@@ -415,6 +419,7 @@ class GeminiStorageWriter(StorageWriter):
             # Only the replica slots are new: every rank already has every report.
             gathered = comm.all_gather_object(replica_slots)
             reports = [dataclasses.replace(rep, replica_slots=rs) for rep, rs in zip(reports, gathered)]
+            fault_point("replicate.after")
         record = self._build_record(step, comm, reports, meta, overlay)
         self.committed_layout = record.metadata.storage_data
         self._remember_basis(step, overlay, record.metadata.storage_data)
@@ -603,6 +608,7 @@ class GeminiStorageWriter(StorageWriter):
                     cs = checksum(dst, algo)
                 ref = ShardRef(rank=rank, offset=off, length=n, checksum=cs, algo=algo, dtype=dtype, shape=shape)
                 results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=ref))
+                if len(results) == max(1, len(entries) // 2): fault_point("save.mid_copy")
         return slot_idx, slot, tuple(results), total
 
     def _remember_basis(
@@ -666,8 +672,11 @@ class GeminiStorageWriter(StorageWriter):
         )
         self._pending_record = node_record
         if rank == min(rep.rank for rep in mine):
+            fault_point("commit.before_record")
             self.tier.write_record(node_record)
+            fault_point("commit.after_record")
             evicted = self.tier.retain(self.options.keep, record.step)
+            fault_point("commit.after_evict")
             if evicted:
                 log.debug("node %s evicted steps %s", self.node_id, evicted)
 
