@@ -2,7 +2,8 @@
 
 Checks the tier root, that it is memory-backed (tmpfs) and whether it gives
 huge pages, free space against the expected checkpoint size, ``/dev/shm`` in
-containers, host memory, the GPUs (NVML), torch, and the C++ extension.
+containers, host memory, the GPUs (NVML), torch against the supported range (read from the
+installed package's metadata), torchrec's known-good pairing, and the C++ extension.
 Never raises for what it finds; each failing line says how to fix it.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import os
 import sys
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from typing import Any, Literal
 
 from .config import DEFAULT_KEEP, ENV_ROOT, resolve_root
 from .errors import ConfigError
+from .torch_support import installed_torch_version, torch_requirement, torchrec_pairing, torchrec_support
 
 GIB = float(1 << 30)
 MEMORY_FSTYPES = ("tmpfs", "ramfs", "hugetlbfs")
@@ -297,6 +300,7 @@ def doctor(
 
     # 7. versions
     checks.append(_torch_check())
+    checks.append(_torchrec_check())
     checks.append(_ext_check(build_ext))
     return DoctorReport(root=str(path), checks=checks)
 
@@ -344,21 +348,51 @@ def _gpu_check() -> Check:
 
 
 def _torch_check() -> Check:
+    """torch against the supported range of the installed gemini-dcp's metadata (pyproject.toml's requirement)."""
+    try:
+        req = torch_requirement()
+    except ConfigError as exc:
+        return Check("torch", "warn", f"cannot read gemini-dcp's torch requirement: {exc}",
+                     "reinstall gemini-dcp: pip install -e . in its source tree")
     try:
         import torch  # noqa: PLC0415
     except ImportError:
-        return Check("torch", "fail", "torch is not installed", "pip install 'torch>=2.7,<2.15'")
+        return Check("torch", "fail", f"torch is not installed (gemini-dcp needs {req})", f"pip install '{req.pip_spec()}'")
     v = torch.__version__
-    try:
-        major, minor = (int(x) for x in v.split("+")[0].split(".")[:2])
-    except ValueError:
-        return Check("torch", "warn", f"torch {v}: cannot parse the version")
     cuda = getattr(torch.version, "cuda", None)
     extra = f" (CUDA {cuda})" if cuda else " (CPU build)"
-    if (2, 7) <= (major, minor) < (2, 15):
-        return Check("torch", "pass", f"torch {v}{extra}, Python {sys.version.split()[0]}")
-    return Check("torch", "fail", f"torch {v}{extra} is outside the supported range >=2.7,<2.15",
-                 "pip install 'torch>=2.7,<2.15'")
+    if req.admits(v):
+        return Check("torch", "pass", f"torch {v}{extra}, Python {sys.version.split()[0]}; supported: {req}")
+    return Check("torch", "fail", f"torch {v}{extra} is outside the supported range {req} ({req.source})",
+                 f"install a torch that satisfies it (pip install '{req.pip_spec()}'), or give gemini-dcp its own venv")
+
+
+def _torchrec_check() -> Check:
+    """Whether this torch has a known-good torchrec (scripts/install.sh's pairing), and the one installed.
+
+    Read from distribution metadata only: importing torchrec loads fbgemm's native ops (seconds,
+    and an OSError on a torch it was not built for)."""
+    support = torchrec_support()
+    tv = installed_torch_version()
+    pairing = torchrec_pairing(tv) if tv else None
+    try:
+        have = importlib.metadata.version("torchrec")
+    except importlib.metadata.PackageNotFoundError:
+        have = None
+    if pairing is None:
+        detail = (f"no known-good torchrec for torch {tv}: torchrec state dicts (ShardedTensor) and the torchrec tests "
+                  f"are skipped; known-good pairings exist for torch {support} (scripts/install.sh)")
+        if have:
+            detail += f"; torchrec {have} is installed but untested here"
+        return Check("torchrec", "info", detail)
+    fbgemm, trec, _ = pairing
+    if have is None:
+        return Check("torchrec", "info", f"torchrec is not installed; torch {tv} pairs with torchrec {trec} + "
+                     f"fbgemm-gpu-cpu {fbgemm} (pairings for torch {support})", "bash scripts/install.sh installs them")
+    if have.split("+")[0] == trec:
+        return Check("torchrec", "pass", f"torchrec {have}, the known-good pairing for torch {tv}")
+    return Check("torchrec", "warn", f"torchrec {have} is installed; the known-good pairing for torch {tv} is torchrec "
+                 f"{trec} + fbgemm-gpu-cpu {fbgemm}", f"pip install --no-deps torchrec=={trec} fbgemm-gpu-cpu=={fbgemm}")
 
 
 def _ext_cached(mod: Any) -> bool | None:
