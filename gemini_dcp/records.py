@@ -17,19 +17,25 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
+import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .errors import ChecksumMismatchError
-from .layout import atomic_write_bytes
+from .errors import ChecksumMismatchError, IncompatibleCheckpointError, UntrustedDataError
+from .layout import atomic_write_bytes, read_private_bytes
+from .safe_pickle import restricted_loads
 
-RECORD_MAGIC = b"GEMREC01"
-_HEADER = struct.Struct("<8sQQ")  # magic, payload length, xxh3-64 of payload
+RECORD_MAGIC_V1 = b"GEMREC01"  # header, then the pickled StepRecord (still decoded)
+RECORD_MAGIC = b"GEMREC02"  # header, versions, then the pickled StepRecord
+RECORD_FORMAT = 2  # gemini_dcp's record format version, written outside the pickle
+_HEADER = struct.Struct("<8sQQ")  # magic, body length, xxh3-64 of body (v1: body = the pickle)
+_VERSIONS = struct.Struct("<HH")  # v2 body: record format version, length of the torch version, then it
+_MAGIC_PREFIX = b"GEMREC"
 
 
 class ShardRef(NamedTuple):
@@ -94,6 +100,16 @@ class StepRecord:
     node_id: str = ""                    # the node that wrote this record
     created_unix: float = field(default_factory=time.time)
     complete: bool = True                # False: written without the coordinator's final metadata
+    launch_id: str = ""                  # the launch that saved it (gemini_dcp.launch.current_launch)
+    launch_description: str = ""         # human-readable form of that launch, for messages
+
+    def __setstate__(self, state: Sequence[object]) -> None:
+        # Records pickled field by field (before __reduce__ existed) hold fewer fields than
+        # the class has now: the missing trailing ones take their defaults.
+        for f, value in zip(_STEP_FIELDS, state):
+            object.__setattr__(self, f.name, value)
+        for f in _STEP_FIELDS[len(state):]:
+            object.__setattr__(self, f.name, f.default_factory() if f.default is MISSING else f.default)  # type: ignore[misc]
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # The DCP metadata minus its storage_data / storage_meta is the same object on every
@@ -106,7 +122,7 @@ class StepRecord:
                 self.job_id, self.step, self.world_size, metadata_shell_blob(meta), meta.storage_meta,
                 _pack_storage_data(meta.storage_data),
                 self.rank_nodes, self.rank_nbytes, self.holders, self.replicas, self.placement, self.slots,
-                self.node_id, self.created_unix, self.complete,
+                self.node_id, self.created_unix, self.complete, self.launch_id, self.launch_description,
             ),
         )
 
@@ -154,6 +170,9 @@ class StepRecord:
         h.update(digest)
         h.update(sums.astype("<u8").tobytes())
         return h.hexdigest()[:16]
+
+
+_STEP_FIELDS = fields(StepRecord)
 
 
 # The pickled metadata shell of the last record encoded in this process, with the parts it was
@@ -333,7 +352,13 @@ class _PackedItems(ItemsView[MetadataIndex, ShardRef]):
 def _metadata_shell(meta_blob: bytes) -> Metadata:
     shell = _shells.get(meta_blob)
     if shell is None:
-        shell = _remember(_shells, meta_blob, pickle.loads(meta_blob), _MAX_SHELLS)
+        loaded = restricted_loads(meta_blob, source="a step record's DCP metadata", writer_torch=_reading_torch())
+        if not isinstance(loaded, Metadata):
+            raise UntrustedDataError(
+                f"a step record's DCP metadata holds a {type(loaded).__name__}, not a Metadata; it was not used. "
+                "Remove the record (see docs/security.md)."
+            )
+        shell = _remember(_shells, meta_blob, loaded, _MAX_SHELLS)
     return shell
 
 
@@ -488,7 +513,7 @@ def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
 def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
     layout = _layouts_by_blob.get(blob)
     if layout is None:
-        loaded = pickle.loads(blob)
+        loaded = restricted_loads(blob, source="a step record's chunk layout", writer_torch=_reading_torch())
         digest: bytes | None = None
         if isinstance(loaded, tuple) and len(loaded) == 3 and loaded[0] != _PACKED:  # (layout, digest, order)
             loaded, digest, order_bytes = loaded
@@ -508,23 +533,77 @@ def _rebuild_record(
     return StepRecord(job_id, step, world_size, meta, *rest)  # type: ignore[arg-type]
 
 
+# The torch version in the header of the record being decoded on this thread (for messages
+# from the nested unpickling of the metadata shell and the layout).
+_decoding = threading.local()
+
+
+def _reading_torch() -> str | None:
+    return getattr(_decoding, "torch_version", None)
+
+
 def encode_record(record: StepRecord) -> bytes:
+    """The record as ``GEMREC02``: header, (format version, writing torch version), pickle."""
     payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(RECORD_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+    version = torch.__version__.encode("ascii", "replace")
+    body = _VERSIONS.pack(RECORD_FORMAT, len(version)) + version + payload
+    return _HEADER.pack(RECORD_MAGIC, len(body), xxhash.xxh3_64_intdigest(body)) + body
+
+
+def _split_body(magic: bytes, body: bytes, source: str) -> tuple[bytes, str | None]:
+    """(pickled payload, writing torch version or None) of a checked record body."""
+    if magic == RECORD_MAGIC_V1:
+        return body, None
+    if len(body) < _VERSIONS.size:
+        raise ChecksumMismatchError(f"step record {source} is truncated (no version section).")
+    fmt, tlen = _VERSIONS.unpack_from(body)
+    writer_torch = body[_VERSIONS.size : _VERSIONS.size + tlen].decode("ascii", "replace")
+    if fmt > RECORD_FORMAT:
+        raise IncompatibleCheckpointError(
+            f"step record {source} has record format {fmt} (written by torch {writer_torch}); this gemini_dcp "
+            f"reads formats up to {RECORD_FORMAT} (running torch {torch.__version__}). Upgrade gemini_dcp to "
+            "the version that saved it, or save the checkpoint again."
+        )
+    return body[_VERSIONS.size + tlen :], writer_torch
+
+
+def _newer_magic(magic: bytes) -> bool:
+    """A record magic of a later gemini_dcp (``GEMREC03`` and up)."""
+    tail = magic[len(_MAGIC_PREFIX) :]
+    return magic.startswith(_MAGIC_PREFIX) and tail.isdigit() and int(tail) > int(RECORD_MAGIC[len(_MAGIC_PREFIX) :])
 
 
 def decode_record(data: bytes, *, source: str = "<bytes>") -> StepRecord:
+    """Check a record's header and checksum, then unpickle it with the restricted unpickler.
+
+    The checksum (unkeyed) only detects damage; what keeps a planted record from running
+    code is :func:`gemini_dcp.safe_pickle.restricted_loads` (raises UntrustedDataError).
+    """
     if len(data) < _HEADER.size:
         raise ChecksumMismatchError(f"step record {source} is truncated ({len(data)} bytes).")
     magic, length, digest = _HEADER.unpack_from(data)
-    payload = data[_HEADER.size : _HEADER.size + length]
-    if magic != RECORD_MAGIC or len(payload) != length or xxhash.xxh3_64_intdigest(payload) != digest:
+    if _newer_magic(magic):
+        raise IncompatibleCheckpointError(
+            f"step record {source} was written by a newer gemini_dcp (record header {magic!r}); this one reads "
+            f"{RECORD_MAGIC_V1!r} and {RECORD_MAGIC!r} (torch {torch.__version__}). Upgrade gemini_dcp, or save again."
+        )
+    body = data[_HEADER.size : _HEADER.size + length]
+    if magic not in (RECORD_MAGIC, RECORD_MAGIC_V1) or len(body) != length or xxhash.xxh3_64_intdigest(body) != digest:
         raise ChecksumMismatchError(
             f"step record {source} is corrupt (bad magic, length or checksum); another copy will be used if one exists."
         )
-    record = pickle.loads(payload)
+    payload, writer_torch = _split_body(magic, body, source)
+    previous = _reading_torch()
+    _decoding.torch_version = writer_torch
+    try:
+        record = restricted_loads(payload, source=f"step record {source}", writer_torch=writer_torch)
+    finally:
+        _decoding.torch_version = previous
     if not isinstance(record, StepRecord):
-        raise ChecksumMismatchError(f"step record {source} does not hold a StepRecord.")
+        raise UntrustedDataError(
+            f"step record {source} holds a {type(record).__name__}, not a StepRecord; it was not used. "
+            "Remove it (see docs/security.md)."
+        )
     return record
 
 
@@ -533,4 +612,5 @@ def write_record(path: Path, record: StepRecord) -> None:
 
 
 def read_record(path: Path) -> StepRecord:
-    return decode_record(path.read_bytes(), source=str(path))
+    """Read and decode the record at ``path``: not through a link, only a regular file we own."""
+    return decode_record(read_private_bytes(path), source=str(path))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 
-from .errors import IncompatibleCheckpointError, UntrustedDataError
+from .errors import GeminiError, IncompatibleCheckpointError, UntrustedDataError
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
 
@@ -210,7 +210,7 @@ def restricted_loads(
         names = names | frozenset(tuple(a) for a in allowed)  # type: ignore[misc]
     try:
         return _RestrictedUnpickler(bytes(data), source=source, allowed=names).load()
-    except UntrustedDataError:
+    except GeminiError:  # a refusal, or one from a nested restricted load (a record's metadata)
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed pickle raises almost anything
         running = torch.__version__

@@ -359,7 +359,7 @@ def test_step_record_encoding_reuses_the_metadata_shell() -> None:
     FieldByField(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(record(7, base))
     payload = buf.getvalue()
     assert b"_rebuild_record" not in payload
-    old = records._HEADER.pack(RECORD_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+    old = records._HEADER.pack(records.RECORD_MAGIC_V1, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
     assert decode_record(old) == record(7, base)
 
     # decoding shares what the records of one plan have in common: the shell and the chunk indexes
