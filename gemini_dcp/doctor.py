@@ -380,8 +380,7 @@ def _torchrec_check() -> Check:
     except importlib.metadata.PackageNotFoundError:
         have = None
     if pairing is None:
-        detail = (f"no known-good torchrec for torch {tv}: torchrec state dicts (ShardedTensor) and the torchrec tests "
-                  f"are skipped; known-good pairings exist for torch {support} (scripts/install.sh)")
+        detail = (f"no known-good torchrec for torch {tv} (the torchrec tests skip); known-good pairings exist for torch {support} (scripts/install.sh)")
         if have:
             detail += f"; torchrec {have} is installed but untested here"
         return Check("torchrec", "info", detail)

@@ -17,6 +17,9 @@ without importing ``gemini_dcp``::
     python gemini_dcp/torch_support.py torchrec 2.14.1   # FBGEMM TORCHREC TENSORDICT, or nothing
     python gemini_dcp/torch_support.py torchrec-support  # "2.7, 2.9-2.14"
     python gemini_dcp/torch_support.py stale             # exit 0 if the installed metadata's range differs from pyproject.toml
+
+``check`` and ``check-installed`` test against this tree's pyproject.toml when the installed
+metadata is absent or stale: that is the requirement the coming ``pip install -e .`` installs.
 """
 
 from __future__ import annotations
@@ -222,16 +225,32 @@ def torchrec_support() -> str:
     return ", ".join(fmt(r[0]) if len(r) == 1 else f"{fmt(r[0])}-{fmt(r[-1])}" for r in runs)
 
 
+def _installed_is_stale() -> bool:
+    """Whether the installed gemini-dcp's torch requirement differs from this source tree's pyproject.toml
+    (an install from before the range changed; ``pip install -e .`` refreshes it). False when not installed."""
+    try:
+        _metadata.requires(DIST_NAME)
+    except _metadata.PackageNotFoundError:
+        return False
+    return str(torch_requirement()) != str(pyproject_torch_requirement())
+
+
+def _script_requirement() -> TorchRequirement:
+    """For install.sh: the installed metadata's requirement, or this tree's pyproject.toml when the
+    metadata is absent or stale (the requirement the coming ``pip install -e .`` will install)."""
+    return pyproject_torch_requirement() if _installed_is_stale() else torch_requirement()
+
+
 def _check(version: str | None) -> int:
-    req = torch_requirement()
+    req = _script_requirement()
     if version is None:
         print(f"torch is not installed; gemini-dcp needs {req.pip_spec()} ({req.source})", file=sys.stderr)
         return 1
     if req.admits(version):
         return 0
-    print(f"torch {version} is outside gemini-dcp's supported range {req} ({req.source}): "
-          f"install a torch that satisfies it (pip install '{req.pip_spec()}') in this environment, "
-          "or use a venv for gemini-dcp", file=sys.stderr)
+    print(f"torch {version} is outside gemini-dcp's supported range {req} ({req.source}): installing gemini-dcp "
+          f"here would make pip replace it. Use a torch that satisfies it (pip install '{req.pip_spec()}'), "
+          "or give gemini-dcp its own venv", file=sys.stderr)
     return 1
 
 
@@ -251,11 +270,7 @@ def main(argv: list[str]) -> int:
         elif cmd == "torchrec-support":
             print(torchrec_support())
         elif cmd == "stale":
-            try:
-                installed = torch_requirement() if _metadata.requires(DIST_NAME) is not None else None
-            except _metadata.PackageNotFoundError:
-                installed = None
-            return 0 if installed is None or str(installed) != str(pyproject_torch_requirement()) else 1
+            return 0 if _installed_is_stale() else 1
         else:
             print(__doc__, file=sys.stderr)
             return 2
