@@ -106,6 +106,9 @@ def render_inspect(out: Console, info: Any) -> None:
                   f"newest restorable step: {nr if nr is not None else '[red]none[/]'}")
         if job.persistent_error:
             out.print(f"[yellow]persistent tier unreadable:[/] {escape(job.persistent_error)}")
+        if getattr(job, "problem", None):
+            out.print(f"[red]not read:[/] {escape(job.problem)}")
+            continue
         if not job.steps:
             out.print("  no steps")
             continue

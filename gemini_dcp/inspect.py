@@ -31,9 +31,11 @@ from typing import Any
 
 from .config import resolve_node_id
 from .doctor import Check, DoctorReport, doctor, in_container, mount_entry, mount_of, mount_options, shm_fix, tmpfs_huge_pages
-from .errors import GeminiError
+from .errors import GeminiError, TierRootError
 from .housekeeping import GcReport, RemoveReport, collect_garbage, processes_using, remove_job
-from .job_files import job_usage_bytes, open_job, open_root, rank_extent, read_record_or_reason, slot_size
+from .job_files import (
+    check_job_dirs, job_usage_bytes, open_job, open_root, rank_extent, read_record_or_reason, slot_size,
+)
 from .layout import JobLayout, list_jobs
 from .tier_plan import plan
 from .verify import ItemCheck, VerifyReport, verify
@@ -83,6 +85,7 @@ class JobInfo:
     steps: list[StepInfo]
     persistent_error: str | None = None
     drain: dict[str, Any] | None = None  # this node's drain to the persistent tier (drain.drain_summary)
+    problem: str | None = None  # why the job's files were not read (not ours, a link: see docs/security.md)
 
     @property
     def newest_restorable(self) -> int | None:
@@ -182,7 +185,12 @@ def _persistent_steps(url: str | None, job_id: str) -> tuple[set[int] | None, st
 
 
 def inspect_job(layout: JobLayout, persistent: str | None = None, *, now: float | None = None) -> JobInfo:
+    """What ``layout``'s job holds here; a job whose directories are not ours is reported, not read."""
     now = time.time() if now is None else now
+    try:
+        check_job_dirs(layout)
+    except TierRootError as exc:
+        return JobInfo(job_id=layout.job_id, path=str(layout.job_dir), usage_bytes=0, steps=[], problem=str(exc))
     persisted, perr = _persistent_steps(persistent, layout.job_id)
     steps = layout.record_steps()
     infos = [_step_info(layout, s, persisted, now) for s in steps]

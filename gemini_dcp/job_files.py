@@ -1,6 +1,10 @@
 """Read-only access to one tier root and a job's files in it, for the operator tools.
 
 Nothing here creates or changes a file: looking at a root must not change it.
+The same checks as the save/load path apply: the root and the job's directories
+must be ours and not links (:func:`check_job_dirs`), records are read through
+``O_NOFOLLOW`` and the restricted unpickler, so a planted record is reported,
+never run.
 Shared by :mod:`gemini_dcp.inspect`, :mod:`gemini_dcp.verify` and
 :mod:`gemini_dcp.housekeeping`.
 """
@@ -8,11 +12,12 @@ Shared by :mod:`gemini_dcp.inspect`, :mod:`gemini_dcp.verify` and
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from .config import DEFAULT_ROOT, ENV_ROOT, resolve_job_id, resolve_root
 from .errors import CheckpointNotFoundError, TierRootError
-from .layout import JobLayout, list_jobs
+from .layout import JobLayout, check_private_dir_stat, list_jobs
 from .records import StepRecord, read_record
 
 
@@ -29,6 +34,7 @@ def open_root(root: str | os.PathLike[str] | None) -> Path:
         )
     if not path.is_dir():
         raise TierRootError(f"tier root {path} exists but is not a directory: pass the directory the job used.")
+    check_private_dir_stat(path, os.lstat(path), sticky_ok=True)
     if not os.access(path, os.R_OK | os.X_OK):
         raise TierRootError(f"tier root {path} is not readable by this user (uid {os.getuid()}): run as the job's user.")
     return path
@@ -46,7 +52,14 @@ def open_job(root: str | os.PathLike[str] | None, job_id: str | None) -> JobLayo
             f"job {job!r} has no checkpoint in tier root {path} ({hint}). Pass --job (default $TORCHELASTIC_RUN_ID "
             "or 'default') or --root for the job you mean."
         )
+    check_job_dirs(layout)
     return layout
+
+
+def check_job_dirs(layout: JobLayout) -> None:
+    """Raise TierRootError unless the job, steps and ranks directories (those present) are ours,
+    not links and not writable by others."""
+    layout.check()
 
 
 def read_record_or_reason(layout: JobLayout, step: int) -> tuple[StepRecord | None, str | None]:
@@ -62,9 +75,10 @@ def read_record_or_reason(layout: JobLayout, step: int) -> tuple[StepRecord | No
 
 def slot_size(layout: JobLayout, rank: int, slot: int) -> int | None:
     try:
-        return layout.slot_path(rank, slot).stat().st_size
+        st = os.lstat(layout.slot_path(rank, slot))  # a link or anything but a file is no slot
     except FileNotFoundError:
         return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def rank_extent(record: StepRecord) -> dict[int, int]:

@@ -393,8 +393,19 @@ class JobLayout:
     def exists(self) -> bool:
         return self.job_dir.is_dir()
 
+    def check(self) -> "JobLayout":
+        """Raise TierRootError unless the job's directories that exist are ours, not links, not writable by others."""
+        for d in (self.job_dir, self.steps_dir, self.ranks_dir):
+            try:
+                st = os.lstat(d)
+            except FileNotFoundError:
+                continue
+            check_private_dir_stat(d, st)
+        return self
+
     def record_steps(self) -> list[int]:
-        """Steps with a record file in this root, ascending."""
+        """Steps with a record file in this root, ascending (the job's directories checked first)."""
+        self.check()
         try:
             names = os.listdir(self.steps_dir)
         except FileNotFoundError:

@@ -58,12 +58,16 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         # torch values inside DCP metadata
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),  # looks a layout up by its name in a cache
+        # storage_data of a stock DCP (FileSystemWriter / fsspec) checkpoint's .metadata
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         # plain containers
         ("array", "array"),
         ("array", "_array_reconstructor"),
         ("collections", "OrderedDict"),
         ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id may be a path
         ("pathlib", "PosixPath"),
+        ("pathlib._local", "PurePosixPath"),  # Python >= 3.13 pickles paths under pathlib._local
+        ("pathlib._local", "PosixPath"),
     }
 )
 

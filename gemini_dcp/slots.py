@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import TierFullError
+from .layout import ensure_private_dir, open_private
 
 ALIGN = 64
 GROW_ROUND = 4 << 20
@@ -54,7 +55,9 @@ def tier_full_message(root: Path, need: int, free: int, what: str) -> str:
         f"{free / gib:.3f} GiB free of {total_bytes(root) / gib:.3f} GiB. "
         "Fixes: give the container a larger /dev/shm (docker run --shm-size=<N>g, or a Kubernetes "
         "emptyDir with medium: Memory and a sizeLimit), point GEMINI_DCP_ROOT/root at a larger tmpfs, "
-        "or keep fewer steps (keep=1 needs 2 slots per rank instead of 3)."
+        "or keep fewer steps: keep=1 needs 2 slots per rank instead of 3, but then memory holds a single "
+        "committed step, so a damaged copy of it (a corrupt slot, a node lost without a peer replica) leaves "
+        "no older step to fall back to in memory; pair keep=1 with replicas>=2 or a persistent tier."
     )
 
 
@@ -66,15 +69,35 @@ def _as_tensor(buf: mmap.mmap | memoryview, length: int) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8, count=length)
 
 
+def _open_slot(path: Path) -> int:
+    """An fd of the slot file at ``path``: never through a link, only a private regular file of ours.
+
+    The rank directory is checked (ours, not a link, 0700) first. An existing slot must be a
+    regular file we own with one link (its mode is tightened to 0600); a new one is created
+    with ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a file or link planted meanwhile is never opened.
+    """
+    ensure_private_dir(path.parent)
+    while True:
+        try:
+            return open_private(path, os.O_RDWR, single_link=True)
+        except FileNotFoundError:
+            pass
+        try:
+            return open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, single_link=True)
+        except FileExistsError:
+            continue  # another thread or process created it between the two opens: check that one
+
+
 class SlotFile:
     """One writable slot file mapped shared; ``tensor`` is a uint8 view of all of it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lock = threading.Lock()
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = -1
         self._mm: mmap.mmap | None = None
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        self._fd = _open_slot(path)
         self.capacity = os.fstat(self._fd).st_size
         if self.capacity:
             self._map()
@@ -144,7 +167,7 @@ class ReadOnlySlot:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_private(path, os.O_RDONLY)  # never through a link; a regular file we own
         try:
             self.size = os.fstat(fd).st_size
             self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if self.size else None
