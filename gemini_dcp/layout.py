@@ -17,6 +17,7 @@ import errno
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from .errors import TierFullError, TierRootError, UntrustedDataError
 _STEP_RE = re.compile(r"^step-(\d{12,})\.rec$")  # record_path pads to 12 digits; larger steps are longer
 _SLOT_RE = re.compile(r"^slot-(\d+)\.bin$")
 _RANK_RE = re.compile(r"^rank-(\d+)$")
-_TMP_RE = re.compile(r"^\..+\.tmp-(\d+)$")  # atomic_write_bytes' temporary files
+_TMP_RE = re.compile(r"^\..+\.tmp-(\d+)(?:-\d+)?$")  # atomic_write_bytes' temporary files (pid, thread)
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -289,11 +290,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     The tmp file is created exclusively (``O_EXCL|O_NOFOLLOW``, 0600) and removed on any
     failure; a full filesystem raises TierFullError with the numbers.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
         fd = open_private(tmp, flags, _PRIVATE_FILE)
-    except FileExistsError:  # left by this pid's earlier, killed attempt (or a dead process with our pid)
+    except FileExistsError:  # left by an earlier attempt of a dead process that had our pid and thread id
         os.unlink(tmp)
         fd = open_private(tmp, flags, _PRIVATE_FILE)
     try:

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -392,7 +393,7 @@ def test_stale_tmp_files_of_dead_processes_are_removed(root: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     steps = ensure_private_dir(root / "j" / "steps")
-    stale = steps / f".step-000000000001.rec.tmp-{dead.pid}"
+    stale = steps / f".step-000000000001.rec.tmp-{dead.pid}-140001"
     live = steps / f".step-000000000002.rec.tmp-{os.getppid()}"
     stale.write_bytes(b"x")
     live.write_bytes(b"x")
@@ -411,7 +412,7 @@ def test_tmp_file_is_created_exclusively_not_through_a_link(root: Path, outside:
     victim.write_bytes(b"keep")
     ensure_private_dir(root / "d")
     target = root / "d" / "x.rec"
-    (root / "d" / f".x.rec.tmp-{os.getpid()}").symlink_to(victim)
+    (root / "d" / f".x.rec.tmp-{os.getpid()}-{threading.get_ident()}").symlink_to(victim)
     atomic_write_bytes(target, b"new")  # the planted link is removed, never written through
     assert target.read_bytes() == b"new" and victim.read_bytes() == b"keep"
 
