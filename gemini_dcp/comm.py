@@ -2,35 +2,102 @@
 
 Checkpoint collectives never run on the training group, so they cannot
 deadlock with, or reorder, training collectives (even when training uses NCCL
-or its own gloo group). The group is created once per process and shared by
-every writer and reader: **all ranks must reach the first save/load together**,
-as ``torch.distributed.new_group`` is collective.
+or its own gloo group). One group is created per (rank set, ``timeout_s``) and
+shared by every writer and reader with those settings: **all ranks must reach
+the first save/load with a given ``timeout_s`` together**, as
+``torch.distributed.new_group`` is collective. Every operation on the group
+waits at most its ``timeout_s`` (gloo's timeout, fixed when the group is made,
+which is why a writer with another ``timeout_s`` gets a group of its own).
+
+**Failures.** A transport error on the group (a peer that timed out, died or
+closed its connection) is raised as :class:`~gemini_dcp.errors.RestartRequiredError`
+(a ``PeerError``) naming the collective, the ranks, the time waited and what to
+do. Such a group is left in an unknown state (messages of the failed operation
+may still arrive), so the process marks its control plane *broken*: every later
+checkpoint operation raises ``RestartRequiredError`` at once instead of hanging
+or failing obscurely. The job must restart (torchrun restarts the worker group
+when a worker exits with an error). The one exception is a failed peer transfer
+that every rank then agreed on: all ranks replace the group together
+(:meth:`Comm.rebuild`) and go on (``on_peer_failure="degrade"``).
+
+The bound on a save's wait is *not* ``timeout_s`` alone: DCP's own planning
+gathers run on the process group passed to ``dcp.save`` (the training group)
+and wait that group's timeout (``init_process_group(timeout=...)``, or pass
+``process_group=`` a gloo group with a short timeout). See docs/failure-semantics.md.
 
 Without an initialized process group everything degrades to a single process.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
+from .errors import RestartRequiredError
+
 T = TypeVar("T")
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+log = logging.getLogger(__name__)
+
+_GROUPS: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
+_LOCK = threading.Lock()
+# Why this process's control plane is unusable (None: it is usable); set on the first transport failure.
+_BROKEN: str | None = None
+# Groups replaced by rebuild(): kept alive, as their failed operations may still hold buffers.
+_RETIRED: list[Any] = []
+
+RESTART_HINT = (
+    "The checkpoint control group of this process is unusable from now on: every later save or load "
+    "raises RestartRequiredError. Restart the job (torchrun restarts the worker group when a worker exits "
+    "with an error, then resumes from the newest committed step). If the peer was merely slow, raise "
+    "timeout_s; the training group's timeout (init_process_group(timeout=...)) bounds DCP's own gathers."
+)
+
+
+def broken_reason() -> str | None:
+    """Why this process's checkpoint control plane is broken, or None if it is usable."""
+    return _BROKEN
+
+
+def mark_broken(reason: str) -> None:
+    """Mark the control plane of this process broken (first reason kept); later uses raise RestartRequiredError."""
+    global _BROKEN
+    with _LOCK:
+        if _BROKEN is None:
+            _BROKEN = reason
+            log.error("checkpoint control group broken: %s", reason)
+
+
+def check_usable() -> None:
+    """Raise RestartRequiredError if an earlier transport failure broke the control plane."""
+    reason = _BROKEN
+    if reason is not None:
+        raise RestartRequiredError(f"The checkpoint control group broke earlier in this process ({reason}). {RESTART_HINT}")
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What torch raises for a gloo timeout / lost peer (DistBackendError derives from RuntimeError)."""
+    return (RuntimeError, ConnectionError, TimeoutError)
 
 
 class Comm:
     """Collectives over the checkpoint control group; a trivial one for a single process."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float | None = None) -> None:
         self.group = group
+        self.timeout_s = timeout_s
         if group is None:
             self.rank, self.world_size = 0, 1
+            self.ranks: tuple[int, ...] = (0,)
         else:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
+            self.ranks = tuple(dist.get_process_group_ranks(group))
 
     @property
     def distributed(self) -> bool:
@@ -41,44 +108,113 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
+    def failure(self, what: str, exc: BaseException, waited_s: float, *, peer: int | None = None) -> str:
+        """The reason text of a transport failure of ``what`` on this group (for messages)."""
+        who = f"with rank {peer}" if peer is not None else f"among ranks {list(self.ranks)}"
+        bound = f"timeout_s={self.timeout_s:g}" if self.timeout_s is not None else "its timeout"
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        return (
+            f"{what} {who} failed on rank {self.global_rank(self.rank)} after {waited_s:.1f} s ({bound}): "
+            f"{type(exc).__name__}: {first}"
+        )
+
+    def run(self, what: str, fn: Callable[..., T], *args: Any, peer: int | None = None, **kwargs: Any) -> T:
+        """Run one operation on the group; a transport failure marks the control plane broken and
+        raises RestartRequiredError (what, with whom, after how long, what to do)."""
+        check_usable()
+        t0 = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        except _transport_errors() as exc:
+            reason = self.failure(what, exc, time.monotonic() - t0, peer=peer)
+            mark_broken(reason)
+            raise RestartRequiredError(f"{reason}. {RESTART_HINT}") from exc
+
     def all_gather_object(self, obj: T) -> list[T]:
+        """Collective over the control group: every rank's ``obj``, in group rank order."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self.run("all_gather_object", dist.all_gather_object, out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: T, src: int) -> T:
-        """Broadcast ``obj`` from group rank ``src`` to all ranks."""
+        """Broadcast ``obj`` from group rank ``src`` to all ranks (collective)."""
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
+        self.run(f"broadcast_object from rank {self.global_rank(src)}", dist.broadcast_object_list, box,
+                 src=self.global_rank(src), group=self.group)
         return box[0]
 
     def barrier(self) -> None:
+        """Collective: wait for every rank of the control group."""
         if self.distributed:
-            dist.barrier(group=self.group)
+            self.run("barrier", dist.barrier, group=self.group)
+
+    def rebuild(self, reason: str) -> None:
+        """Collective over this group's ranks: replace the group by a fresh one after a peer transfer
+        failed and every rank agreed on it, so the failed transfer's late messages can never meet a
+        later operation. The old group is retired (kept alive, never used). A failure here marks
+        the control plane broken (RestartRequiredError)."""
+        if not self.distributed:
+            return
+        check_usable()
+        key = (self.ranks, float(self.timeout_s or 0.0))
+        t0 = time.monotonic()
+        try:
+            fresh = _new_group(self.ranks, self.timeout_s or 300.0)
+        except _transport_errors() as exc:
+            why = self.failure(f"replacing the control group after: {reason};", exc, time.monotonic() - t0)
+            mark_broken(why)
+            raise RestartRequiredError(f"{why}. {RESTART_HINT}") from exc
+        with _LOCK:
+            _RETIRED.append(self.group)
+            if _GROUPS.get(key) is self.group:
+                _GROUPS[key] = fresh
+        self.group = fresh
+        log.warning("checkpoint control group replaced after a failed peer transfer (%s)", reason)
+
+
+def _new_group(ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` whose every operation waits at most ``timeout_s``.
+
+    Over all ranks of the default group: ``new_group`` is collective over WORLD. Over a
+    subset: only its members take part (``use_local_synchronization``).
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
+    return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
 
 
 def get_comm(timeout_s: float, process_group: dist.ProcessGroup | None = None) -> Comm:
-    """The control-plane Comm for the ranks of ``process_group`` (default: WORLD).
+    """The control-plane Comm for the ranks of ``process_group`` (default: WORLD) and ``timeout_s``.
 
-    Collective on first use: all ranks of the default group must call it.
+    Collective on first use of a (ranks, ``timeout_s``) pair: all ranks of the default group
+    (of ``process_group`` when it is a subset) must call it with the same ``timeout_s``.
+    Raises RestartRequiredError once an earlier transport failure broke the control plane.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return Comm(None)
     base = process_group or dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(base))
-    group = _GROUPS.get(ranks)
+    if len(ranks) == 1:
+        return Comm(None)
+    check_usable()
+    key = (ranks, float(timeout_s))
+    group = _GROUPS.get(key)
     if group is None:
-        if len(ranks) == 1:
-            return Comm(None)
-        group = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s))
-        _GROUPS[ranks] = group
-    return Comm(group)
+        group = _new_group(ranks, float(timeout_s))
+        with _LOCK:
+            _GROUPS[key] = group
+    return Comm(group, float(timeout_s))
 
 
 def reset_groups() -> None:
-    """Forget cached groups (after ``destroy_process_group``)."""
-    _GROUPS.clear()
+    """Forget cached groups and a broken state (after ``destroy_process_group`` and a new init)."""
+    global _BROKEN
+    with _LOCK:
+        _GROUPS.clear()
+        _RETIRED.clear()
+        _BROKEN = None

@@ -65,6 +65,7 @@ ENV_THROTTLE = "GEMINI_DCP_DRAIN_THROTTLE_BPS"  # cap on upload bytes/s (tests; 
 ENV_PEER_TIMEOUT = "GEMINI_DCP_DRAIN_PEER_TIMEOUT_S"  # rank 0's node waits this long for other parts (3600)
 ENV_NICE = "GEMINI_DCP_DRAIN_NICE"  # niceness of the drain process (default 10: training first), or "idle"
 ENV_THREADS = "GEMINI_DCP_DRAIN_THREADS"  # files written in parallel per node (default 2)
+ENV_ATTEMPTS = "GEMINI_DCP_DRAIN_ATTEMPTS"  # upload attempts of a step before it is abandoned (default 5)
 
 POLL_S = 0.05
 STANDBY_POLL_S = 0.1
@@ -154,6 +155,7 @@ class Drainer:
             raise ConfigError(f"{ENV_MODE}={self.mode!r}: choose 'process' (default) or 'thread'.")
         self.store = {
             "url": persistent.url, "job_id": persistent.job_id, "keep": persistent.keep, "keep_every": persistent.keep_every,
+            "timeout_s": persistent.timeout_s,
         }
         self._write_config()
 
@@ -256,7 +258,7 @@ def write_request(p: Paths, tier: Any, record: Any, slots: list[list[Any]], fiel
     _write_atomic(p.request(record.step), json.dumps(req).encode())
 
 
-STORE_FIELDS = ("url", "job_id", "keep", "keep_every")  # where a request uploads to (Drainer.store)
+STORE_FIELDS = ("url", "job_id", "keep", "keep_every", "timeout_s")  # where a request uploads to (Drainer.store)
 
 
 def read_config(persist_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -488,6 +490,7 @@ class _Server:
         self.throttle = float(os.environ.get(ENV_THROTTLE, "0") or 0) or None
         self.threads = max(1, int(os.environ.get(ENV_THREADS, "2") or 2))
         self.peer_timeout = float(os.environ.get(ENV_PEER_TIMEOUT, "3600"))
+        self.max_attempts = max(1, int(os.environ.get(ENV_ATTEMPTS, str(MAX_ATTEMPTS)) or MAX_ATTEMPTS))
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -599,7 +602,13 @@ class _Server:
             except BaseException as exc:  # noqa: BLE001 - classified below
                 outcome, detail = _classify(exc)
             self.upload_result = (step, outcome, detail)
-            self._set_status(step, outcome, upload_seconds=round(time.monotonic() - t0, 4), detail=detail)
+            # A failed attempt (a store error or an overrun of the store deadline) reads "failed" with
+            # its reason, whether or not it is retried; "abandoned" follows when it is not.
+            state = "failed" if outcome in ("retry", "abandon") else outcome
+            self._set_status(
+                step, state, upload_seconds=round(time.monotonic() - t0, 4), detail=detail,
+                attempt=self.attempts.get(step, 0) + 1,
+            )
 
         self.upload_thread = threading.Thread(target=work, name=f"gemini-drain-upload-{step}", daemon=True)
         self.upload_thread.start()
@@ -624,7 +633,7 @@ class _Server:
             self._abandon(step, detail)
         else:  # retry
             n = self.attempts[step] = self.attempts.get(step, 0) + 1
-            if n >= MAX_ATTEMPTS:
+            if n >= self.max_attempts:
                 self._abandon(step, f"gave up after {n} attempts: {detail}")
             else:
                 delay = min(60.0, 2.0 ** n)
@@ -637,7 +646,12 @@ class _Server:
         if t is None:
             from gemini_dcp.persistent import PersistentTier  # noqa: PLC0415
 
-            t = PersistentTier(req["url"], req["job_id"], keep=req.get("keep"), keep_every=req.get("keep_every"), writable=True)
+            from gemini_dcp.persistent import DEFAULT_TIMEOUT_S  # noqa: PLC0415
+
+            t = PersistentTier(
+                req["url"], req["job_id"], keep=req.get("keep"), keep_every=req.get("keep_every"), writable=True,
+                timeout_s=float(req.get("timeout_s") or DEFAULT_TIMEOUT_S),  # bounds every store call of the upload
+            )
             self.tiers[key] = t
         return t
 
@@ -846,6 +860,8 @@ def _classify(exc: BaseException) -> tuple[str, str]:
     text = f"{name}: {exc}"
     if "ChecksumMismatch" in name and "Persistent" not in name:
         return "abandon", text
+    if "Untrusted" in name:  # a refused side file (progress.pkl, a part marker): retrying reads it again
+        return "abandon", text
     if isinstance(exc, FileNotFoundError) and "/stage/" in str(exc):
         return "abandon", text
     log.warning("drain upload error: %s", text, exc_info=exc)
@@ -916,14 +932,29 @@ def _split_by_size(items: list[Any], n: int) -> list[list[Any]]:
 
 
 def _load_progress(d: Path) -> dict[str, Any]:
+    """The upload progress of a staged step (fresh if none), decoded without running code.
+
+    A ``progress.pkl`` that names anything but the classes a progress record holds is
+    refused (UntrustedDataError, which abandons the step's drain with the reason in its
+    status): it was planted or damaged, and nothing in it ever runs.
+    """
+    path = d / "progress.pkl"
     try:
-        obj = pickle.loads((d / "progress.pkl").read_bytes())
-        if isinstance(obj, dict):
-            obj.setdefault("files", {})
-            return obj
-    except (FileNotFoundError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, ValueError):
-        pass
-    return {"begun": False, "files": {}}
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {"begun": False, "files": {}}
+    from gemini_dcp.errors import UntrustedDataError  # noqa: PLC0415
+    from gemini_dcp.persistent import SIDE_FILE_GLOBALS  # noqa: PLC0415
+    from gemini_dcp.safe_pickle import restricted_loads  # noqa: PLC0415
+
+    obj = restricted_loads(raw, source=str(path), allowed=SIDE_FILE_GLOBALS)
+    if not isinstance(obj, dict) or not isinstance(obj.get("files", {}), dict):
+        raise UntrustedDataError(
+            f"{path} holds a {type(obj).__name__}, not a drain progress record: it was not written by gemini_dcp. "
+            "The step's drain is abandoned; remove the job's persist/ directory if this recurs."
+        )
+    obj.setdefault("files", {})
+    return obj
 
 
 def _save_progress(d: Path, progress: dict[str, Any]) -> None:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from .checksum import checksum
-from .comm import Comm
-from .errors import GeminiError, PeerError, ShardUnavailableError
+from .comm import Comm, RESTART_HINT, _transport_errors, mark_broken
+from .errors import GeminiError, PeerError, RestartRequiredError, ShardUnavailableError
 from .faults import fault_point
 from .records import RankSlot, ShardRef, StepRecord, refs_by_location
 from .restore_plan import RestoreDecision
@@ -85,19 +85,29 @@ def replicate(
 ) -> tuple[tuple[RankSlot, ...], dict[str, Any]]:
     """Collective: copy every rank's slot into its peers' memory; returns the replicas this rank stored.
 
-    A transfer error raises PeerError, or (``on_peer_failure="degrade"``) is
-    logged and the step commits with fewer replicas. ``expand`` rebuilds the write
-    results of a compact report (a replayed save): only the reports of the slots
-    this rank receives are expanded, to verify them.
+    A transfer error (a peer that timed out or failed, or a replica that fails
+    its checksum) is agreed on by every rank in one gather, then raises PeerError
+    on every rank, or (``on_peer_failure="degrade"``) is logged and the step
+    commits with fewer replicas: every rank takes the same branch, so a step is
+    committed on all nodes or on none. After a transport failure (not a checksum
+    one) all ranks replace the control group together (``Comm.rebuild``), so the
+    failed transfer's late messages never meet a later save. A peer that does not
+    even join the agreement gather within ``timeout_s`` breaks the control group:
+    RestartRequiredError (nothing is committed; the job must restart).
+    ``expand`` rebuilds the write results of a compact report (a replayed save):
+    only the reports of the slots this rank receives are expanded, to verify them.
     """
     t0 = time.perf_counter()
     order = node_order(writer, comm, reports)
     routes = replication_routes(order, reports, writer.options.replicas, writer.options.placement)
     me = comm.rank
-    works: list[Any] = []
+    works: list[tuple[Any, str, int]] = []  # (work, what, peer global rank)
     received: list[tuple[int, int, Any]] = []
     sent = recv_bytes = 0
     error: str | None = None
+    transport = False  # the error is a transport failure (the group must be replaced)
+    what, who = "posting transfers", None
+    t_xfer = time.monotonic()
     try:
         # Every receive is posted before any send waits, so paced (blocking) sends cannot deadlock.
         for src, dst in sorted(routes):
@@ -109,7 +119,7 @@ def replicate(
             slot.ensure_capacity(nbytes, budget_check=writer._budget_check)
             peer = comm.global_rank(src)
             for off, n in _messages(nbytes, reports[src].wire_chunk):
-                works.append(dist.irecv(slot.view(off, n), src=peer, group=comm.group))
+                works.append((dist.irecv(slot.view(off, n), src=peer, group=comm.group), f"receive of rank {src}'s slot", peer))
             received.append((src, idx, slot))
             recv_bytes += nbytes
         targets = [comm.global_rank(dst) for src, dst in sorted(routes) if src == me]
@@ -120,17 +130,19 @@ def replicate(
             for off, n in _messages(nbytes, reports[me].wire_chunk):
                 chunk = slot.view(off, n)
                 if pace is None:
-                    works.extend(dist.isend(chunk, dst=t, group=comm.group) for t in targets)
+                    works.extend((dist.isend(chunk, dst=t, group=comm.group), f"send of rank {me}'s slot", t) for t in targets)
                     continue
                 pace(n)  # into the next idle span of training communication (gemini_dcp.interleave)
-                for w in [dist.isend(chunk, dst=t, group=comm.group) for t in targets]:
+                for w, t in [(dist.isend(chunk, dst=t, group=comm.group), t) for t in targets]:
+                    what, who = f"paced send of rank {me}'s slot", t
                     w.wait()
             sent = nbytes * len(targets)
         fault_point("replicate.mid_send")  # sends posted, not all delivered
-        for w in works:
+        for w, what, who in works:
             w.wait()
-    except RuntimeError as exc:  # gloo timeout / peer gone
-        error = f"peer transfer failed on rank {me}: {exc}"
+    except _transport_errors() as exc:  # gloo timeout / peer gone
+        transport = True
+        error = comm.failure(f"peer transfer ({what})", exc, time.monotonic() - t_xfer, peer=who)
     replica_slots: list[RankSlot] = []
     if error is None:
         for src, idx, slot in received:
@@ -140,7 +152,10 @@ def replicate(
                 error = f"replica of rank {src} received by rank {me} failed checksum for {bad}"
                 break
             replica_slots.append(RankSlot(src, idx, reports[src].nbytes))
-    errors = [e for e in comm.all_gather_object(error) if e]
+    outcomes = comm.all_gather_object((error, transport))  # RestartRequiredError if a peer never joins
+    errors = [e for e, _ in outcomes if e]
+    if any(t for _, t in outcomes):
+        comm.rebuild(errors[0])  # every rank saw the same outcomes: all replace the group together
     if errors:
         msg = (
             f"step {step}: could not place {writer.options.replicas} replicas in peer memory: {errors[0]}"
@@ -299,7 +314,7 @@ def finish_transfer(
     ok: dict["ItemKey", bool] = {}
     for key, buf, work, direct in inflight.recvs:
         if work is not None:
-            work.wait()
+            _wait(work, f"peer receive of the chunk at offset {key[1]} of rank {key[0]}'s slot")
         ref = refs[key]
         if direct is None:
             ok[key] = reader._apply(by_key[key], ref, buf, planner)
@@ -309,8 +324,20 @@ def finish_transfer(
         else:
             ok[key] = False
     for w in inflight.sends:
-        w.wait()
+        _wait(w, "peer send of a chunk")
     return ok
+
+
+def _wait(work: Any, what: str) -> None:
+    """Wait for one restore transfer; a transport failure breaks the control plane (RestartRequiredError)."""
+    t0 = time.monotonic()
+    try:
+        work.wait()
+    except _transport_errors() as exc:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        reason = f"{what} failed after {time.monotonic() - t0:.1f} s: {type(exc).__name__}: {first}"
+        mark_broken(reason)
+        raise RestartRequiredError(f"{reason}. {RESTART_HINT}") from exc
 
 
 def fetch_remote(

@@ -20,6 +20,22 @@ Errors reaching the store (unknown protocol, missing package, missing
 credentials, no permission, no such bucket) are raised as
 :class:`PersistentTierError` when the tier is constructed, by a probe: a
 writable tier writes and deletes a tiny object under ``<url>/<job_id>/``.
+
+**Every store call has a deadline** (``timeout_s``: the writer's / reader's
+``timeout_s``, carried into the drain's requests): the probe, listings, reads,
+deletes and each buffered write of an upload. A store that accepts connections
+but never answers raises :class:`PersistentTimeoutError` (a
+``PersistentTierError``) naming the URL, the operation and the time waited,
+instead of blocking the caller. Remote calls run in a worker thread that is
+abandoned (a daemon) when it overruns; s3fs additionally gets botocore
+connect/read timeouts (``config_kwargs``) so the abandoned call ends by itself.
+``file://`` and ``memory://`` calls run inline (no network to wait on).
+
+**Side files are untrusted input**: ``.metadata``, ``index.pkl`` and
+``part-*.pkl`` are decoded with :func:`gemini_dcp.safe_pickle.restricted_loads`
+(only DCP metadata classes and this module's :class:`StepIndex` /
+:class:`PartMarker` may appear); a refused or unreadable index is an error, never
+a load without checksums.
 """
 
 from __future__ import annotations
@@ -28,13 +44,14 @@ import hashlib
 import io
 import logging
 import os
+import math
 import pickle
 import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import fsspec
 import torch
@@ -44,8 +61,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from .checksum import as_bytes, checksum
 from .config import resolve_job_id
-from .errors import ChecksumMismatchError, ConfigError, PersistentTierError, StepNotFoundError
+from .errors import ChecksumMismatchError, ConfigError, PersistentTierError, StepNotFoundError, UntrustedDataError
 from .records import ShardRef
+from .safe_pickle import restricted_loads
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +72,20 @@ SIDE_DIR = ".gemini"
 INDEX = "index.pkl"
 _STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 _LOCAL_PROTOCOLS = {"file", "local"}
+# Calls to these run inline: no network between this process and the bytes.
+_INLINE_PROTOCOLS = _LOCAL_PROTOCOLS | {"memory"}
+DEFAULT_TIMEOUT_S = 300.0
+WRITE_BUFFER = 8 << 20  # upload bytes buffered here, handed to the store in calls of at least this size
+_T = TypeVar("_T")
+
+#: Globals a side file of the persistent tier may name, beyond safe_pickle's DCP metadata classes.
+SIDE_FILE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("gemini_dcp.persistent", "StepIndex"),
+        ("gemini_dcp.persistent", "PartMarker"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    }
+)
 
 # Successful probes, per process: a writer constructed for every save probes the store once.
 _PROBED: set[tuple[str, str, bool]] = set()
@@ -62,6 +94,79 @@ _PROBE_LOCK = threading.Lock()
 
 class PersistentChecksumError(PersistentTierError, ChecksumMismatchError):
     """An item read from the persistent tier does not match the checksum recorded when it was saved."""
+
+
+class PersistentTimeoutError(PersistentTierError):
+    """A persistent-store call did not finish within its deadline (``timeout_s``)."""
+
+
+class UntrustedSideFileError(PersistentTierError, UntrustedDataError):
+    """A side file of the persistent store (index, part marker, metadata) was refused or is unreadable."""
+
+
+def check_timeout(value: Any, name: str = "timeout_s") -> float:
+    """``value`` as a positive, finite number of seconds, else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}={value!r}: give a positive, finite number of seconds (e.g. 300).")
+    return float(value)
+
+
+def bounded_call(
+    timeout_s: float | None, what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any
+) -> _T:
+    """Run ``fn(*args, **kwargs)`` in a worker thread; PersistentTimeoutError after ``timeout_s``.
+
+    ``what`` names the operation and URL for the message. The worker is a daemon
+    thread: one that overruns is abandoned (it cannot be interrupted) and never
+    blocks the interpreter's exit. ``timeout_s=None`` calls ``fn`` inline.
+    """
+    if timeout_s is None:
+        return fn(*args, **kwargs)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    t0 = time.monotonic()
+    threading.Thread(target=run, name="gemini-dcp-store-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise PersistentTimeoutError(
+            f"{what} did not finish within {timeout_s:g} s (waited {time.monotonic() - t0:.1f} s): the store "
+            "accepts the request but does not answer. Check the endpoint, the network and the store's health; "
+            "if it is merely slow, raise timeout_s (the writer's / reader's, which bounds every store call)."
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def decode_side_file(data: bytes, source: str, expect: type | tuple[type, ...]) -> Any:
+    """Decode a pickled side file without running code; UntrustedSideFileError if refused or not ``expect``."""
+    try:
+        obj = restricted_loads(data, source=source, allowed=SIDE_FILE_GLOBALS)
+    except UntrustedDataError as exc:
+        raise UntrustedSideFileError(
+            f"{exc} It was refused; nothing in it ran and the step is not used. Delete {source} (or the whole "
+            "step directory) and let the drain write the step again, or load another step."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - IncompatibleCheckpointError and the like
+        raise UntrustedSideFileError(
+            f"{source} cannot be decoded ({type(exc).__name__}: {exc}); the step is not used. Delete it, or load "
+            "another step."
+        ) from exc
+    if not isinstance(obj, expect):
+        names = expect.__name__ if isinstance(expect, type) else "/".join(t.__name__ for t in expect)
+        raise UntrustedSideFileError(
+            f"{source} holds a {type(obj).__name__}, not a {names}: it was not written by gemini_dcp. "
+            "Delete it (or the step directory), or load another step."
+        )
+    return obj
 
 
 def node_tag(node_id: str) -> str:
@@ -111,6 +216,10 @@ class PersistentTier:
         writable: probe write access (the writer); False only checks the store can be reached.
         storage_options: extra fsspec options (e.g. ``{"endpoint_url": ...}``); by default
             fsspec's own configuration and environment (``FSSPEC_S3_ENDPOINT_URL``, AWS_* ...) apply.
+        timeout_s: deadline of every store call (probe, listing, read, delete, each buffered
+            write), positive and finite; an overrun raises :class:`PersistentTimeoutError`.
+            The writer and reader pass their own ``timeout_s``. For s3:// it also sets botocore's
+            connect/read timeouts unless ``storage_options`` give ``config_kwargs`` of their own.
     """
 
     def __init__(
@@ -122,6 +231,7 @@ class PersistentTier:
         keep_every: int | None = None,
         writable: bool = False,
         storage_options: dict[str, Any] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if not isinstance(url, str) or not url.strip():
             raise PersistentTierError(f"persistent={url!r}: give an fsspec URL such as file:///mnt/ckpt or s3://bucket/prefix.")
@@ -134,9 +244,11 @@ class PersistentTier:
         self.keep = keep
         self.keep_every = keep_every
         self.writable = writable
+        self.timeout_s = check_timeout(timeout_s)
         self.storage_options = dict(storage_options or {})
-        self.fs, root_path = _url_to_fs(self.url, self.storage_options)
+        self.fs, root_path = _url_to_fs(self.url, self.storage_options, self.timeout_s)
         self.protocol = _protocol(self.fs)
+        self._deadline: float | None = None if self.protocol in _INLINE_PROTOCOLS else self.timeout_s
         self.root_path = root_path.rstrip("/") or "/"
         self.base = f"{self.root_path}/{self.job_id}" if self.root_path != "/" else f"/{self.job_id}"
         self._meta_cache: dict[int, tuple[Metadata, StepIndex | None]] = {}
@@ -158,21 +270,30 @@ class PersistentTier:
     def marker_path(self, step: int, node_id: str) -> str:
         return f"{self.step_path(step)}/{SIDE_DIR}/part-{node_tag(node_id)}.pkl"
 
+    def _call(self, op: str, path: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """One store call under this tier's deadline (inline for file:// and memory://)."""
+        return bounded_call(self._deadline, f"persistent store {self.url}: {op} {self._u(path)}", fn, *args, **kwargs)
+
     # ---- probe ---------------------------------------------------------------------------
     def _probe(self) -> None:
         key = (self.url, self.job_id, self.writable)
         with _PROBE_LOCK:
             if key in _PROBED:
                 return
-        try:
+        def probe() -> None:
             if self.writable:
                 if self.is_local:
                     self.fs.makedirs(self.base, exist_ok=True)
-                probe = f"{self.base}/.gemini-probe-{uuid.uuid4().hex[:12]}"
-                self.fs.pipe_file(probe, b"gemini_dcp write probe")
-                self.fs.rm_file(probe)
+                path = f"{self.base}/.gemini-probe-{uuid.uuid4().hex[:12]}"
+                self.fs.pipe_file(path, b"gemini_dcp write probe")
+                self.fs.rm_file(path)
             else:
                 self.fs.exists(self.base)
+
+        try:
+            self._call("write probe of" if self.writable else "probe of", self.base, probe)
+        except PersistentTimeoutError:
+            raise
         except Exception as exc:  # noqa: BLE001 - classified into one clear error
             raise PersistentTierError(_explain(exc, self.url, self.base, self.writable)) from exc
         with _PROBE_LOCK:
@@ -183,9 +304,11 @@ class PersistentTier:
         """Every step directory present (complete or not), ascending."""
         self._fresh(self.base)
         try:
-            entries = self.fs.ls(self.base, detail=False)
+            entries = self._call("listing of", self.base, self.fs.ls, self.base, detail=False)
         except FileNotFoundError:
             return []
+        except PersistentTierError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise PersistentTierError(f"cannot list {self._u(self.base)}: {type(exc).__name__}: {exc}") from exc
         steps = []
@@ -197,8 +320,11 @@ class PersistentTier:
 
     def is_complete(self, step: int) -> bool:
         self._fresh(self.step_path(step))
+        path = f"{self.step_path(step)}/{METADATA}"
         try:
-            return bool(self.fs.exists(f"{self.step_path(step)}/{METADATA}"))
+            return bool(self._call("existence check of", path, self.fs.exists, path))
+        except PersistentTierError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise PersistentTierError(f"cannot reach {self._u(self.step_path(step))}: {type(exc).__name__}: {exc}") from exc
 
@@ -233,29 +359,36 @@ class PersistentTier:
             return hit
         path = f"{self.step_path(step)}/{METADATA}"
         try:
-            raw = self.fs.cat_file(path)
+            raw = self._call("read of", path, self.fs.cat_file, path)
         except FileNotFoundError as exc:
             raise StepNotFoundError(
                 f"step {step} of job {self.job_id!r} is not complete in the persistent tier {self.url} "
                 f"(no {self._u(path)}); complete steps: {self.committed_steps()}."
             ) from exc
+        except PersistentTierError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise PersistentTierError(f"cannot read {self._u(path)}: {type(exc).__name__}: {exc}") from exc
-        try:
-            md = pickle.loads(raw)
-        except Exception as exc:  # noqa: BLE001
-            raise PersistentTierError(f"{self._u(path)} is not a readable DCP metadata file: {exc}") from exc
-        if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
+        md = decode_side_file(raw, self._u(path), Metadata)
+        if not isinstance(md.storage_data, dict):
             raise PersistentTierError(f"{self._u(path)} does not hold DCP Metadata with storage_data.")
         index: StepIndex | None = None
         ipath = f"{self.step_path(step)}/{SIDE_DIR}/{INDEX}"
         try:
-            obj = pickle.loads(self.fs.cat_file(ipath))
-            index = obj if isinstance(obj, StepIndex) else None
+            raw_index = self._call("read of", ipath, self.fs.cat_file, ipath)
         except FileNotFoundError:
-            index = None  # a checkpoint written by something else: no checksums to verify against
-        except Exception as exc:  # noqa: BLE001
-            log.warning("ignoring unreadable checksum index %s: %s", self._u(ipath), exc)
+            # A stock checkpoint written by something else (plain DCP): it has no checksums to verify.
+            log.info("%s has no %s: its items are loaded without checksum verification", self._u(path), self._u(ipath))
+            raw_index = None
+        except PersistentTierError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - never "no checksums" for an index that exists
+            raise PersistentTierError(
+                f"cannot read the checksum index {self._u(ipath)} of step {step}: {type(exc).__name__}: {exc}. "
+                "Without it the step's bytes cannot be verified, so it is not loaded: check the store, or load another step."
+            ) from exc
+        if raw_index is not None:
+            index = decode_side_file(raw_index, self._u(ipath), StepIndex)
         self._meta_cache[step] = (md, index)
         return md, index
 
@@ -285,10 +418,11 @@ class PersistentTier:
             entries.sort(key=lambda e: e[1].offset)
             path = f"{self.step_path(step)}/{rel}"
             try:
-                with self.fs.open(path, "rb", block_size=8 << 20) as f:
+                f = self._call("open of", path, self.fs.open, path, "rb", block_size=8 << 20)
+                try:
                     for idx, info in entries:
                         f.seek(info.offset)
-                        raw = f.read(info.length)
+                        raw = self._call(f"read of {info.length} bytes at {info.offset} of", path, f.read, info.length)
                         if len(raw) != info.length:
                             raise PersistentTierError(
                                 f"{self._u(path)} is truncated: item {idx.fqn!r} needs bytes {info.offset}+{info.length}."
@@ -296,6 +430,11 @@ class PersistentTier:
                         expect = _expected(planner_sd.get(idx), index, idx)
                         self._apply(step, idx, raw, by_index[idx], planner, expect, path)
                         total += info.length
+                finally:
+                    try:
+                        self._call("close of", path, f.close)
+                    except Exception as exc:  # noqa: BLE001 - a read-only handle; what was read stands
+                        log.debug("closing %s failed: %s", self._u(path), exc)
             except (PersistentTierError, ChecksumMismatchError):
                 raise
             except Exception as exc:  # noqa: BLE001
@@ -307,7 +446,7 @@ class PersistentTier:
         md, _ = self._load(step)
         info = md.storage_data[idx]
         path = f"{self.step_path(step)}/{info.relative_path}"
-        raw = self.fs.cat_file(path, start=info.offset, end=info.offset + info.length)
+        raw = self._call("read of", path, self.fs.cat_file, path, start=info.offset, end=info.offset + info.length)
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: PLC0415
 
         return raw, isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata)
@@ -351,7 +490,9 @@ class PersistentTier:
 
     # ---- writing (used by the drain and stock.materialize_step) -----------------------------------
     def step_dir(self, step: int) -> "StepDir":
-        return StepDir(self.fs, self.step_path(step), self.is_local, self._u(self.step_path(step)), step=step)
+        return StepDir(
+            self.fs, self.step_path(step), self.is_local, self._u(self.step_path(step)), step=step, timeout_s=self._deadline
+        )
 
     def read_markers(self, step: int) -> list[PartMarker]:
         return self.step_dir(step).read_markers()
@@ -360,7 +501,7 @@ class PersistentTier:
         """Remove ``.metadata`` first (the step stops being a checkpoint at once), then the rest."""
         self._rm_quiet(f"{self.step_path(step)}/{METADATA}")
         try:
-            self.fs.rm(self.step_path(step), recursive=True)
+            self._call("delete of", self.step_path(step), self.fs.rm, self.step_path(step), recursive=True)
         except FileNotFoundError:
             pass
         self._meta_cache.pop(step, None)
@@ -396,7 +537,7 @@ class PersistentTier:
         _fresh(self.fs, path)
 
     def _rm_quiet(self, path: str) -> None:
-        _rm_quiet(self.fs, path)
+        _rm_quiet(self.fs, path, self._deadline, self._u(path))
 
     def _u(self, path: str) -> str:
         return path if self.is_local else self.fs.unstrip_protocol(path)
@@ -408,30 +549,56 @@ class PersistentTier:
 class StepDir:
     """One checkpoint directory being written in a store: data files, part markers, index, ``.metadata``."""
 
-    def __init__(self, fs: Any, path: str, is_local: bool, url: str, step: int | None = None) -> None:
+    def __init__(
+        self, fs: Any, path: str, is_local: bool, url: str, step: int | None = None, timeout_s: float | None = None
+    ) -> None:
         self.fs = fs
         self.path = path.rstrip("/")
         self.is_local = is_local
         self.url = url
         self.step = step
+        # Deadline of each store call (None: inline, for file:// and memory://).
+        self.timeout_s = None if _protocol(fs) in _INLINE_PROTOCOLS else timeout_s
 
     @classmethod
-    def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None, probe: bool = True) -> "StepDir":
-        """A checkpoint directory given by its own URL (``materialize_step``'s destination)."""
+    def from_url(
+        cls,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        probe: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> "StepDir":
+        """A checkpoint directory given by its own URL (``materialize_step``'s destination).
+
+        ``timeout_s`` bounds every store call made through it (PersistentTimeoutError).
+        """
+        timeout_s = check_timeout(timeout_s)
         url = url.rstrip("/") if "://" in url else os.path.abspath(os.path.expanduser(url))
-        fs, path = _url_to_fs(url, dict(storage_options or {}))
+        fs, path = _url_to_fs(url, dict(storage_options or {}), timeout_s)
         is_local = _protocol(fs) in _LOCAL_PROTOCOLS
-        sd = cls(fs, path, is_local, path if is_local else fs.unstrip_protocol(path))
+        sd = cls(fs, path, is_local, path if is_local else fs.unstrip_protocol(path), timeout_s=timeout_s)
         if probe:
-            try:
+
+            def run() -> None:
                 if is_local:
                     fs.makedirs(sd.path, exist_ok=True)
                 p = f"{sd.path}/.gemini-probe-{uuid.uuid4().hex[:12]}"
                 fs.pipe_file(p, b"gemini_dcp write probe")
                 fs.rm_file(p)
+
+            try:
+                sd._call("write probe of", sd.path, run)
+            except PersistentTimeoutError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 raise PersistentTierError(_explain(exc, url, sd.path, True)) from exc
         return sd
+
+    def _call(self, op: str, path: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """One store call under the deadline (inline for file:// and memory://)."""
+        shown = path if self.is_local else self.fs.unstrip_protocol(path)
+        return bounded_call(self.timeout_s, f"persistent store: {op} {shown}", fn, *args, **kwargs)
 
     def file(self, rel: str) -> str:
         return f"{self.path}/{rel}"
@@ -441,20 +608,26 @@ class StepDir:
 
     def is_complete(self) -> bool:
         _fresh(self.fs, self.path)
-        return bool(self.fs.exists(self.file(METADATA)))
+        return bool(self._call("existence check of", self.file(METADATA), self.fs.exists, self.file(METADATA)))
 
     def begin(self, node_id: str) -> None:
         """Before (re)writing data here: remove ``.metadata`` (so old metadata never meets new data) and this node's marker."""
         for path in (self.file(METADATA), self.marker_path(node_id)):
-            _rm_quiet(self.fs, path)
+            _rm_quiet(self.fs, path, self.timeout_s, path)
         if self.is_local:
             self.fs.makedirs(self.file(SIDE_DIR), exist_ok=True)
 
     def open_write(self, rel: str) -> Any:
+        """A binary file for writing ``rel`` (``write``/``tell``/``flush``/``close``): local, or a
+        remote one whose every store call runs under the deadline (:class:`_DeadlineWriter`)."""
         if self.is_local:
             self.fs.makedirs(self.path, exist_ok=True)
             return open(self.file(rel), "wb")  # noqa: SIM115 - closed by the caller
-        return self.fs.open(self.file(rel), "wb", block_size=64 << 20)
+        path = self.file(rel)
+        f = self._call("open for writing of", path, self.fs.open, path, "wb", block_size=64 << 20)
+        if self.timeout_s is None:
+            return f
+        return _DeadlineWriter(f, self.timeout_s, f"persistent store: upload of {self.fs.unstrip_protocol(path)}")
 
     def put_bytes(self, rel: str, data: bytes, *, atomic: bool = False) -> None:
         """Write one small object; ``atomic``: tmp + fsync + rename on local filesystems (one put elsewhere)."""
@@ -470,16 +643,21 @@ class StepDir:
                 os.replace(tmp, path)
                 _fsync_dir(os.path.dirname(path))
         else:
-            self.fs.pipe_file(path, data)
+            self._call(f"write of {len(data)} bytes to", path, self.fs.pipe_file, path, data)
 
     def write_marker(self, marker: PartMarker) -> None:
         self.put_bytes(f"{SIDE_DIR}/part-{node_tag(marker.node_id)}.pkl", pickle.dumps(marker), atomic=True)
 
     def read_markers(self) -> list[PartMarker]:
+        """The part markers written here (decoded without running code).
+
+        Raises UntrustedSideFileError for a marker that is refused or unreadable (naming it):
+        a part nobody can trust must stop the commit, not be skipped silently.
+        """
         side = self.file(SIDE_DIR)
         _fresh(self.fs, side)
         try:
-            names = self.fs.ls(side, detail=False)
+            names = self._call("listing of", side, self.fs.ls, side, detail=False)
         except FileNotFoundError:
             return []
         out = []
@@ -487,16 +665,23 @@ class StepDir:
             base = str(n).rstrip("/").rsplit("/", 1)[-1]
             if not (base.startswith("part-") and base.endswith(".pkl")):
                 continue
+            path = f"{side}/{base}"
             try:
-                obj = pickle.loads(self.fs.cat_file(f"{side}/{base}"))
+                raw = self._call("read of", path, self.fs.cat_file, path)
             except FileNotFoundError:
                 continue
-            except Exception as exc:  # noqa: BLE001
-                log.warning("ignoring unreadable part marker %s/%s: %s", side, base, exc)
-                continue
-            if isinstance(obj, PartMarker):
-                out.append(obj)
+            shown = path if self.is_local else self.fs.unstrip_protocol(path)
+            out.append(decode_side_file(raw, shown, PartMarker))
         return out
+
+    def read_index(self) -> StepIndex | None:
+        """The checksum index written here (None if there is none); decoded without running code."""
+        path = self.file(f"{SIDE_DIR}/{INDEX}")
+        try:
+            raw = self._call("read of", path, self.fs.cat_file, path)
+        except FileNotFoundError:
+            return None
+        return decode_side_file(raw, path if self.is_local else self.fs.unstrip_protocol(path), StepIndex)
 
     def commit(self, metadata: Metadata, index: StepIndex) -> None:
         """Write the checksum index, then ``.metadata`` (last: the commit)."""
@@ -505,9 +690,23 @@ class StepDir:
 
 
 # ---- module helpers ----------------------------------------------------------------------------
-def _url_to_fs(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+def _with_timeouts(url: str, options: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+    """``options`` plus botocore connect/read timeouts for s3:// (unless the caller set ``config_kwargs``).
+
+    The deadline of :func:`bounded_call` frees the caller; these make the abandoned
+    request end by itself too, instead of waiting on a dead socket for ever.
+    """
+    proto = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if timeout_s is None or proto not in ("s3", "s3a") or "config_kwargs" in options:
+        return options
+    conf = (fsspec.config.conf.get("s3") or {}).get("config_kwargs") or {}
+    cfg = {"connect_timeout": min(timeout_s, 60.0), "read_timeout": timeout_s, "retries": {"max_attempts": 2}}
+    return {**options, "config_kwargs": {**cfg, **conf}}
+
+
+def _url_to_fs(url: str, options: dict[str, Any], timeout_s: float | None = None) -> tuple[Any, str]:
     try:
-        return fsspec.core.url_to_fs(url, **options)
+        return fsspec.core.url_to_fs(url, **_with_timeouts(url, options, timeout_s))
     except ValueError as exc:
         proto = url.split("://", 1)[0] if "://" in url else "file"
         known = sorted(p for p in fsspec.available_protocols() if len(p) < 12)
@@ -532,14 +731,86 @@ def _fresh(fs: Any, path: str) -> None:
         pass
 
 
-def _rm_quiet(fs: Any, path: str) -> None:
+def _rm_quiet(fs: Any, path: str, timeout_s: float | None = None, shown: str | None = None) -> None:
+    what = f"persistent store: delete of {shown or path}"
     try:
-        fs.rm_file(path)
+        bounded_call(timeout_s, what, fs.rm_file, path)
     except FileNotFoundError:
         pass
+    except PersistentTierError:
+        raise
     except OSError as exc:
-        if fs.exists(path):
-            raise PersistentTierError(f"cannot delete {path}: {exc}") from exc
+        if bounded_call(timeout_s, what, fs.exists, path):
+            raise PersistentTierError(f"cannot delete {shown or path}: {exc}") from exc
+
+
+class _DeadlineWriter:
+    """A remote file opened for writing whose store calls each run under a deadline.
+
+    Writes are buffered here and handed to the store in calls of at least
+    :data:`WRITE_BUFFER` bytes (few worker-thread hand-offs for the many small
+    writes of ``torch.save``); ``close`` uploads the rest. An overrun raises
+    PersistentTimeoutError; the store's own file is then abandoned, never committed.
+    """
+
+    def __init__(self, f: Any, timeout_s: float, what: str) -> None:
+        self._f = f
+        self._timeout = timeout_s
+        self._what = what
+        self._buf = bytearray()
+        self._pos = 0  # bytes handed to the store
+        self._failed = False  # a call failed or overran: the upload is abandoned, close() does nothing
+
+    def write(self, data: Any) -> int:
+        if self._failed:
+            raise PersistentTierError(f"{self._what} was abandoned after an earlier failure; start the upload again.")
+        mv = memoryview(data).cast("B")
+        self._buf += mv
+        if len(self._buf) >= WRITE_BUFFER:
+            self._drain()
+        return mv.nbytes
+
+    def _drain(self) -> None:
+        if self._buf:
+            chunk = bytes(self._buf)
+            self._buf.clear()
+            try:
+                bounded_call(self._timeout, f"{self._what} ({len(chunk)} bytes at {self._pos})", self._f.write, chunk)
+            except BaseException:
+                self._failed = True
+                raise
+            self._pos += len(chunk)
+
+    def tell(self) -> int:
+        return self._pos + len(self._buf)
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        self._drain()
+
+    def close(self) -> None:
+        if self._failed:
+            return
+        try:
+            self._drain()
+            bounded_call(self._timeout, f"{self._what} (final part, {self._pos} bytes in all)", self._f.close)
+        except BaseException:
+            self._failed = True
+            discard = getattr(self._f, "discard", None)
+            if callable(discard):
+                try:
+                    discard()  # no network: drops the unfinished upload's buffer
+                except Exception:  # noqa: BLE001 - best effort: the upload is abandoned anyway
+                    pass
+            raise
+
+    def __enter__(self) -> "_DeadlineWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _protocol(fs: Any) -> str:

@@ -82,7 +82,7 @@ class GeminiStorageReader(StorageReader):
         if persistent is not None:
             from .persistent import PersistentTier  # noqa: PLC0415
 
-            self.persistent = PersistentTier(persistent, self.job_id)
+            self.persistent = PersistentTier(persistent, self.job_id, timeout_s=timeout_s)  # every store call bounded
         self._requested: int | None = None
         self._metadata_error: Exception | None = None
         self._decision: RestoreDecision | None = None

@@ -47,11 +47,12 @@ from .config import resolve_node_id
 from .errors import (
     ChecksumMismatchError,
     ConfigError,
+    PersistentTierError,
     ShardUnavailableError,
     StepNotFoundError,
     TierRootError,
 )
-from .persistent import PartMarker, PersistentTier, StepDir, StepIndex, data_file, node_tag
+from .persistent import PartMarker, PersistentTier, PersistentTimeoutError, StepDir, StepIndex, data_file, node_tag
 from .records import ShardRef, StepRecord
 
 log = logging.getLogger(__name__)
@@ -405,11 +406,11 @@ def materialize_step(
             )
     if dest.is_complete():
         try:
-            from .persistent import INDEX, SIDE_DIR  # noqa: PLC0415
-            import pickle  # noqa: PLC0415
-
-            done = pickle.loads(dest.fs.cat_file(dest.file(f"{SIDE_DIR}/{INDEX}")))
-        except Exception:  # noqa: BLE001 - not ours / unreadable: rewrite it
+            done = dest.read_index()  # decoded without running code (gemini_dcp.safe_pickle)
+        except PersistentTierError as exc:  # a timeout stops here; anything else is rewritten
+            if isinstance(exc, PersistentTimeoutError):
+                raise
+            log.warning("%s: its checksum index is not usable (%s); writing the step again", dest.url, exc)
             done = None
         if isinstance(done, StepIndex) and done.fingerprint == src.fingerprint and done.step == src.step:
             return {"step": src.step, "dest": dest.url, "complete": True, "bytes": 0, "items": len(done.checksums),

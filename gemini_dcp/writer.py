@@ -183,7 +183,9 @@ class GeminiStorageWriter(StorageWriter):
         checksum: ``"auto"`` (default: ``"crc32c"`` through the C++ extension's fused
             multi-threaded copy+CRC when it is built, else ``"xxh3"``), ``"xxh3"`` or ``"crc32c"``.
         capacity_bytes: optional budget for this job's slots on this node.
-        timeout_s: timeout of checkpoint collectives and peer transfers.
+        timeout_s: timeout of checkpoint collectives and peer transfers (on the checkpoint
+            control group; DCP's own planning gathers wait the *training* group's timeout, see
+            docs/failure-semantics.md) and of every persistent-store call.
         on_peer_failure: ``"raise"`` (default) fails the save when a peer copy
             cannot be made; ``"degrade"`` commits with fewer replicas and warns.
         persistent: optional fsspec URL of the persistent tier.
@@ -256,6 +258,7 @@ class GeminiStorageWriter(StorageWriter):
                 keep=persist_keep,
                 keep_every=persist_keep_every,
                 writable=True,
+                timeout_s=self.options.timeout_s,  # bounds every store call (probe, drain uploads)
             )
         if not isinstance(persist_every, int) or persist_every < 1:
             raise ConfigError(f"persist_every={persist_every!r}: drain every K-th step with K an int >= 1.")

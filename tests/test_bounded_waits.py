@@ -1,0 +1,333 @@
+"""Issue 19, bounded waits and the persistent store's side files.
+
+* A store that accepts connections but never answers (a loopback "black hole" used as the
+  s3 endpoint) fails the writer and the reader with PersistentTierError within about
+  ``timeout_s``; a drain upload to a store that hangs midway ends with a failed status.
+* Planted ``index.pkl`` / ``part-*.pkl`` / ``progress.pkl`` that would run code are refused
+  (their marker file is never created) and no load goes on without checksums.
+* A peer that stalls inside a save beyond ``timeout_s`` makes the survivor raise
+  RestartRequiredError (a PeerError) within the bound; the next save raises it at once; and
+  a writer with ``timeout_s=2`` made after one with 300 in the same process honours 2.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import pickle
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.memory import MemoryFileSystem
+
+from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
+from gemini_dcp.errors import PersistentTierError, RestartRequiredError, UntrustedDataError
+from gemini_dcp.persistent import INDEX, SIDE_DIR, PersistentTier, PersistentTimeoutError, StepDir
+from mp_utils import run_ranks
+from workloads import plain_state
+
+SLACK_S = 4.0  # scheduling slack on a loaded 2-core machine
+
+
+@pytest.fixture
+def root() -> Any:
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    d = tempfile.mkdtemp(prefix="gemini-bw-", dir=base)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- a store that accepts connections and never answers ---------------------------------------------
+@pytest.fixture
+def black_hole(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """s3:// pointed at a loopback TCP server that accepts and reads, but never answers."""
+    pytest.importorskip("s3fs")
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            held.append(conn)  # kept open, never answered
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    endpoint = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint, "skip_instance_cache": True})
+    yield f"s3://bucket-{uuid.uuid4().hex[:8]}/ckpt"
+    stop.set()
+    t.join(2)
+    for c in held:
+        c.close()
+    srv.close()
+
+
+def test_writer_constructor_fails_on_black_hole_store(root: str, black_hole: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(PersistentTierError) as ei:
+        GeminiStorageWriter(root=root, job_id="bh", persistent=black_hole, timeout_s=2)
+    waited = time.monotonic() - t0
+    assert waited < 2 + SLACK_S, waited
+    assert isinstance(ei.value, PersistentTimeoutError)
+    msg = str(ei.value)
+    assert black_hole in msg and "within 2 s" in msg and "timeout_s" in msg
+
+
+def test_reader_fails_on_black_hole_store(root: str, black_hole: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(PersistentTierError) as ei:
+        GeminiStorageReader(root=root, job_id="bh", persistent=black_hole, timeout_s=2)
+    assert time.monotonic() - t0 < 2 + SLACK_S
+    assert isinstance(ei.value, PersistentTimeoutError) and black_hole in str(ei.value)
+
+
+def test_store_calls_after_the_probe_are_bounded(black_hole: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier whose store stops answering after construction: listing and reads overrun, never hang."""
+    import gemini_dcp.persistent as persistent
+
+    monkeypatch.setattr(PersistentTier, "_probe", lambda self: None)
+    pt = PersistentTier(black_hole, "bh", timeout_s=1.5)
+    for call in (pt.committed_steps, lambda: pt.read_metadata(3)):
+        t0 = time.monotonic()
+        with pytest.raises(persistent.PersistentTimeoutError):
+            call()
+        assert time.monotonic() - t0 < 1.5 + SLACK_S
+
+
+def test_timeout_must_be_positive_and_finite() -> None:
+    from gemini_dcp.errors import ConfigError
+
+    for bad in (0, -1, float("inf"), float("nan"), "5", True):
+        with pytest.raises(ConfigError):
+            PersistentTier("memory://bw-timeout", "j", timeout_s=bad)
+
+
+# ---- a drain upload to a store that hangs midway ------------------------------------------------------
+class _HangingFS(MemoryFileSystem):
+    """memory:// whose data-file uploads block (until released) once ``hang`` is set."""
+
+    protocol = "gemhang"
+    hang = threading.Event()
+    release = threading.Event()
+
+    def open(self, path: str, mode: str = "rb", **kw: Any) -> Any:  # type: ignore[override]
+        f = super().open(path, mode, **kw)
+        if "w" in mode and path.endswith(".distcp") and self.hang.is_set():
+            return _HangingFile(f, self.release)
+        return f
+
+
+class _HangingFile:
+    def __init__(self, f: Any, release: threading.Event) -> None:
+        self._f, self._release = f, release
+
+    def write(self, data: Any) -> int:
+        self._release.wait()
+        return self._f.write(data)
+
+    def close(self) -> None:
+        self._release.wait()
+        self._f.close()
+
+    def discard(self) -> None:
+        pass
+
+
+def test_drain_upload_to_hanging_store_ends_failed(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gemini_dcp.drain import drain_status
+
+    fsspec.register_implementation("gemhang", _HangingFS, clobber=True)
+    monkeypatch.setenv("GEMINI_DCP_DRAIN_MODE", "thread")  # the store lives in this process
+    monkeypatch.setenv("GEMINI_DCP_DRAIN_ATTEMPTS", "1")
+    url = f"gemhang://bw-{uuid.uuid4().hex[:8]}"
+    _HangingFS.hang.clear()
+    _HangingFS.release.clear()
+    try:
+        w = GeminiStorageWriter(root=root, job_id="hang", persistent=url, persist_every=1, timeout_s=2)
+        _HangingFS.hang.set()  # the probe went through; the upload will not
+        t0 = time.monotonic()
+        dcp.save(plain_state(1), storage_writer=w, checkpoint_id=1)
+        assert w._drainer is not None
+        assert w._drainer.wait(2 + 3 * SLACK_S), "the drain hung on the store"
+        waited = time.monotonic() - t0
+        entry = drain_status(w.tier.layout.persist_dir)["steps"]["1"]
+        assert entry["state"] == "abandoned", entry
+        assert "did not finish within 2 s" in entry["reason"] and url in entry["reason"], entry
+        assert waited < 2 + 3 * SLACK_S
+        assert PersistentTier(url, "hang").committed_steps() == []
+    finally:
+        _HangingFS.release.set()
+
+
+# ---- planted side files -----------------------------------------------------------------------------
+class _Payload:
+    """Unpickling this creates ``path`` (stands for arbitrary code)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> Any:
+        return (builtins.open, (self.path, "w"))
+
+
+def _drained_step(root: str, url: str, job: str, step: int, monkeypatch: pytest.MonkeyPatch) -> PersistentTier:
+    monkeypatch.setenv("GEMINI_DCP_DRAIN_MODE", "thread")
+    w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=1)
+    dcp.save(plain_state(step), storage_writer=w, checkpoint_id=step)
+    assert w._drainer is not None and w._drainer.wait(60)
+    pt = PersistentTier(url, job)
+    assert pt.committed_steps() == [step]
+    return pt
+
+
+def test_planted_index_is_refused_and_load_does_not_go_on_unverified(
+    root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"memory://bw-{uuid.uuid4().hex[:8]}"
+    pt = _drained_step(root, url, "idx", 4, monkeypatch)
+    assert pt.read_index(4) is not None  # ours: readable
+    marker = tmp_path / "index-ran"
+    pt.fs.pipe_file(f"{pt.step_path(4)}/{SIDE_DIR}/{INDEX}", pickle.dumps(_Payload(marker)))
+    fresh = PersistentTier(url, "idx")
+    with pytest.raises(UntrustedDataError) as ei:
+        fresh.read_index(4)
+    assert isinstance(ei.value, PersistentTierError) and INDEX in str(ei.value)
+    # A restore that falls back to the store (this node's memory is empty) fails; it never loads unverified.
+    empty = tempfile.mkdtemp(prefix="gemini-bw-empty-", dir=os.path.dirname(root))
+    try:
+        sd = plain_state(0)
+        with pytest.raises(BaseException) as ei2:  # noqa: PT011 - DCP wraps ours (CheckpointException)
+            dcp.load(sd, storage_reader=GeminiStorageReader(root=empty, job_id="idx", persistent=url))
+        assert isinstance(find_gemini_error(ei2.value), UntrustedDataError), ei2.value
+        assert torch.equal(sd["w"], plain_state(0)["w"])
+    finally:
+        shutil.rmtree(empty, ignore_errors=True)
+    assert not marker.exists()
+    # Garbage (not a pickle) is an error too, never "no checksums".
+    pt.fs.pipe_file(f"{pt.step_path(4)}/{SIDE_DIR}/{INDEX}", b"\x00not a pickle")
+    with pytest.raises(PersistentTierError):
+        PersistentTier(url, "idx").read_index(4)
+
+
+def test_planted_part_marker_is_refused(tmp_path: Path) -> None:
+    from gemini_dcp.stock import try_finalize
+
+    store = tmp_path / "store"
+    sd = StepDir.from_url(str(store / "job" / "step-9"))
+    marker = tmp_path / "part-ran"
+    sd.put_bytes(f"{SIDE_DIR}/part-deadbeef.pkl", pickle.dumps(_Payload(marker)))
+    with pytest.raises(UntrustedDataError) as ei:
+        sd.read_markers()
+    assert "part-deadbeef.pkl" in str(ei.value)
+    with pytest.raises(UntrustedDataError):
+        try_finalize(sd, 9, None, "fp", [], "job")  # type: ignore[arg-type]
+    assert not marker.exists()
+    assert not sd.is_complete()
+
+
+def test_planted_progress_is_refused_and_abandons_the_drain(tmp_path: Path) -> None:
+    from gemini_dcp.drain import _classify, _load_progress
+
+    d = tmp_path / "stage" / "step-000000000001"
+    d.mkdir(parents=True)
+    marker = tmp_path / "progress-ran"
+    (d / "progress.pkl").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(UntrustedDataError) as ei:
+        _load_progress(d)
+    assert not marker.exists()
+    assert _classify(ei.value)[0] == "abandon"
+    (d / "progress.pkl").write_bytes(pickle.dumps(["not", "a", "dict"]))
+    with pytest.raises(UntrustedDataError):
+        _load_progress(d)
+    (d / "progress.pkl").unlink()
+    assert _load_progress(d) == {"begun": False, "files": {}}
+
+
+# ---- peers: bounded and clear -----------------------------------------------------------------------
+def _stall_scenario(rank: int, world_size: int, root: str, stall_s: float) -> dict[str, Any]:
+    sd = {f"w{rank}": torch.full((64, 8), float(rank)), "step": 0}
+    # First a writer with a long timeout makes its control group (timeout 300 s) ...
+    w300 = GeminiStorageWriter(root=root, job_id="stall", replicas=2, timeout_s=300)
+    dcp.save(sd, storage_writer=w300, checkpoint_id=1)
+    # ... then one with timeout_s=2 must get a group of its own, which waits 2 s, not 300.
+    w2 = GeminiStorageWriter(root=root, job_id="stall", replicas=2, timeout_s=2)
+    if rank == 1:
+        inner = w2._write_local
+
+        def stalled(*args: Any, **kw: Any) -> Any:
+            time.sleep(stall_s)  # a peer stuck inside the save (GC pause, slow disk, hung kernel)
+            return inner(*args, **kw)
+
+        w2._write_local = stalled  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    for name, step in (("stalled", 2), ("next", 3)):
+        t0 = time.monotonic()
+        try:
+            dcp.save(sd, storage_writer=w2, checkpoint_id=step)
+            out[name] = ("no error", "", time.monotonic() - t0)
+        except BaseException as exc:  # noqa: BLE001 - classified by the test (DCP raises CheckpointException)
+            gem = find_gemini_error(exc)
+            out[name] = (type(gem).__name__ if gem else type(exc).__name__, str(gem or exc), time.monotonic() - t0)
+        if rank == 1 and name == "stalled":
+            w2._write_local = inner  # type: ignore[method-assign]
+    from gemini_dcp.comm import broken_reason
+
+    out["own_reason"] = broken_reason()  # what broke this rank's control group, in its own words
+    return out
+
+
+@pytest.fixture(scope="module")
+def stall_results() -> list[dict[str, Any]]:
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    roots = [tempfile.mkdtemp(prefix=f"gemini-bw-node{i}-", dir=base) for i in range(2)]
+    try:
+        yield run_ranks(_stall_scenario, 2, roots, timeout=120, stall_s=6.0)
+    finally:
+        for r in roots:
+            shutil.rmtree(r, ignore_errors=True)
+
+
+def test_stalled_peer_raises_restart_required_within_bound(stall_results: list[dict[str, Any]]) -> None:
+    kind, msg, took = stall_results[0]["stalled"]  # rank 0: the survivor
+    assert kind == "RestartRequiredError", (kind, msg)
+    assert issubclass(RestartRequiredError, PersistentTierError.__mro__[1])  # a GeminiError ...
+    assert "restart" in msg.lower() and "all_gather_object" in msg, msg
+    # Bound: the stall (DCP's own gather waits for the stalled rank on the training group) + timeout_s.
+    assert took < 6.0 + 2 + SLACK_S, took
+    kind1, msg1, _ = stall_results[1]["stalled"]
+    assert kind1 == "RestartRequiredError", (kind1, msg1)
+
+
+def test_next_save_after_broken_group_raises_at_once(stall_results: list[dict[str, Any]]) -> None:
+    for r in stall_results:
+        kind, msg, took = r["next"]
+        assert kind == "RestartRequiredError", (kind, msg)
+        assert "broke earlier" in msg and "Restart the job" in msg, msg
+        assert took < SLACK_S, took
+
+
+def test_writer_timeout_honoured_after_longer_one(stall_results: list[dict[str, Any]]) -> None:
+    msg = stall_results[0]["own_reason"]  # the survivor timed out waiting for the stalled rank
+    assert msg and "timeout_s=2" in msg, stall_results
+    waited = float(re.search(r"after ([0-9.]+) s", msg).group(1))  # type: ignore[union-attr]
+    assert 1.5 <= waited < 2 + SLACK_S, msg
