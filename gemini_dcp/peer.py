@@ -258,18 +258,12 @@ class Inflight:
 def _landing(
     by_key: dict["ItemKey", list[ReadItem]], key: "ItemKey", ref: ShardRef, planner: LoadPlanner
 ) -> tuple[torch.Tensor, tuple[ReadItem, torch.Tensor] | None]:
-    """Where a received chunk lands: straight in its destination tensor when one read item covers it whole.
+    """Where a received chunk lands: a receive buffer of its own, never the destination tensor.
 
-    The same-sharding restore (the common case) then needs no staging buffer and
-    no second copy: the bytes are verified in place and committed, or re-fetched
-    into the same place on a checksum mismatch.
+    The reader verifies it there and copies it into the state dict only once every
+    rank holds a verified copy of every chunk (``GeminiStorageReader.read_data``): a
+    corrupt or missing chunk then leaves the caller's tensors as they were.
     """
-    from .reader import direct_destination  # noqa: PLC0415
-
-    direct = direct_destination(by_key[key], ref, planner)
-    if direct is not None:
-        item, dest, dst_bytes = direct
-        return dst_bytes, (item, dest)
     return torch.empty(ref.length, dtype=torch.uint8), None
 
 
@@ -315,14 +309,7 @@ def finish_transfer(
     for key, buf, work, direct in inflight.recvs:
         if work is not None:
             _wait(work, f"peer receive of the chunk at offset {key[1]} of rank {key[0]}'s slot")
-        ref = refs[key]
-        if direct is None:
-            ok[key] = reader._apply(by_key[key], ref, buf, planner)
-        elif checksum(buf, ref.algo) == ref.checksum:
-            planner.commit_tensor(*direct)
-            ok[key] = True
-        else:
-            ok[key] = False
+        ok[key] = reader._stage(by_key[key], refs[key], buf)  # verified and staged, not yet applied
     for w in inflight.sends:
         _wait(w, "peer send of a chunk")
     return ok
@@ -381,7 +368,7 @@ def fetch_remote(
     for rnd in range(MAX_REPAIR_ROUNDS):
         # Never raise inside this loop: every rank must run the same rounds.
         pending = sorted(k for k in failed if k not in given_up)
-        tallies: list[Tally] = comm.all_gather_object(Tally(pending, sorted(exclude), dict(counts), True))
+        tallies: list[Tally] = comm.all_gather_object(Tally(pending, sorted(exclude), dict(counts), reader._rank_ok))
         if not any(t.pending for t in tallies):
             if rnd == 0:
                 return tallies  # nothing to repair anywhere: these counts are final
@@ -414,10 +401,9 @@ def _from_persistent(
 ) -> None:
     if reader.persistent is None or reader._decision is None:
         return
-    step = reader._decision.step
     for k in keys:
         try:
-            counts["persistent"] += reader.persistent.read_items(step, LoadPlan(by_key[k]), planner)
+            counts["persistent"] += reader._stage_from_persistent(LoadPlan(by_key[k]), planner)
         except GeminiError as exc:
             log.warning("persistent copy of %s unusable: %s", by_key[k][0].storage_index.fqn, exc)
             continue

@@ -9,11 +9,16 @@ Call order (driven by ``dcp.load``; **all ranks must call dcp.load together**):
 3. ``prepare_global_plan`` (coordinator) — assigns, for each chunk a rank needs
    and its node does not hold, a peer rank that holds it, spreading bytes over
    the holders.
-4. ``read_data`` — collective: local chunks are verified and copied from the
-   mmap'd slot files (zero copy until the final copy into the live tensors);
-   peer chunks arrive over the checkpoint control group; a chunk whose checksum
-   fails is fetched again from another copy (peer, then persistent); finally the
-   per-tier byte counts are summed over all ranks into ``restored_from``.
+4. ``read_data`` — collective, in two phases. *Stage*: every chunk this rank needs is
+   verified against its checksum before any byte of it may reach the state dict —
+   local chunks in the mmap'd slot files (zero copy), peer chunks in receive buffers
+   (they arrive over the checkpoint control group while the local chunks are
+   verified), persistent chunks as read from the store; a chunk whose checksum fails
+   is fetched again from another copy (peer, then persistent). *Apply*: only when
+   every rank holds a verified copy of every chunk it needs (one all-gather, which
+   also sums the per-tier byte counts into ``restored_from``) are the chunks copied
+   into the live tensors, converted to the requested dtype as stock DCP converts
+   them. A load that fails leaves the caller's tensors exactly as they were.
 """
 
 from __future__ import annotations
@@ -22,24 +27,32 @@ import dataclasses
 import io
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
 from torch.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, LoadItemType, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .checksum import as_bytes, checksum, checksum_then_copy
+from .checksum import checksum
 from .compat import failed_metadata, raise_if_failed
 from .comm import Comm, get_comm
 from .config import parse_step, resolve_node_id
-from .errors import ChecksumMismatchError, GeminiError, ShardUnavailableError
+from .errors import (
+    CheckpointMismatchError,
+    ChecksumMismatchError,
+    GeminiError,
+    IncompatibleCheckpointError,
+    ShardUnavailableError,
+)
 from .faults import fault_point
+from .launch import current_launch
 from .local_tier import LocalTier
 from .records import ShardRef, StepRecord
 from .restore_plan import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
@@ -52,6 +65,19 @@ log = logging.getLogger(__name__)
 
 TIERS = ("local", "peer", "persistent")
 ItemKey = tuple[int, int]  # (saving rank, offset in its slot): one stored item
+MISMATCH_KEYS_SHOWN = 5  # offending keys named in a CheckpointMismatchError
+
+
+class Staged(NamedTuple):
+    """One stored chunk whose bytes were verified and wait, outside the state dict, to be applied.
+
+    ``stored`` is the chunk as saved (its own dtype and shape): a view of verified bytes
+    (an mmap'd slot, a receive buffer) or the tensor read from the persistent tier; for a
+    bytes item, the raw bytes (a uint8 tensor or ``bytes``).
+    """
+
+    items: list[ReadItem]
+    stored: "torch.Tensor | bytes"
 
 
 class GeminiStorageReader(StorageReader):
@@ -59,7 +85,18 @@ class GeminiStorageReader(StorageReader):
 
     After ``dcp.load``: ``restored_step`` is the step loaded, ``restored_from``
     maps tier name → bytes read from it summed over all ranks (``rank_restored_from``:
-    this rank only), ``restore_seconds`` the wall time of the restore.
+    this rank only), ``restore_seconds`` the wall time of the restore, and
+    ``restored_launch`` the description of the launch that saved the step ("" when the
+    record does not say, e.g. a step read from the persistent tier alone). Known after
+    ``read_metadata``: a restore across launches (a torchrun restart, or another job
+    that used this job id) is logged there with both launches.
+
+    A load is all-or-nothing: the state dict is written only after every rank has a
+    verified copy of every chunk it needs, so a load that raises (corrupt bytes with
+    no good copy left, lost shards, a state dict that does not match the checkpoint:
+    :class:`~gemini_dcp.errors.CheckpointMismatchError`) leaves the caller's tensors
+    exactly as they were. Chunks are converted to the state dict's dtypes as stock DCP
+    converts them (``dest.copy_(stored)``); bytes are never reinterpreted.
     """
 
     def __init__(
@@ -89,8 +126,14 @@ class GeminiStorageReader(StorageReader):
         self._record: StepRecord | None = None
         self._local: dict[int, Path] = {}
         self._maps: dict[Path, ReadOnlySlot] = {}
+        self._staged: list[Staged] = []
+        self._dests: dict[int, torch.Tensor] = {}  # id(read item) -> its resolved destination
+        self._checked_planner: LoadPlanner | None = None
+        self._rank_ok = True  # False: this rank will raise; it tells the others in the first agreement round
+        self._stage_error: GeminiError | None = None
         self._t0 = 0.0
         self.restored_step: int | None = None
+        self.restored_launch: str = ""
         self.restored_from: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.rank_restored_from: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.restore_seconds: float | None = None
@@ -107,6 +150,7 @@ class GeminiStorageReader(StorageReader):
         self._requested = None if checkpoint_id is None else parse_step(checkpoint_id)
         self._decision = None
         self._record = None
+        self.restored_launch = ""
         if self._requested is not None:
             self._decide()
 
@@ -175,7 +219,34 @@ class GeminiStorageReader(StorageReader):
             for s in mine.slots:
                 self._local[s.rank] = self.tier.slot_path(s.rank, s.slot)
         self._decision, self._record = decision, record
+        self._note_launch(record, comm.rank)
         self._adopt_lost_parts(views, comm.rank)
+
+    def _note_launch(self, record: StepRecord, rank: int) -> None:
+        """Set ``restored_launch``; log (rank 0) when the step was saved by another launch.
+
+        A torchrun restart restores what the previous launch of the run saved: that is
+        logged at INFO. A launch of another run (another ``--rdzv-id``, or none: two jobs
+        that share the default job id) is logged at WARNING, since it may be another
+        job's checkpoint; the restore goes on either way (the key/shape check in
+        ``set_up_storage_reader`` / ``read_data`` refuses another model's state).
+        """
+        saved_id = getattr(record, "launch_id", "") or ""
+        saved_desc = getattr(record, "launch_description", "") or ""
+        self.restored_launch = saved_desc
+        if not saved_id or rank != 0:
+            return
+        me = current_launch()
+        if saved_id == me.launch_id:
+            return
+        level = logging.INFO if _same_run(saved_desc, me.description) else logging.WARNING
+        log.log(
+            level,
+            "job %r: restoring step %d saved by launch %s (%s); this process is launch %s (%s)%s",
+            self.job_id, record.step, saved_desc or "?", saved_id, me.description, me.launch_id,
+            "" if level == logging.INFO else
+            ". If that is another job's checkpoint, give each job its own job_id (torchrun --rdzv-id) or root.",
+        )
 
     def _adopt_lost_parts(self, views: Sequence[NodeView], rank: int) -> None:
         """Hand a lost node's part of the pending persistent step to this node's drain (``gemini_dcp.adopt``)."""
@@ -203,6 +274,16 @@ class GeminiStorageReader(StorageReader):
         raise_if_failed(metadata)  # read_metadata's error, on torch releases whose dcp.load dropped it
         fault_point("load.after_decide")
         self._metadata = metadata
+        self._checked_planner = None
+        planner = _planner_set_up_with(metadata, sys._getframe(1))
+        if planner is not None:
+            # Before DCP's planner plans (and raises its own RuntimeError / ValueError for a
+            # missing key or a size mismatch): an error here reaches every rank through DCP's
+            # collective step, before any byte moves.
+            mismatch = self._mismatch(planner)
+            if mismatch is not None:
+                raise mismatch
+            self._checked_planner = planner
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -218,28 +299,57 @@ class GeminiStorageReader(StorageReader):
         return [dataclasses.replace(p, storage_data=routes[r]) for r, p in enumerate(plans)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Collective: restore this rank's chunks from local memory, peers, then persistent."""
+        """Collective (every rank calls it, as ``dcp.load`` does): restore this rank's chunks.
+
+        Stage every chunk (verified, outside the state dict) from local memory, peers,
+        then persistent; agree with every rank that all staged; only then copy them into
+        the live tensors. On any failure on any rank, every rank raises and no state
+        dict was touched.
+        """
         comm = self._comm()
         counts = dict.fromkeys(TIERS, 0)
         error: BaseException | None = None
         from .peer import Tally  # noqa: PLC0415
 
+        self._staged, self._dests, self._stage_error = [], {}, None
+        # The key/shape check runs here too when set_up_storage_reader could not see the
+        # planner. No error may leave this rank before the agreement below: the other ranks
+        # are in the transfers and collectives with it. The first agreement round tells them.
+        try:
+            error = self._resolve_destinations(plan, planner)
+        except Exception as exc:  # noqa: BLE001 - a planner that cannot resolve its own items
+            error = exc
+        self._rank_ok = error is None
         tallies: list[Tally] | None = None
         try:
             tallies = self._read_all(plan, planner, comm, counts)  # already exchanged when nothing failed
         except GeminiError as exc:
-            error = exc
+            error = error or exc
+        error = error or self._stage_error
         if tallies is None:
             tallies = comm.all_gather_object(Tally([], [], counts, error is None))
         if error is not None or not all(t.ok for t in tallies):
-            # Release the slot mappings now: the error (kept by DCP and the caller) must not
-            # keep zero-copy views of tier memory alive through its traceback's frames — a
-            # process that kept them until interpreter exit could abort while tearing down.
+            # Release the slot mappings and staged buffers now: the error (kept by DCP and the
+            # caller) must not keep zero-copy views of tier memory alive through its traceback's
+            # frames — a process that kept them until interpreter exit could abort while tearing down.
+            self._staged, self._dests = [], {}
             self._maps.clear()
             if error is not None:
                 traceback.clear_frames(error.__traceback__)
                 raise error
-            raise ShardUnavailableError("another rank failed to restore its shards; see its error.")
+            raise ShardUnavailableError(
+                "another rank failed to restore its shards (see its error); nothing was copied into the state dict."
+            )
+        # Every rank holds a verified copy of every chunk it needs: only now may bytes land in the state dict.
+        staged, self._staged = self._staged, []
+        try:
+            for n, entry in enumerate(staged):
+                self._apply(entry, planner)
+                if n == 0:
+                    fault_point("load.mid_copy")  # at least one chunk landed in the live tensors
+        finally:
+            staged.clear()
+            self._dests = {}
         self.rank_restored_from = counts
         self.restored_from = {tier: sum(t.counts[tier] for t in tallies) for tier in TIERS}
         assert self._decision is not None
@@ -263,11 +373,23 @@ class GeminiStorageReader(StorageReader):
         Nothing references the mappings once every chunk is copied into the live
         tensors, but tearing down the page tables of a populated mapping costs
         ~15 ms per GiB (a serving rank maps its own slots and the replicas it
-        serves): a daemon thread drops them while training resumes.
+        serves): a worker thread drops them while training resumes. The thread is
+        *not* a daemon: the interpreter joins it before it finalizes, so a process
+        that exits right after ``dcp.load`` never tears the runtime down under a
+        thread still inside the unmap (a daemon thread there aborted the process
+        with SIGABRT in about half of such exits). Once the interpreter is
+        finalizing (no new threads), the unmap runs inline.
         """
         maps, self._maps = self._maps, {}
-        if maps:
-            threading.Thread(target=maps.clear, name="gemini-dcp-unmap", daemon=True).start()
+        if not maps:
+            return
+        if sys.is_finalizing():
+            maps.clear()
+            return
+        try:
+            threading.Thread(target=maps.clear, name="gemini-dcp-unmap", daemon=False).start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            maps.clear()
 
     def _comm(self) -> Comm:
         return get_comm(self.timeout_s, self.process_group)
@@ -313,11 +435,12 @@ class GeminiStorageReader(StorageReader):
     def _read_all(
         self, plan: LoadPlan, planner: LoadPlanner, comm: Comm, counts: dict[str, int]
     ) -> list[Tally] | None:
-        """Restore this rank's chunks into ``counts``; every rank's :class:`~gemini_dcp.peer.Tally`
-        when the counts were already exchanged (nothing to repair anywhere), else None."""
+        """Stage (verify, never apply) this rank's chunks, counting bytes per tier into ``counts``;
+        every rank's :class:`~gemini_dcp.peer.Tally` when the counts were already exchanged
+        (nothing to repair anywhere), else None."""
         if self._record is None:  # persistent only
             assert self.persistent is not None and self._decision is not None
-            counts["persistent"] += self.persistent.read_items(self._decision.step, plan, planner)
+            counts["persistent"] += self._stage_from_persistent(plan, planner)
             return None
         by_key: dict[ItemKey, list[ReadItem]] = {}
         for item in plan.items:
@@ -328,7 +451,7 @@ class GeminiStorageReader(StorageReader):
         from .peer import fetch_remote, refs_by_key, start_transfer  # noqa: PLC0415
 
         # Post the peer sends and receives first: gloo moves them while this rank
-        # restores its own chunks below (a serving rank feeds its requesters at once).
+        # verifies its own chunks below (a serving rank feeds its requesters at once).
         refs = refs_by_key(self._record)
         first = start_transfer(self, comm, routes, by_key, planner, refs)
         for key, items in by_key.items():
@@ -339,64 +462,216 @@ class GeminiStorageReader(StorageReader):
             if buf is None:
                 failed[key] = "missing"
                 continue
-            if self._apply(items, ref, buf, planner):
+            if self._stage(items, ref, buf):
                 counts["local"] += ref.length
-                fault_point("load.mid_copy")  # at least one chunk landed in the live tensors
             else:
                 failed[key] = "checksum"
                 log.warning("local copy of %s is corrupt; fetching another copy", _describe(items[0], ref, self._record.step))
         return fetch_remote(self, comm, planner, by_key, routes, failed, counts, refs, first)
 
-    def _apply(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor, planner: LoadPlanner) -> bool:
-        """Verify ``buf`` against ``ref`` and copy it into every destination; False on checksum mismatch."""
-        direct = direct_destination(items, ref, planner)
-        if direct is not None:
-            item, dest, dst_bytes = direct
-            if checksum_then_copy(dst_bytes, buf, ref.algo) != ref.checksum:
-                return False
-            planner.commit_tensor(item, dest)
-            return True
+    def _stage(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor) -> bool:
+        """Verify ``buf`` (the stored bytes of one chunk) against ``ref``; if it matches, stage it
+        for :meth:`_apply`, with nothing copied yet. False on a checksum mismatch.
+
+        Used for local slot views and peer receive buffers (``gemini_dcp.peer``).
+        """
         if checksum(buf, ref.algo) != ref.checksum:
             return False
+        if items[0].type == LoadItemType.BYTE_IO:
+            self._staged.append(Staged(items, buf))
+            return True
+        try:
+            stored = self._stored_view(buf, ref, items[0])
+        except GeminiError as exc:  # raised after the agreement round (this rank is still in the protocol)
+            self._stage_error = self._stage_error or exc
+            self._rank_ok = False
+            return True  # no other copy can fix what the record says
+        self._staged.append(Staged(items, stored))
+        return True
+
+    def _stage_from_persistent(self, plan: LoadPlan, planner: LoadPlanner) -> int:
+        """Read and verify ``plan``'s items from the persistent tier into the stage; bytes read.
+
+        Raises (PersistentTierError, ChecksumMismatchError) with nothing staged from the failing item.
+        """
+        assert self.persistent is not None and self._decision is not None
+        got: list[tuple[list[ReadItem], Any]] = []
+        nbytes = self.persistent.read_items(self._decision.step, plan, planner, stage=got)
+        self._staged.extend(Staged(items, stored) for items, stored in got)
+        return nbytes
+
+    def _stored_view(self, buf: torch.Tensor, ref: ShardRef, item: ReadItem) -> torch.Tensor:
+        """The chunk's bytes viewed as what was saved: its dtype and shape (``ref``), no copy."""
+        dtype, shape = ref.dtype, ref.shape
+        md = None
+        if dtype is None or shape is None:  # records predating the fields: the DCP metadata has them
+            md = self._metadata_of(item.storage_index)
+        tdtype = getattr(torch, dtype, None) if dtype is not None else getattr(getattr(md, "properties", None), "dtype", None)
+        if shape is None:
+            shape = _chunk_size(md, item.storage_index)
+        if not isinstance(tdtype, torch.dtype) or shape is None:
+            raise IncompatibleCheckpointError(
+                f"{_describe(item, ref, self._decision.step if self._decision else -1)}: the record does not say "
+                f"what dtype/shape the chunk was saved with (dtype {dtype!r}, shape {shape!r}); it cannot be "
+                "restored by this gemini_dcp. Load it with the release that saved it, or load another step."
+            )
+        elem = torch.empty(0, dtype=tdtype).element_size()
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * elem != buf.numel():
+            raise IncompatibleCheckpointError(
+                f"{_describe(item, ref, self._decision.step if self._decision else -1)}: {buf.numel()} stored bytes "
+                f"do not hold a {tdtype} chunk of shape {tuple(shape)}; the record is inconsistent. Load another step."
+            )
+        if numel == 0:
+            return torch.empty(tuple(shape), dtype=tdtype)
+        return buf.view(tdtype).view(tuple(shape))
+
+    def _metadata_of(self, index: MetadataIndex) -> Any:
+        md = self._record.metadata if self._record is not None else getattr(self, "_metadata", None)
+        return None if md is None else md.state_dict_metadata.get(index.fqn)
+
+    def _apply(self, entry: Staged, planner: LoadPlanner) -> None:
+        """Copy one verified chunk into its destinations, converting the dtype as stock DCP does."""
+        items, stored = entry
         for item in items:
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(buf.numpy().tobytes()))
+                raw = stored if isinstance(stored, (bytes, bytearray)) else stored.numpy().tobytes()
+                planner.load_bytes(item, io.BytesIO(raw))
                 continue
-            stored = buf.view(getattr(torch, ref.dtype or "uint8")).view(ref.shape or (-1,))
+            assert isinstance(stored, torch.Tensor)
             src = stored
             for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 src = src.narrow(dim, off, length)
-            dest = planner.resolve_tensor(item).detach()
-            dest.copy_(src)
+            dest = self._dests.pop(id(item), None)
+            if dest is None:
+                dest = planner.resolve_tensor(item).detach()
+            dest.copy_(src)  # same dtype: a memcpy; another dtype: converted values, as stock DCP
             planner.commit_tensor(item, dest)
-        return True
+
+    # ---- the key/shape check -------------------------------------------------------------
+    def _resolve_destinations(self, plan: LoadPlan, planner: LoadPlanner) -> CheckpointMismatchError | None:
+        """Resolve every tensor item's destination once (kept for :meth:`_apply`) and check that the
+        state dict matches the checkpoint; the error (not raised: see ``read_data``) or None."""
+        if self._checked_planner is not planner:
+            mismatch = self._mismatch(planner)
+            if mismatch is not None:
+                return mismatch
+        bad: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            dest = planner.resolve_tensor(item).detach()
+            if tuple(dest.size()) != tuple(item.lengths):
+                bad.append((item.dest_index.fqn, tuple(item.lengths), tuple(dest.size())))
+                continue
+            self._dests[id(item)] = dest
+        if bad:
+            self._dests = {}
+            return self._mismatch_error([], bad, "chunk(s)")
+        return None
+
+    def _mismatch(self, planner: LoadPlanner) -> CheckpointMismatchError | None:
+        """Keys of the planner's state dict missing from the checkpoint (unless the planner allows a
+        partial load) and tensors whose saved size differs from the requested one."""
+        sd = getattr(planner, "state_dict", None)
+        md = getattr(self, "_metadata", None)
+        if not isinstance(sd, Mapping) or md is None:
+            return None
+        saved = md.state_dict_metadata
+        strict = not getattr(planner, "allow_partial_load", False)
+        missing: list[str] = []
+        shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        for fqn, obj in sd.items():
+            smd = saved.get(fqn)
+            if smd is None:
+                if strict:
+                    missing.append(str(fqn))
+                continue
+            size = getattr(obj, "size", None)
+            if isinstance(smd, TensorStorageMetadata) and isinstance(obj, torch.Tensor) and callable(size):
+                want = tuple(size())
+                if tuple(smd.size) != want:
+                    shapes.append((str(fqn), tuple(smd.size), want))
+        if not missing and not shapes:
+            return None
+        return self._mismatch_error(missing, shapes, "tensor(s)")
+
+    def _mismatch_error(
+        self, missing: list[str], shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]], what: str
+    ) -> CheckpointMismatchError:
+        step = self._decision.step if self._decision is not None else self._requested
+        launch = self._saved_by()
+        parts = []
+        if missing:
+            shown = ", ".join(repr(k) for k in missing[:MISMATCH_KEYS_SHOWN])
+            more = f" and {len(missing) - MISMATCH_KEYS_SHOWN} more" if len(missing) > MISMATCH_KEYS_SHOWN else ""
+            parts.append(f"{len(missing)} key(s) of the state dict are not in the checkpoint: {shown}{more}")
+        if shapes:
+            shown = ", ".join(f"{k!r} saved {s} requested {r}" for k, s, r in shapes[:MISMATCH_KEYS_SHOWN])
+            more = f" and {len(shapes) - MISMATCH_KEYS_SHOWN} more" if len(shapes) > MISMATCH_KEYS_SHOWN else ""
+            parts.append(f"{len(shapes)} {what} with another shape: {shown}{more}")
+        err = CheckpointMismatchError(
+            f"step {step} of job {self.job_id!r} (saved by {launch}) does not match the state dict being "
+            f"loaded: {'; '.join(parts)}. Nothing was copied into the state dict. The tier holds another "
+            "model's checkpoint under this job id, or the model changed since that save: load it with the "
+            "model that saved it, give this model its own job_id (or root), or, for keys that are new, "
+            "load the rest with dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=True))."
+        )
+        err.step = step  # type: ignore[attr-defined]
+        err.missing_keys = tuple(missing)  # type: ignore[attr-defined]
+        err.shape_mismatches = tuple(shapes)  # type: ignore[attr-defined]
+        return err
+
+    def _saved_by(self) -> str:
+        rec = self._record
+        desc = getattr(rec, "launch_description", "") if rec is not None else ""
+        lid = getattr(rec, "launch_id", "") if rec is not None else ""
+        if desc or lid:
+            return f"launch {desc or '?'} ({lid or '?'})"
+        if rec is None:
+            return "a launch the persistent tier does not record"
+        return "a launch its record does not name"
 
 
-def direct_destination(
-    items: list[ReadItem], ref: ShardRef, planner: LoadPlanner
-) -> tuple[ReadItem, torch.Tensor, torch.Tensor] | None:
-    """``(item, dest, dest bytes)`` when one read item covers the stored chunk whole and its
-    destination is contiguous memory of the chunk's size: the bytes can go straight there."""
-    item = _whole_item(items, ref)
-    if item is None:
+def _planner_set_up_with(metadata: Metadata, frame: Any) -> LoadPlanner | None:
+    """The LoadPlanner that DCP set up with ``metadata`` just before calling ``set_up_storage_reader``.
+
+    DCP hands a storage reader no state dict before its planner plans, and the planner
+    raises its own bare RuntimeError / ValueError there for a missing key or a size
+    mismatch. ``dcp.load`` calls ``planner.set_up_planner(state_dict, metadata)`` and then
+    ``storage_reader.set_up_storage_reader(metadata)`` from one function: the planner is a
+    local of the calling frame. Only a planner whose ``metadata`` *is* this object (set up
+    for this very load) is used; anything else (another caller, a torch that calls it
+    otherwise) gives None, and the check runs in ``read_data`` instead.
+    """
+    try:
+        values = list(frame.f_locals.values()) if frame is not None else []
+    except Exception:  # noqa: BLE001 - an optimisation of where the error comes from, never required
         return None
-    dest = planner.resolve_tensor(item)
-    dst_bytes = as_bytes(dest.detach())
-    if dst_bytes is None or dst_bytes.numel() != ref.length:
-        return None
-    return item, dest, dst_bytes
+    for v in values:
+        if isinstance(v, LoadPlanner) and getattr(v, "metadata", None) is metadata:
+            return v
+    return None
 
 
-def _whole_item(items: list[ReadItem], ref: ShardRef) -> ReadItem | None:
-    """The single tensor ReadItem covering all of the stored chunk, if that is the case."""
-    if len(items) != 1 or ref.shape is None:
-        return None
-    item = items[0]
-    if item.type != LoadItemType.TENSOR:
-        return None
-    if any(o != 0 for o in item.storage_offsets) or tuple(item.lengths) != tuple(ref.shape):
-        return None
-    return item
+def _same_run(a: str, b: str) -> bool:
+    """Two launch descriptions of one torchrun run (same explicit run id): a restart, not another job."""
+    def run_id(desc: str) -> str:
+        parts = desc.split()
+        return parts[1] if len(parts) > 1 and parts[0] == "run" else ""
+
+    rid = run_id(a)
+    return bool(rid) and rid not in ("-", "none") and rid == run_id(b)
+
+
+def _chunk_size(md: Any, index: MetadataIndex) -> tuple[int, ...] | None:
+    """The size of the saved chunk at ``index.offset`` (from the DCP metadata), if known."""
+    for chunk in getattr(md, "chunks", ()) or ():
+        if tuple(chunk.offsets) == tuple(index.offset or ()):
+            return tuple(chunk.sizes)
+    return None
 
 
 def _describe(item: ReadItem, ref: ShardRef, step: int) -> str:
@@ -407,5 +682,6 @@ def _describe(item: ReadItem, ref: ShardRef, step: int) -> str:
 def corrupt_error(item: ReadItem, ref: ShardRef, step: int, sources: str) -> ChecksumMismatchError:
     return ChecksumMismatchError(
         f"{_describe(item, ref, step)} failed its {ref.algo} checksum in every copy tried ({sources}); "
-        "the checkpoint bytes were corrupted in memory. Load an older step (checkpoint_id=...) or the persistent tier."
+        "the checkpoint bytes were corrupted in memory. Nothing was copied into the state dict. "
+        "Load an older step (checkpoint_id=...) or the persistent tier."
     )
