@@ -10,10 +10,21 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
+import torch.distributed.checkpoint as _dcp
 from torch.distributed.checkpoint import filesystem as _filesystem
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["DCP_FORMAT_VERSION", "failed_metadata", "metadata_kwargs", "raise_if_failed"]
+__all__ = [
+    "CHECKPOINTABLE_TENSOR_FIELDS",
+    "DCP_FORMAT_VERSION",
+    "HAS_CHECKPOINTABLE_TENSOR",
+    "checkpointable_fields",
+    "copy_checkpointable_fields",
+    "failed_metadata",
+    "global_shape",
+    "metadata_kwargs",
+    "raise_if_failed",
+]
 
 #: The ``.metadata`` format version that this torch's ``FileSystemWriter`` records (torch >= 2.9); None before.
 DCP_FORMAT_VERSION: str | None = getattr(_filesystem, "CURRENT_DCP_VERSION", None)
@@ -62,3 +73,49 @@ def raise_if_failed(metadata: Metadata) -> None:
     """Raise the error carried by a :func:`failed_metadata` stand-in; no-op for real metadata."""
     if isinstance(metadata.state_dict_metadata, _Failed):
         metadata.state_dict_metadata._raise()
+
+
+# ---- CheckpointableTensor (torch >= 2.15) ----------------------------------------------------------
+#: torch 2.15's public protocol ``torch.distributed.checkpoint.CheckpointableTensor``: a plain local
+#: tensor carrying these attributes is saved as the shards ``local_sizes`` at ``global_offsets`` of a
+#: tensor of ``global_shape`` (read from the local tensor at ``local_offsets``), and loaded (resharded)
+#: into the same views. Older torch ignores the attributes and saves the whole local tensor.
+CHECKPOINTABLE_TENSOR_FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+HAS_CHECKPOINTABLE_TENSOR: bool = hasattr(_dcp, "CheckpointableTensor")
+
+_MISSING = object()
+
+
+def checkpointable_fields(t: Any) -> tuple[Any, ...] | None:
+    """The protocol fields of ``t`` as hashable tuples of ints (DCP sees a CheckpointableTensor when all
+    four attributes are present); None when ``t`` does not carry them all. Raises ``TypeError`` or
+    ``ValueError`` for fields that are not (nested) sequences of ints."""
+    shape = getattr(t, "global_shape", _MISSING)
+    if shape is _MISSING:  # the common case: one attribute lookup
+        return None
+    rest = [getattr(t, name, _MISSING) for name in CHECKPOINTABLE_TENSOR_FIELDS[1:]]
+    if any(v is _MISSING for v in rest):
+        return None
+    return (tuple(int(x) for x in shape), *(tuple(tuple(int(x) for x in shard) for shard in v) for v in rest))
+
+
+def copy_checkpointable_fields(src: Any, dst: Any) -> Any:
+    """Give ``dst`` (a clone of ``src``) the protocol attributes ``src`` carries; returns ``dst``."""
+    for name in CHECKPOINTABLE_TENSOR_FIELDS:
+        value = getattr(src, name, _MISSING)
+        if value is not _MISSING:
+            setattr(dst, name, value)
+    return dst
+
+
+def global_shape(t: Any) -> tuple[int, ...]:
+    """The shape DCP saves and loads tensor ``t`` as: a CheckpointableTensor's ``global_shape``
+    (torch >= 2.15), else ``t.size()`` (a DTensor's and a ShardedTensor's size is global already)."""
+    if HAS_CHECKPOINTABLE_TENSOR:
+        try:
+            fields = checkpointable_fields(t)
+        except (TypeError, ValueError):  # malformed fields: DCP's planner reports them
+            fields = None
+        if fields is not None:
+            return fields[0]
+    return tuple(t.size())

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
+from .compat import HAS_CHECKPOINTABLE_TENSOR, checkpointable_fields
 from .records import ShardRef
 from .writer import GeminiStorageWriter
 
@@ -91,7 +92,9 @@ def structure_key(state_dict: dict[str, Any], mappings: Any) -> tuple[Any, ...] 
     Keyed: the FQNs in order and the flattening paths; for a DTensor (exact type, plain
     local tensor) its global shape, placements, device mesh (by identity) and local
     dtype/layout/requires_grad/pinned; for a plain tensor or Parameter its shape and the
-    same properties; for a non-tensor value nothing but its FQN (its plan item does not
+    same properties, and on torch >= 2.15 the fields of a ``CheckpointableTensor`` (its global
+    shape and shard boundaries: moving a boundary changes the plan even when the local shape
+    stays); for a non-tensor value nothing but its FQN (its plan item does not
     depend on the value). Anything else (ShardedTensor, tensor subclasses, objects with
     ``__create_write_items__``) returns None: the caller compares full local plans.
     Building DTensor plan items costs ~0.4 ms each (offsets computed with tensor ops);
@@ -108,7 +111,13 @@ def structure_key(state_dict: dict[str, Any], mappings: Any) -> tuple[Any, ...] 
             items.append((fqn, 1, tuple(obj.shape), tuple(obj.placements), id(obj.device_mesh), local.dtype, local.layout,
                           obj.requires_grad, local.is_pinned()))
         elif t is torch.Tensor or t is torch.nn.Parameter:
-            items.append((fqn, 2, tuple(obj.shape), obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned()))
+            shards = None
+            if HAS_CHECKPOINTABLE_TENSOR:  # torch >= 2.15 plans a CheckpointableTensor by these fields
+                try:
+                    shards = checkpointable_fields(obj)
+                except (TypeError, ValueError):
+                    return None
+            items.append((fqn, 2, tuple(obj.shape), obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned(), shards))
         elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
             return None
         else:
@@ -172,13 +181,16 @@ class PlanReplay:
                         self._recorded = rec = dataclasses.replace(rec, key=key, meshes=_meshes(planner.state_dict))
             except Exception:  # noqa: BLE001 - planned again below by dcp.save, which reports it to every rank
                 log.debug("step %s: local planning failed; dcp.save will plan and report it", step, exc_info=True)
-        if self._agree(hit, rec.generation if rec is not None else -1):
+        # The writer's pre-write agreement (the step committed on every node, a repeated step)
+        # rides in the same all-reduce: a replayed save runs no collective of its own before it writes.
+        pre = w.prewrite_values(step)
+        if self._agree(hit, rec.generation if rec is not None else -1, pre):
             assert rec is not None
             w.set_up_storage_writer(is_coordinator, rank=rank, use_collectives=True)
             meta = rec.metadata
             if meta.storage_meta is not None:
                 meta = dataclasses.replace(meta, storage_meta=w.storage_meta())
-            w.write_replayed(rec.final_plan, planner, meta, rec.layout)
+            w.write_replayed(rec.final_plan, planner, meta, rec.layout, agreed=pre)
             self.replayed += 1
             return meta
         return self._plan_and_save(state_dict, step)
@@ -205,10 +217,16 @@ class PlanReplay:
             )
         return meta
 
-    def _agree(self, hit: bool, generation: int) -> bool:
-        """True on every rank iff every rank hit and all hold the same recorded save."""
+    def _agree(self, hit: bool, generation: int, pre: list[int] | None = None) -> bool:
+        """True on every rank iff every rank hit and all hold the same recorded save.
+
+        ``pre`` (the writer's ``prewrite_values``) is combined by MIN in the same all-reduce
+        and replaced in place by the result."""
         if self.no_dist or self.group is None:
             return hit
-        flags = torch.tensor([int(hit), generation, -generation], dtype=torch.int64)
+        extra = list(pre) if pre is not None else []
+        flags = torch.tensor([int(hit), generation, -generation, *extra], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
+        if pre is not None:
+            pre[:] = [int(v) for v in flags[3:].tolist()]
         return bool(flags[0] == 1) and int(flags[1]) == -int(flags[2])

@@ -69,6 +69,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from .compat import copy_checkpointable_fields
 from .errors import GeminiError
 from .interleave import (
     DEFAULT_ALPHA,
@@ -130,7 +131,8 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
 
         local = t.to_local().detach().clone()
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return t.detach().clone()
+    # A CheckpointableTensor's shard layout is in its attributes, which clone() does not carry.
+    return copy_checkpointable_fields(t, t.detach().clone())
 
 
 def snapshot_structure(
