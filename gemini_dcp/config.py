@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import re
 import socket
@@ -20,6 +22,12 @@ PlacementStrategy = Literal["mixed", "group", "ring"]
 ChecksumAlgo = Literal["auto", "xxh3", "crc32c"]
 OnPeerFailure = Literal["raise", "degrade"]
 
+log = logging.getLogger(__name__)
+
+MAX_STEP = 2**63 - 1  # steps are stored as signed 64-bit integers (collectives, record names)
+DEFAULT_JOB_IDS = ("default", "none")  # the fallback, and torchrun's run id without --rdzv-id
+_warned_default_job = False
+
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -34,12 +42,28 @@ def resolve_job_id(job_id: str | None) -> str:
     """``job_id`` if given, else ``$TORCHELASTIC_RUN_ID``, else ``"default"``."""
     if job_id is None or job_id == "":
         job_id = os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        if job_id in DEFAULT_JOB_IDS:
+            _warn_default_job_id(job_id)
     if not isinstance(job_id, str) or not _JOB_RE.match(job_id):
         raise ConfigError(
             f"job_id {job_id!r} is not usable as a directory name: use 1-128 characters "
             "from letters, digits, '.', '_' and '-', starting with a letter or digit."
         )
     return job_id
+
+
+def _warn_default_job_id(job_id: str) -> None:
+    """Warn once per process that the job id fell back to a shared default."""
+    global _warned_default_job
+    if _warned_default_job:
+        return
+    _warned_default_job = True
+    source = "TORCHELASTIC_RUN_ID=none (torchrun without --rdzv-id)" if job_id == "none" else "no job_id given"
+    log.warning(
+        "gemini_dcp: job id %r (%s): every run on this node that does the same shares its checkpoints; a second "
+        "live run is refused, a later one sees the earlier one's steps. Pass job_id=... (or torchrun --rdzv-id) "
+        "to give each run its own.", job_id, source,
+    )
 
 
 def resolve_node_id(root: Path) -> str:
@@ -72,6 +96,11 @@ def parse_step(checkpoint_id: object) -> int:
         )
     if step < 0:
         raise InvalidStepError(f"checkpoint_id={step} is negative: steps are ints >= 0.")
+    if step > MAX_STEP:
+        raise InvalidStepError(
+            f"checkpoint_id={step} is too large: steps are stored as signed 64-bit ints (at most {MAX_STEP}); "
+            "pass a smaller step number (e.g. the step, a token count or a millisecond time fit)."
+        )
     return step
 
 
@@ -104,8 +133,16 @@ class TierOptions:
             )
         if self.capacity_bytes is not None and (not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0):
             raise ConfigError(f"capacity_bytes={self.capacity_bytes!r}: give a positive byte budget or None.")
-        if not (self.timeout_s > 0):
-            raise ConfigError(f"timeout_s={self.timeout_s!r}: give a positive number of seconds.")
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or not math.isfinite(self.timeout_s)
+            or not self.timeout_s > 0
+        ):
+            raise ConfigError(
+                f"timeout_s={self.timeout_s!r}: give a positive, finite number of seconds (default 300); "
+                "an infinite wait would hang a save forever on a dead peer."
+            )
         if self.on_peer_failure not in ("raise", "degrade"):
             raise ConfigError(
                 f"on_peer_failure={self.on_peer_failure!r}: choose 'raise' (fail the save) or 'degrade' "

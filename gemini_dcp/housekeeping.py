@@ -90,9 +90,9 @@ def collect_garbage(
         if rec is not None:
             used |= {(sl.rank, sl.slot) for sl in rec.slots}
     candidates: list[Path] = []
-    for rank in layout.ranks_present():
+    for rank in _ranks_present(layout):
         for slot, path in sorted(layout.slot_files(rank).items()):
-            if (rank, slot) not in used:
+            if (rank, slot) not in used and _is_regular(path):  # an odd entry is left alone
                 candidates.append(path)
     busy: dict[str, list[int]] = {}
     if candidates:
@@ -110,12 +110,42 @@ def collect_garbage(
             pass
     if not dry_run:
         for s in evict:
-            remove_quietly(layout.record_path(s))
+            _remove(layout.record_path(s))
         for p in freed:
-            remove_quietly(p)
+            _remove(p)
     return GcReport(root=str(layout.root), job_id=layout.job_id, keep=keep, dry_run=dry_run,
                     kept_steps=sorted(keep_set), evicted_steps=evict, freed_files=[str(p) for p in freed],
                     freed_bytes=freed_bytes, busy_files=busy)
+
+
+def _ranks_present(layout: Any) -> list[int]:
+    """The ranks with a ``rank-<N>`` directory; stray entries (``rank-xyz``, files) are skipped."""
+    try:
+        names = os.listdir(layout.ranks_dir)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        if n.startswith("rank-") and n[5:].isdigit() and (layout.ranks_dir / n).is_dir():
+            out.append(int(n[5:]))
+    return sorted(out)
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return os.lstat(path).st_mode & 0o170000 == 0o100000
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    """Unlink a record or slot file; an odd entry (a directory, no permission) is left with a warning."""
+    try:
+        remove_quietly(path)
+    except OSError as exc:
+        import logging  # noqa: PLC0415
+
+        logging.getLogger(__name__).warning("gc: left %s in place: %s", path, exc)
 
 
 def _users_by_file(job_dir: Path, exclude: Iterable[int]) -> dict[str, list[int]]:

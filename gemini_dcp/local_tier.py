@@ -9,19 +9,36 @@ records.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import logging
 import os
 import shutil
+import threading
+import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 from .config import resolve_job_id, resolve_root
-from .errors import ChecksumMismatchError, TierRootError
-from .layout import JobLayout, check_root, list_jobs, remove_quietly
+from .errors import ChecksumMismatchError, GeminiError, JobConflictError, TierRootError
+from .launch import LaunchInfo
+from .layout import JobLayout, atomic_write_bytes, check_root, ensure_private_dir, list_jobs, remove_quietly
 from .records import StepRecord, read_record, write_record
 
 log = logging.getLogger(__name__)
 
 _MAX_DECODED = 16  # decoded records kept per LocalTier (newest steps)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+RESTORE_MARKER = "restored.json"  # in the job dir: the last restore from this tier (see note_restore)
+_warned: set[str] = set()  # odd entries already reported by this process (one warning each)
+
+
+def _warn_once(key: str, msg: str, *args: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
 
 
 class LocalTier:
@@ -33,6 +50,7 @@ class LocalTier:
         self.job_id = resolve_job_id(job_id)
         self.layout = JobLayout(self.root, self.job_id)
         self._decoded: dict[int, tuple[tuple[int, int, int, int], StepRecord]] = {}
+        self._saving: tuple[int, int | None] | None = None  # (step being saved, G): see begin_save
         if create:
             self.layout.create()
 
@@ -53,8 +71,13 @@ class LocalTier:
         except FileNotFoundError:
             self._decoded.pop(step, None)
             return None
-        except (ChecksumMismatchError, EOFError, ValueError, TypeError, AttributeError) as exc:
-            log.warning("ignoring unreadable step record %s: %s", path, exc)
+        except (ChecksumMismatchError, EOFError, ValueError, TypeError, AttributeError, OSError, GeminiError) as exc:
+            # One odd entry (a directory named like a record, an unreadable or foreign file)
+            # must not block every load and save of the job: skipped, reported once.
+            _warn_once(
+                str(path), "ignoring unreadable step record %s: %s: %s (remove it, or run `gemini-dcp verify`)",
+                path, type(exc).__name__, exc,
+            )
             return None
         # Records are only ever replaced by rename (a new inode), so the file's identity
         # says whether the decoded copy is current; a save reads 4+ records, and decoding
@@ -80,7 +103,29 @@ class LocalTier:
         self._decoded[record.step] = (_identity(path), record)
 
     def delete_record(self, step: int) -> bool:
-        return remove_quietly(self.layout.record_path(step))
+        path = self.layout.record_path(step)
+        try:
+            return remove_quietly(path)
+        except OSError as exc:  # a directory named like a record, a read-only steps dir: reported once
+            _warn_once(f"rm:{path}", "cannot remove step record %s: %s", path, exc)
+            return False
+
+    def newest_committed_before(self, step: int) -> int | None:
+        """The newest step below ``step`` with a readable record on this node (None if none)."""
+        for s in reversed(self.steps()):
+            if s < step and self.record(s) is not None:
+                return s
+        return None
+
+    # ---- the save in progress: what no slot choice may overwrite ---------------------------
+    def begin_save(self, step: int, global_step: int | None) -> None:
+        """Set the step being saved and the newest step known committed on every node.
+
+        ``global_step`` (G) is never overwritten or evicted by this save: until every node
+        has committed a newer step, it may be the only step restorable everywhere.
+        :meth:`choose_slot` (also called for peer replicas) honours both.
+        """
+        self._saving = (step, global_step)
 
     # ---- slots ---------------------------------------------------------------------------
     def slots_in_use(self, rank: int, keep: int) -> dict[int, int]:
@@ -95,42 +140,141 @@ class LocalTier:
                 used[s.slot] = step
         return used
 
-    def choose_slot(self, rank: int, keep: int) -> int:
-        """A slot of ``rank`` not holding any of the newest ``keep`` steps.
+    def choose_slot(self, rank: int, keep: int, step: int | None = None, global_step: int | None = None) -> int:
+        """A slot of ``rank`` (of the ring of ``keep + 1``) to write the step being saved into.
 
-        Older records that still point at the chosen slot are deleted first, so
-        no record can ever describe bytes that are being overwritten.
+        Never the slot of ``global_step`` (G, the newest step known committed on every node),
+        nor of the newest ``keep - 1`` steps after G and below ``step``: those are what stays
+        after this save commits. Among the other slots it prefers a free one, then one of a
+        step older than G, then one of a step between G and ``step`` (committed here but not
+        known everywhere), then one of a step at or after ``step`` (another timeline, or a
+        save of this step that this save replaces). ``step``/``global_step`` default to what
+        :meth:`begin_save` set. Older records that still point at the chosen slot are deleted
+        first, so no record can ever describe bytes that are being overwritten.
         """
-        used = self.slots_in_use(rank, keep)
-        slot = min(i for i in range(keep + 1) if i not in used)
-        for step in self.steps():
-            rec = self.record(step)
-            s = rec.slot_of(rank) if rec is not None else None
-            if s is not None and s.slot == slot:
-                self.delete_record(step)
+        if step is None and self._saving is not None:
+            step, global_step = self._saving
+        records = {s: r for s in self.steps() if (r := self.record(s)) is not None}
+        below = [s for s in records if step is None or s < step]
+        protected: set[int] = set()
+        if global_step is not None and global_step in records:
+            protected.add(global_step)
+        after_g = [s for s in below if global_step is None or s > global_step]
+        protected.update(sorted(after_g)[-(keep - 1):] if keep > 1 else [])
+        if step is None:  # no save context: the newest ``keep`` steps, as before
+            protected = set(sorted(records)[-keep:])
+        holding: dict[int, list[int]] = {}
+        for s, rec in records.items():
+            slot = rec.slot_of(rank)
+            if slot is not None:
+                holding.setdefault(slot.slot, []).append(s)
+
+        def cost(idx: int) -> tuple[int, int]:
+            steps = holding.get(idx, [])
+            if not steps:
+                return (0, 0)
+            if any(s in protected for s in steps):
+                return (9, 0)
+            newest = max(steps)
+            if global_step is not None and newest < global_step:
+                return (1, newest)
+            if step is None or newest < step:
+                return (2, newest)
+            return (3, newest)
+
+        slot = min(range(keep + 1), key=lambda i: (cost(i), i))
+        if cost(slot)[0] == 9:  # cannot happen: at most ``keep`` of keep + 1 slots are protected
+            raise AssertionError(f"rank {rank}: every slot holds a protected step {sorted(protected)}")
+        lost = sorted(s for s in holding.get(slot, []))
+        if cost(slot)[0] == 3 and step is not None and any(s > step for s in lost):
+            log.warning(
+                "rank %s: reusing the slot of steps %s (newer than step %s, never restored in this launch) "
+                "for lack of a free slot: those steps are gone from this node.", rank, lost, step,
+            )
+        for s in lost:
+            self.delete_record(s)
         return slot
 
     def slot_path(self, rank: int, slot: int) -> Path:
         return self.layout.slot_path(rank, slot)
 
     # ---- retention -----------------------------------------------------------------------
-    def retain(self, keep: int, newest: int) -> list[int]:
-        """Evict records beyond the newest ``keep``, after ``newest`` was committed.
+    def retain(self, keep: int, newest: int, global_step: int | None = None, launch_id: str | None = None) -> list[int]:
+        """Evict records after ``newest`` was committed on this node; returns the evicted steps.
 
-        Records of steps *after* ``newest`` belong to an abandoned timeline (the
-        job restored an older step and saved again) and are dropped as well.
-        ``newest`` itself is never evicted.
+        Kept: ``newest``, the newest ``keep`` steps up to it, and ``global_step`` (G, the
+        newest step known committed on every node: until every node committed a newer one,
+        it may be the only step restorable everywhere). Steps *after* ``newest`` are deleted
+        only when a restore in launch ``launch_id`` abandoned them (:meth:`note_restore`):
+        the job went back to an older step and saves a new timeline. Otherwise they are kept
+        (another launch's steps are never deleted just because this one saves older steps).
         """
         evicted: list[int] = []
         steps = self.steps()
-        for step in steps:
-            if step > newest and self.delete_record(step):
-                evicted.append(step)
+        newer = [s for s in steps if s > newest]
+        if newer:
+            abandoned = self.abandoned_steps(launch_id) if launch_id is not None else set()
+            for step in newer:
+                if step in abandoned and self.delete_record(step):
+                    evicted.append(step)
+            kept = [s for s in newer if s not in evicted]
+            if kept:
+                _warn_once(
+                    f"newer:{self.layout.job_dir}:{kept}",
+                    "job %r in %s holds steps %s, newer than step %s just saved, which no restore in this launch "
+                    "abandoned: they are kept, and a restart restores the newest restorable step. If they belong to "
+                    "another run, give each run its own job_id (or remove them: gemini-dcp gc --remove-job).",
+                    self.job_id, self.root, kept, newest,
+                )
         remaining = [s for s in steps if s <= newest]
         for step in remaining[:-keep] if keep < len(remaining) else []:
-            if step != newest and self.delete_record(step):
+            if step != newest and step != global_step and self.delete_record(step):
                 evicted.append(step)
         return evicted
+
+    # ---- restores that abandon newer steps -----------------------------------------------
+    def note_restore(self, step: int, launch: LaunchInfo) -> None:
+        """Record that launch ``launch`` restored ``step`` from this job (a marker in the job dir).
+
+        The steps newer than ``step`` held on this node at that moment are *abandoned*: the
+        job continues from ``step`` on a new timeline, and this launch's first save deletes
+        them (:meth:`retain`). Without such a marker newer steps are never deleted.
+        Called by the reader on every rank; idempotent.
+        """
+        newer = [s for s in self.steps() if s > step]
+        data = {"step": int(step), "launch_id": launch.launch_id, "launch": launch.description, "abandoned": newer}
+        blob = json.dumps(data, sort_keys=True).encode()
+        path = self.layout.job_dir / RESTORE_MARKER
+        try:
+            if _read_small(path) == blob:
+                return
+        except OSError:
+            pass
+        atomic_write_bytes(path, blob)
+
+    def record_restore(self, step: int) -> None:
+        """:meth:`note_restore` for this process's launch; a failure is logged, never raised
+        (the restore goes on; newer steps are then simply kept)."""
+        from .launch import current_launch  # noqa: PLC0415
+
+        try:
+            self.note_restore(step, current_launch())
+        except Exception as exc:  # noqa: BLE001 - a marker must not fail a load
+            log.warning("could not note the restore of step %s in %s: %s", step, self.layout.job_dir, exc)
+
+    def abandoned_steps(self, launch_id: str) -> set[int]:
+        """Steps a restore in ``launch_id`` abandoned (empty without such a restore)."""
+        path = self.layout.job_dir / RESTORE_MARKER
+        try:
+            data = json.loads(_read_small(path))
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError) as exc:
+            _warn_once(str(path), "ignoring unreadable restore marker %s: %s", path, exc)
+            return set()
+        if not isinstance(data, dict) or data.get("launch_id") != launch_id:
+            return set()
+        return {int(s) for s in data.get("abandoned", []) if isinstance(s, int)}
 
     def usage_bytes(self) -> int:
         total = 0
@@ -150,9 +294,140 @@ class LocalTier:
         return [j for j in list_jobs(self.root) if j != self.job_id]
 
 
+def _read_small(path: Path) -> bytes:
+    """A small side file of ours, never read through a symbolic link."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    try:
+        return os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+# ---- one live launch per job and root ---------------------------------------------------------
+class _HeldLock:
+    """This process's shared lock on its launch file of one job dir, held while a writer lives."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.fd, self.users = path, fd, 0
+
+
+_held: dict[Path, _HeldLock] = {}
+_held_guard = threading.Lock()
+
+
+def _launch_file_text(launch: LaunchInfo) -> bytes:
+    return json.dumps(
+        {"launch_id": launch.launch_id, "description": launch.description, "host": launch.host, "pid": launch.pid},
+        sort_keys=True,
+    ).encode()
+
+
+def _open_lock_file(path: Path, create: bool) -> int:
+    flags = os.O_RDWR | _NOFOLLOW | _CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            from .errors import UntrustedDataError  # noqa: PLC0415
+
+            raise UntrustedDataError(
+                f"refusing to use {path}: it is a symbolic link; gemini_dcp never follows links inside a tier root. "
+                "Remove it, or use a private tier root."
+            ) from exc
+        raise
+    st = os.fstat(fd)
+    if not (st.st_mode & 0o170000 == 0o100000) or st.st_uid != os.geteuid():
+        os.close(fd)
+        from .errors import UntrustedDataError  # noqa: PLC0415
+
+        raise UntrustedDataError(
+            f"refusing to use {path}: not a regular file owned by uid {os.geteuid()} (uid {st.st_uid}). "
+            "Remove it, or use a private tier root."
+        )
+    return fd
+
+
+def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None:
+    """Hold this launch's lock file of ``tier``'s job while ``owner`` (a writer) lives; refuse a
+    second live launch of the same job on the same root.
+
+    Every writer process of a launch holds ``<job_dir>/launches/<launch_id>.lock`` with a shared
+    ``flock``; the kernel drops it when the process exits (however it dies), so a dead launch
+    never blocks: its file is removed. Another launch's file that is still locked belongs to a
+    live process: :class:`JobConflictError` names it. Called from every rank (local work only).
+    """
+    job_dir = tier.layout.job_dir
+    with _held_guard:
+        held = _held.get(job_dir)
+        if held is None:
+            ldir = ensure_private_dir(job_dir / "launches")
+            path = ldir / f"{launch.launch_id}.lock"
+            fd = _open_lock_file(path, create=True)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if os.fstat(fd).st_size == 0:
+                    os.pwrite(fd, _launch_file_text(launch), 0)
+                _refuse_live_launches(tier, ldir, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            held = _held[job_dir] = _HeldLock(path, fd)
+        held.users += 1
+    weakref.finalize(owner, _release_launch_lock, job_dir)
+
+
+def _release_launch_lock(job_dir: Path) -> None:
+    with _held_guard:
+        held = _held.get(job_dir)
+        if held is None:
+            return
+        held.users -= 1
+        if held.users <= 0:
+            del _held[job_dir]
+            try:
+                os.close(held.fd)  # drops the flock: this launch no longer blocks another
+            except OSError:
+                pass
+
+
+def _refuse_live_launches(tier: LocalTier, ldir: Path, mine: Path) -> None:
+    try:
+        names = os.listdir(ldir)
+    except FileNotFoundError:
+        return
+    for name in sorted(names):
+        path = ldir / name
+        if path == mine or not name.endswith(".lock"):
+            continue
+        try:
+            fd = _open_lock_file(path, create=False)
+        except FileNotFoundError:
+            continue  # removed meanwhile by another prober
+        except OSError as exc:
+            _warn_once(str(path), "cannot check launch file %s: %s", path, exc)
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+                except ValueError:
+                    info = {}
+                raise JobConflictError(
+                    f"job {tier.job_id!r} in tier root {tier.root} is in use by another live launch: "
+                    f"{info.get('description', '?')} (host {info.get('host', '?')}, pid {info.get('pid', '?')}). "
+                    "Two runs sharing a job id would delete and restore each other's steps. Give this run its own "
+                    "job_id (GeminiStorageWriter(job_id=...), or torchrun --rdzv-id), or stop the other run first."
+                ) from None
+            remove_quietly(path)  # locked by nobody: its launch is dead (a restarted or finished run)
+        finally:
+            os.close(fd)
+
+
 def _identity(path: Path) -> tuple[int, int, int, int]:
     """What changes when a record file is replaced (by rename: a new inode) or rewritten."""
-    st = os.stat(path)
+    st = os.lstat(path)
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 

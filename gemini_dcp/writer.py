@@ -25,7 +25,6 @@ import dataclasses
 import io
 import logging
 import os
-import pickle
 import time
 from array import array
 from collections.abc import Mapping
@@ -44,8 +43,10 @@ from .comm import Comm, get_comm
 from .config import TierOptions, parse_step, resolve_node_id
 from .errors import ConfigError, InvalidStepError, TierFullError
 from .faults import fault_point
-from .local_tier import LocalTier
+from .launch import current_launch
+from .local_tier import LocalTier, hold_launch_lock
 from .records import ChecksumOverlay, RankSlot, ShardRef, StepRecord, metadata_shell_blob
+from .safe_pickle import restricted_loads
 from .slots import ALIGN, SlotFile, align, free_bytes, round_capacity, tier_full_message
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,15 @@ class _RankReport:
     # Bytes per message this rank sends its slot to peers in (0: one message). Set when the
     # replication is paced (``writer.replication_pace``); receivers post matching receives.
     wire_chunk: int = 0
+    # Who this rank's node is, beyond its node id: two machines configured with the same
+    # GEMINI_DCP_NODE_ID (same id, another host or tier root) are refused before the commit.
+    host: str = ""
+    root_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the tier root
+    # Rank 0 only: (launch_id, description) of its launch, recorded in the step record.
+    launch: tuple[str, str] | None = None
 
+
+_NO_STEP = 2**63 - 1  # "no step" in the pre-write agreement's MIN all-reduce
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.
 INLINE_METADATA_PADDING = 16 << 20
@@ -191,6 +200,23 @@ class GeminiStorageWriter(StorageWriter):
         persistent: optional fsspec URL of the persistent tier.
         persist_every: drain every K-th committed step to ``persistent``.
         process_group: the group ``dcp.save`` runs on (default WORLD).
+
+    Steps: each ``checkpoint_id`` is an int step in ``[0, 2**63)``. A step is evicted from
+    a node only once every node has committed a newer one: the newest step known committed
+    everywhere stays until then, so a save that commits on some nodes only (a full tmpfs at
+    the record write, a crash) never leaves nodes holding different steps.
+
+    Saving a step twice: a second save of a step *this launch* already committed is
+    refused with InvalidStepError (saving model and optimizer with two ``dcp.save`` calls
+    would otherwise replace one with the other: put both in one state dict, or use two
+    writers with separate job ids). A step saved by another launch (before a restart)
+    is replaced, and the replacement is logged.
+
+    One live launch per job: constructing a writer holds a lock for this launch in the
+    job directory while the writer lives; a second *live* launch with the same root and
+    job id is refused with JobConflictError (a dead one, e.g. before a torchrun restart,
+    never blocks). Records of steps newer than the one being saved are deleted only when a
+    restore in this launch went back past them.
     """
 
     def __init__(
@@ -212,6 +238,14 @@ class GeminiStorageWriter(StorageWriter):
         process_group: Any = None,
     ) -> None:
         super().__init__()
+        # Every option is validated before anything is created (tier or persistent directories).
+        if isinstance(persist_every, bool) or not isinstance(persist_every, int) or persist_every < 1:
+            raise ConfigError(f"persist_every={persist_every!r}: drain every K-th step with K an int >= 1.")
+        for name, val in (("persist_keep", persist_keep), ("persist_keep_every", persist_keep_every)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise ConfigError(f"{name}={val!r}: give an int >= 1, or None.")
+        if persistent is not None and (not isinstance(persistent, str) or not persistent.strip()):
+            raise ConfigError(f"persistent={persistent!r}: give the fsspec URL of the persistent tier, or None.")
         self.options = TierOptions(
             keep=keep,
             replicas=replicas,
@@ -226,6 +260,14 @@ class GeminiStorageWriter(StorageWriter):
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
         self.node_id = resolve_node_id(self.root)
+        self.launch = current_launch()
+        hold_launch_lock(self.tier, self.launch, self)  # JobConflictError if another live launch uses the job
+        st = os.stat(self.root)
+        self._root_id = (st.st_dev, st.st_ino)
+        self._leader: bool | None = None  # this rank is its node's lowest rank (known after a save)
+        self._failed_commit: int | None = None  # a step whose record write failed on this node
+        self.global_step: int | None = None  # newest step known committed on every node (last save)
+        self._warned_replicas = False
         self.process_group = process_group
         self._step: int | None = None
         self._is_coordinator = True
@@ -260,8 +302,6 @@ class GeminiStorageWriter(StorageWriter):
                 writable=True,
                 timeout_s=self.options.timeout_s,  # bounds every store call (probe, drain uploads)
             )
-        if not isinstance(persist_every, int) or persist_every < 1:
-            raise ConfigError(f"persist_every={persist_every!r}: drain every K-th step with K an int >= 1.")
         self.persist_every = persist_every
         self._drainer = None
         if self.persistent is not None:
@@ -319,8 +359,9 @@ class GeminiStorageWriter(StorageWriter):
         planner: SavePlanner,
         metadata: Metadata,
         layout: Mapping[MetadataIndex, ShardRef] | None = None,
+        agreed: list[int] | None = None,
     ) -> list[WriteResult]:
-        """Write ``plan`` and commit with ``metadata``, both from an earlier ``dcp.save``
+        """Write ``plan`` and commit with ``metadata``, both from an earlier ``dcp.save
         of a state dict of the same structure (:mod:`gemini_dcp.plan_replay`).
 
         Call after ``reset(step)`` and ``set_up_storage_writer``; the space check of
@@ -334,9 +375,15 @@ class GeminiStorageWriter(StorageWriter):
         A rank whose chunks land where they did then sends only their checksums in
         the commit gather, and every rank rebuilds the write results from the
         layout; a rank whose layout differs sends them whole.
+
+        ``agreed``: :meth:`prewrite_values` of this step already combined by MIN over all
+        ranks (the caller's own agreement collective carried them); else one all-reduce runs.
+        All ranks pass it, or none.
         """
         comm = get_comm(self.options.timeout_s, self.process_group)
-        return self._write_and_commit(comm, plan, planner, None, metadata, check_space=True, layout=layout)
+        return self._write_and_commit(
+            comm, plan, planner, None, metadata, check_space=True, layout=layout, agreed=agreed
+        )
 
     def _write_and_commit(
         self,
@@ -349,6 +396,7 @@ class GeminiStorageWriter(StorageWriter):
         check_space: bool = False,
         layout: Mapping[MetadataIndex, ShardRef] | None = None,
         use_basis: bool = False,
+        agreed: list[int] | None = None,
     ) -> list[WriteResult]:
         """The body of a save. ``planned``: rank 0's metadata, sent to every rank in the
         report gather; ``known``: metadata every rank already has (nothing to send).
@@ -369,6 +417,12 @@ class GeminiStorageWriter(StorageWriter):
         planned_blob: bytes | None = None
         digest: bytes | None = None
         try:
+            # First, before any byte is written: every rank reaches it (an error it raises is the
+            # same on every rank, and goes through the report gather like any other).
+            if agreed is not None:
+                self._apply_agreement(step, agreed)
+            else:
+                self._agree_before_write(comm, step)
             if planned is not None and comm.distributed:
                 planned_blob = metadata_shell_blob(planned)
                 digest = xxhash.xxh3_128_digest(planned_blob)
@@ -384,6 +438,8 @@ class GeminiStorageWriter(StorageWriter):
                 metadata_digest=digest, metadata_blob=planned_blob if inline else None,
                 storage_meta=planned.storage_meta if digest is not None and planned is not None else None,
                 known_metadata=self._known_metadata[0], basis=basis, wire_chunk=self._wire_chunk(comm),
+                host=self.launch.host, root_id=self._root_id,
+                launch=(self.launch.launch_id, self.launch.description) if rank == 0 else None,
             )
         except BaseException as exc:  # reported to every rank below, then re-raised
             error = exc
@@ -400,6 +456,7 @@ class GeminiStorageWriter(StorageWriter):
         self._raise_if_failed(error, reports, "writing shards into the local tier")
         fault_point("save.after_gather")
         assert report is not None
+        _check_node_identities(reports)  # same result on every rank: all raise, before any commit
         if use_basis and not _agreed_basis(reports):
             # Some rank lacks this layout (or holds another): it could not rebuild compact
             # reports. Every rank sees the same reports, so all take this branch together.
@@ -414,6 +471,8 @@ class GeminiStorageWriter(StorageWriter):
             reports = [_expand(rep, layouts) for rep in reports]
         meta = known if known is not None else self._gathered_metadata(comm, planned, planned_blob, reports)
         self.planned_metadata = meta
+        if self.options.replicas > 1:
+            self._warn_replicas_capped(len({rep.node_id for rep in reports}))
         if self.options.replicas > 1 and comm.distributed:
             from .peer import replicate  # noqa: PLC0415
 
@@ -432,6 +491,77 @@ class GeminiStorageWriter(StorageWriter):
         self._after_commit(self._pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0
         return list(report.results)
+
+    def _agree_before_write(self, comm: Comm, step: int) -> None:
+        """Collective (one all-reduce of three ints on the control group, before any byte is
+        written; all ranks call it): agree on G, the newest step committed on every node,
+        which this save must neither overwrite nor evict; refuse on every rank a second save
+        of a step this launch already committed; tell every rank about a record write that
+        failed on some node at the previous save.
+
+        A replayed save (:mod:`gemini_dcp.plan_replay`) carries these values in its own
+        agreement all-reduce instead: :meth:`prewrite_values`, then ``write_replayed(agreed=)``.
+        """
+        vals = self.prewrite_values(step)
+        if comm.distributed:
+            t = torch.tensor(vals, dtype=torch.int64)
+            runner = getattr(comm, "run", None)
+            if runner is not None:
+                runner("all_reduce", torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MIN, group=comm.group)
+            else:
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=comm.group)
+            vals = [int(v) for v in t.tolist()]
+        self._apply_agreement(step, vals)
+
+    def prewrite_values(self, step: int) -> list[int]:
+        """This rank's part of the pre-write agreement of saving ``step``: three int64 values,
+        each combined over all ranks by MIN (local work; see :meth:`_agree_before_write`).
+
+        Each node's newest step comes from its leader (its records are renamed by the leader
+        after the previous commit gather, so another rank of the node may list them too
+        early); a rank that does not know yet whether it leads (a fresh writer) reports too:
+        the minimum over nodes is only more conservative.
+        """
+        newest: int | None = None
+        again = False
+        try:
+            steps = self.tier.steps()
+            if self._leader is not False:
+                newest = next((s for s in reversed(steps) if s < step and self.tier.record(s) is not None), None)
+            if step in steps:
+                rec = self.tier.record(step)
+                again = rec is not None and bool(rec.launch_id) and rec.launch_id == self.launch.launch_id
+        except OSError as exc:  # the save itself reports an unusable tier; G stays unknown here
+            log.warning("step %s: could not list this node's records: %s", step, exc)
+        failed = self._failed_commit
+        return [_NO_STEP if newest is None else newest, -int(again), -(failed + 1) if failed is not None else 0]
+
+    def _apply_agreement(self, step: int, vals: list[int]) -> None:
+        """Act on the agreed (MIN over ranks) :meth:`prewrite_values`: the same on every rank."""
+        self._failed_commit = None
+        g = None if vals[0] == _NO_STEP else vals[0]
+        if vals[2] < 0:
+            log.warning(
+                "step %s was not committed on every node (a record write failed there): it is not restorable; "
+                "step %s stays the restore point until a later save commits everywhere.", -vals[2] - 1, g,
+            )
+        if vals[1] < 0:
+            raise InvalidStepError(
+                f"step {step} was already saved by this launch ({self.launch.description}) in job {self.job_id!r}: a "
+                "second dcp.save of the same step would replace the first. Save model and optimizer in one state "
+                "dict (dcp.save({'model': ..., 'optim': ...})), or give each its own writer with a separate job_id."
+            )
+        self.global_step = g
+        self.tier.begin_save(step, g)
+
+    def _warn_replicas_capped(self, nodes: int) -> None:
+        if self.options.replicas > nodes and not self._warned_replicas:
+            self._warned_replicas = True
+            log.warning(
+                "replicas=%s but the job runs on %s node(s): each node's shards get at most %s cop%s (the node's "
+                "own included). Lower replicas, or run on more nodes (ranks sharing a tier root are one node).",
+                self.options.replicas, nodes, nodes, "y" if nodes == 1 else "ies",
+            )
 
     def _wire_chunk(self, comm: Comm) -> int:
         """Message size of this rank's paced replication (0: one message, unpaced)."""
@@ -467,7 +597,7 @@ class GeminiStorageWriter(StorageWriter):
                 held = dataclasses.replace(planned, storage_data=None, storage_meta=None)
             else:
                 assert blob is not None, "metadata unchanged on every rank, yet this rank holds none"
-                held = pickle.loads(blob)
+                held = restricted_loads(blob, source="rank 0's checkpoint metadata")
         # The same shell objects save after save: records.metadata_shell_blob reuses its pickle.
         self._known_metadata = (digest, held)
         return dataclasses.replace(held, storage_meta=first.storage_meta)
@@ -554,7 +684,12 @@ class GeminiStorageWriter(StorageWriter):
 
     def _check_space(self, plan: SavePlan) -> None:
         """Fail before writing when the ring of slots cannot fit in the tier root."""
-        need = sum(_planned_bytes(item) for item in plan.items) + ALIGN * len(plan.items)
+        tensor_bytes = sum(_planned_bytes(item) for item in plan.items)
+        if tensor_bytes == 0:
+            # Nothing to reserve ahead (no tensor bytes; a few pickled items at most): the
+            # write grows the slot to what it really needs, and checks the space then.
+            return
+        need = tensor_bytes + ALIGN * len(plan.items)
         cap = round_capacity(need)
         rank = self._rank
         missing = 0
@@ -648,6 +783,7 @@ class GeminiStorageWriter(StorageWriter):
             meta = Metadata(state_dict_metadata={})
         metadata = dataclasses.replace(meta, storage_data=storage_data)
         rank_nodes = tuple(rep.node_id for rep in reports)
+        launch_id, launch_desc = reports[0].launch or (self.launch.launch_id, self.launch.description)
         holders: dict[str, set[str]] = {n: {n} for n in rank_nodes}
         for rep in reports:
             for rs in rep.replica_slots:
@@ -663,6 +799,8 @@ class GeminiStorageWriter(StorageWriter):
             replicas=self.options.replicas,
             placement=self.options.placement,
             complete=complete,
+            launch_id=launch_id,
+            launch_description=launch_desc,
         )
 
     def _commit_on_node(self, record: StepRecord, reports: list[_RankReport], rank: int) -> None:
@@ -674,14 +812,45 @@ class GeminiStorageWriter(StorageWriter):
             + tuple(rs for rep in mine for rs in rep.replica_slots),
         )
         self._pending_record = node_record
-        if rank == min(rep.rank for rep in mine):
+        self._leader = rank == min(rep.rank for rep in mine)
+        if self._leader:
+            old = self.tier.record(record.step)
+            if old is not None and old.launch_id != record.launch_id:
+                log.warning(
+                    "step %s of job %r: replacing the record saved by another launch (%s) with this launch's (%s).",
+                    record.step, self.job_id, old.launch_description or "unknown", record.launch_description,
+                )
             fault_point("commit.before_record")
-            self.tier.write_record(node_record)
+            try:
+                self.tier.write_record(node_record)
+            except BaseException:
+                # Not committed on this node; the previous steps are untouched (nothing was evicted).
+                # DCP reports this to every rank; the next save tells every rank as well.
+                self._failed_commit = record.step
+                raise
             fault_point("commit.after_record")
-            evicted = self.tier.retain(self.options.keep, record.step)
+            evicted = self.tier.retain(self.options.keep, record.step, self.global_step, self.launch.launch_id)
             fault_point("commit.after_evict")
             if evicted:
                 log.debug("node %s evicted steps %s", self.node_id, evicted)
+
+
+def _check_node_identities(reports: list[_RankReport]) -> None:
+    """ConfigError when one node id names two machines (or two tier roots): their records
+    would claim each other's slots, and no restore could ever find the step."""
+    seen: dict[str, dict[tuple[str, tuple[int, int]], list[int]]] = {}
+    for rep in reports:
+        seen.setdefault(rep.node_id, {}).setdefault((rep.host, rep.root_id), []).append(rep.rank)
+    clashes = {node: places for node, places in seen.items() if len(places) > 1}
+    if clashes:
+        node, places = next(iter(clashes.items()))
+        where = "; ".join(
+            f"ranks {ranks} on host {host} (root device/inode {rid[0]}/{rid[1]})" for (host, rid), ranks in places.items()
+        )
+        raise ConfigError(
+            f"node id {node!r} is used by more than one machine or tier root: {where}. Nothing was committed. "
+            "Every node needs its own GEMINI_DCP_NODE_ID (or leave it unset: the default is <hostname>:<root>)."
+        )
 
 
 def _planned_bytes(item: WriteItem) -> int:
