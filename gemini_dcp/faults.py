@@ -62,17 +62,27 @@ def _spec() -> tuple[str, int, int, int | None] | None:
     return raw, nth, int(sig), rank
 
 
+def _log(phase: str, what: str = "") -> None:
+    """Append ``<rank> <phase>[ <what>]`` to this process's phase log, if one is configured."""
+    log_dir = os.environ.get(ENV_FAULT_LOG)
+    if not log_dir:
+        return
+    try:
+        with open(os.path.join(log_dir, f"{os.getpid()}.phases"), "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')} {phase}{' ' + what if what else ''}\n")
+    except OSError:
+        pass
+
+
 def fault_point(phase: str) -> None:
-    """Die here if the fault-injection environment says so (a no-op in production)."""
+    """Die here if the fault-injection environment says so (a no-op in production).
+
+    Production cost: two membership tests on ``os.environ`` (~0.2 us) per call. The kill is logged as
+    ``<rank> <phase> fire`` before the signal is sent, so the harness knows it fired.
+    """
     if ENV_FAULT not in os.environ and ENV_FAULT_LOG not in os.environ:
         return
-    log_dir = os.environ.get(ENV_FAULT_LOG)
-    if log_dir:
-        try:
-            with open(os.path.join(log_dir, f"{os.getpid()}.phases"), "a") as f:
-                f.write(f"{os.environ.get('RANK', '0')} {phase}\n")
-        except OSError:
-            pass
+    _log(phase)
     spec = _spec()
     if spec is None:
         return
@@ -83,7 +93,22 @@ def fault_point(phase: str) -> None:
         return
     _counts[phase] += 1
     if _counts[phase] == nth:
+        _log(phase, "fire")
         os.kill(os.getpid(), sig)
 
 
-__all__ = ["ENV_FAULT", "ENV_FAULT_LOG", "PHASES", "fault_point"]
+def reached(log_dir: str | os.PathLike[str]) -> dict[str, set[int]]:
+    """Phase -> the ranks that reached it, from every ``*.phases`` file in ``log_dir``."""
+    out: dict[str, set[int]] = {}
+    for name in os.listdir(log_dir):
+        if not name.endswith(".phases"):
+            continue
+        with open(os.path.join(log_dir, name)) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2:
+                    out.setdefault(parts[1], set()).add(int(parts[0]))
+    return out
+
+
+__all__ = ["ENV_FAULT", "ENV_FAULT_LOG", "PHASES", "fault_point", "reached"]
