@@ -119,7 +119,7 @@ def decide(
     views: Sequence[NodeView],
     requested: int | None,
     job_id: str,
-    persistent_steps: Sequence[int] = (),
+    persistent_steps: Sequence[int] | None = None,
 ) -> RestoreDecision:
     """Choose the newest restorable step (or check ``requested``) from all nodes' views.
 
@@ -132,7 +132,7 @@ def decide(
     for v in views:
         node_ranks.setdefault(v.node_id, []).append(v.rank)
     cands = _memory_candidates(views)
-    persisted = set(persistent_steps)
+    persisted = set(persistent_steps or ())  # None: no persistent tier configured
     all_steps = sorted({s for s, _ in cands} | persisted, reverse=True)
 
     if not all_steps:
