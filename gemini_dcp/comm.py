@@ -147,6 +147,60 @@ class Comm:
                  src=self.global_rank(src), group=self.group)
         return box[0]
 
+    def try_all_gather_object(self, obj: T) -> tuple[list[T] | None, str]:
+        """Like :meth:`all_gather_object`, but a transport failure returns ``(None, reason)``
+        without marking the control plane broken (the caller recovers, see :meth:`agree_via_store`)."""
+        if not self.distributed:
+            return [obj], ""
+        check_usable()
+        out: list[Any] = [None] * self.world_size
+        t0 = time.monotonic()
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except _transport_errors() as exc:
+            return None, self.failure("all_gather_object", exc, time.monotonic() - t0)
+        return out, ""
+
+    def agree_via_store(self, topic: str, obj: Any) -> list[Any] | None:
+        """Collective, over the default group's key-value store (not the gloo connections,
+        which a gloo timeout closes): every rank's ``obj`` (JSON-able), or None.
+
+        Rank 0 proposes every rank's value once all arrived within ``timeout_s``, else
+        "abort"; a rank that waited ``2 * timeout_s`` for the decision in vain proposes
+        "abort". The first proposal wins (an atomic compare-and-set), so every rank that
+        returns returns the same answer: all ranks get the values, or all get None.
+        ``topic`` must be the same on every rank and unique per agreement.
+        """
+        import json  # noqa: PLC0415
+
+        if not self.distributed:
+            return [obj]
+        timeout = float(self.timeout_s or 300.0)
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            prefix = f"gemini_dcp/agree/{'-'.join(map(str, self.ranks))}/{topic}/"
+            decision_key = prefix + "decision"
+            store.set(prefix + str(self.rank), json.dumps(obj))
+            if self.rank == 0:
+                keys = [prefix + str(r) for r in range(self.world_size)]
+                try:
+                    store.wait(keys, timedelta(seconds=timeout))
+                    proposal = json.dumps([json.loads(store.get(k)) for k in keys])
+                except Exception:  # noqa: BLE001 - a rank did not report in time
+                    proposal = "abort"
+                decided = store.compare_set(decision_key, "", proposal)
+            else:
+                try:
+                    store.wait([decision_key], timedelta(seconds=2 * timeout))
+                except Exception:  # noqa: BLE001 - rank 0 did not decide in time: propose abort
+                    pass
+                decided = store.compare_set(decision_key, "", "abort")
+        except Exception as exc:  # noqa: BLE001 - the store itself failed (rank 0's process is gone)
+            log.error("agreement %r over the store failed: %s", topic, exc)
+            return None
+        text = decided.decode() if isinstance(decided, bytes) else str(decided)
+        return None if text == "abort" else json.loads(text)
+
     def barrier(self) -> None:
         """Collective: wait for every rank of the control group."""
         if self.distributed:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_REPAIR_ROUNDS = 4
+_STORE_AGREEMENTS = 0  # agreements over the store so far (the same count on every rank)
 
 
 # ---- save side -------------------------------------------------------------------------------
@@ -89,11 +90,13 @@ def replicate(
     its checksum) is agreed on by every rank in one gather, then raises PeerError
     on every rank, or (``on_peer_failure="degrade"``) is logged and the step
     commits with fewer replicas: every rank takes the same branch, so a step is
-    committed on all nodes or on none. After a transport failure (not a checksum
-    one) all ranks replace the control group together (``Comm.rebuild``), so the
-    failed transfer's late messages never meet a later save. A peer that does not
-    even join the agreement gather within ``timeout_s`` breaks the control group:
-    RestartRequiredError (nothing is committed; the job must restart).
+    committed on all nodes or on none. A gloo timeout closes every connection of
+    the group, so when that gather fails the ranks agree over the default group's
+    store instead (``Comm.agree_via_store``: rank 0 decides, atomically). After a
+    transport failure all ranks replace the control group together
+    (``Comm.rebuild``), so the failed transfer never meets a later save. A peer
+    that does not report within ``timeout_s`` (stalled or gone) makes every rank
+    raise RestartRequiredError: nothing is committed and the job must restart.
     ``expand`` rebuilds the write results of a compact report (a replayed save):
     only the reports of the slots this rank receives are expanded, to verify them.
     """
@@ -152,7 +155,20 @@ def replicate(
                 error = f"replica of rank {src} received by rank {me} failed checksum for {bad}"
                 break
             replica_slots.append(RankSlot(src, idx, reports[src].nbytes))
-    outcomes = comm.all_gather_object((error, transport))  # RestartRequiredError if a peer never joins
+    outcomes, why = comm.try_all_gather_object((error, transport))
+    if outcomes is None:
+        # A gloo timeout closes every connection of the group: agree over the store instead.
+        global _STORE_AGREEMENTS
+        _STORE_AGREEMENTS += 1
+        agreed = comm.agree_via_store(f"replicate-{step}-{_STORE_AGREEMENTS}", [error or why, True])
+        if agreed is None:
+            reason = (
+                f"step {step}: peer replication failed ({error or why}) and not every rank reported within "
+                f"timeout_s={comm.timeout_s:g} (a peer is stalled or gone); the step is not committed"
+            )
+            mark_broken(reason)
+            raise RestartRequiredError(f"{reason}. {RESTART_HINT}")
+        outcomes = [(e, bool(t)) for e, t in agreed]
     errors = [e for e, _ in outcomes if e]
     if any(t for _, t in outcomes):
         comm.rebuild(errors[0])  # every rank saw the same outcomes: all replace the group together

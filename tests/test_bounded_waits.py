@@ -331,3 +331,52 @@ def test_writer_timeout_honoured_after_longer_one(stall_results: list[dict[str, 
     assert msg and "timeout_s=2" in msg, stall_results
     waited = float(re.search(r"after ([0-9.]+) s", msg).group(1))  # type: ignore[union-attr]
     assert 1.5 <= waited < 2 + SLACK_S, msg
+
+
+def _degrade_scenario(rank: int, world_size: int, root: str, stall_s: float) -> dict[str, Any]:
+    import gemini_dcp.peer as peer
+
+    sd = {f"w{rank}": torch.full((64, 8), float(rank)), "step": 0}
+    w = GeminiStorageWriter(root=root, job_id="degrade", replicas=2, timeout_s=3, on_peer_failure="degrade")
+    dcp.save(sd, storage_writer=w, checkpoint_id=1)
+    out: dict[str, Any] = {"1": w.last_replication.get("degraded")}
+    routes = peer.replication_routes
+    if rank == 1:
+
+        def stalled(*args: Any, **kw: Any) -> Any:
+            time.sleep(stall_s)  # stuck inside the replication, past the receiver's timeout_s
+            return routes(*args, **kw)
+
+        peer.replication_routes = stalled  # type: ignore[assignment]
+    t0 = time.monotonic()
+    try:
+        dcp.save(sd, storage_writer=w, checkpoint_id=2)
+        out["2"] = (w.last_replication.get("degraded"), w.last_committed_step, time.monotonic() - t0)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out["2"] = (repr(find_gemini_error(exc) or exc), None, time.monotonic() - t0)
+    peer.replication_routes = routes  # type: ignore[assignment]
+    try:
+        dcp.save(sd, storage_writer=w, checkpoint_id=3)  # on the replaced group: replicated in full again
+        out["3"] = (w.last_replication.get("degraded"), w.last_committed_step)
+    except BaseException as exc:  # noqa: BLE001
+        out["3"] = (repr(find_gemini_error(exc) or exc), None)
+    return out
+
+
+def test_degrade_commits_on_every_rank_after_a_peer_transfer_timeout() -> None:
+    """on_peer_failure="degrade": a transfer that timed out (gloo then closes the group) is agreed
+    over the store, the step commits on every rank with fewer replicas, and the next save runs
+    on a fresh control group with full replication."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    roots = [tempfile.mkdtemp(prefix=f"gemini-bw-deg{i}-", dir=base) for i in range(2)]
+    try:
+        res = run_ranks(_degrade_scenario, 2, roots, timeout=120, stall_s=4.5)
+    finally:
+        for r in roots:
+            shutil.rmtree(r, ignore_errors=True)
+    for r in res:
+        assert r["1"] is False, res
+        degraded, committed, took = r["2"]
+        assert degraded is True and committed == 2, res
+        assert took < 4.5 + 3 + SLACK_S, res
+        assert r["3"] == (False, 3), res
