@@ -829,7 +829,11 @@ class GeminiStorageWriter(StorageWriter):
                 self._failed_commit = record.step
                 raise
             fault_point("commit.after_record")
-            evicted = self.tier.retain(self.options.keep, record.step, self.global_step, self.launch.launch_id)
+            # One node: its record is the whole commit, so the step just written is committed
+            # everywhere. Several: the others' records are known at the next save's agreement.
+            single = all(rep.node_id == self.node_id for rep in reports)
+            g = record.step if single else self.global_step
+            evicted = self.tier.retain(self.options.keep, record.step, g, self.launch.launch_id)
             fault_point("commit.after_evict")
             if evicted:
                 log.debug("node %s evicted steps %s", self.node_id, evicted)

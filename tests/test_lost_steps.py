@@ -131,13 +131,15 @@ def test_record_write_failing_on_one_node_keeps_a_step_restorable_everywhere(tmp
             shutil.rmtree(r, ignore_errors=True)
 
 
-def test_keep_one_holds_the_global_step_and_the_newest(root: str, launch: Any) -> None:
+def test_keep_one_on_one_node_holds_just_the_newest(root: str, launch: Any) -> None:
+    """One node: its own record is the whole commit, so keep=1 keeps one step (on several
+    nodes it keeps the step known committed everywhere too, see the test above)."""
     launch(1)
     for step in (1, 2, 3, 4):
         _save(root, "k1", step, keep=1)
     tier = LocalTier(root, "k1")
-    assert tier.steps() == [3, 4]
-    assert len(tier.layout.slot_files(0)) == 2  # the ring is still keep + 1 slots
+    assert tier.steps() == [4]
+    assert len(tier.layout.slot_files(0)) == 2  # the ring is keep + 1 slots
     assert _load(root, "k1")[0] == 4
 
 
