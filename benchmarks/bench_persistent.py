@@ -186,7 +186,9 @@ def main() -> None:
                            "write_s": st.get("write_seconds"), "upload_s": st.get("upload_seconds"), "files": st.get("files")})
         fsspec_runs = []
         from torch.distributed.checkpoint import FileSystemWriter  # noqa: PLC0415
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: PLC0415
+        from gemini_dcp.compat import fsspec_writer_reader  # noqa: PLC0415
+
+        FsspecWriter, _ = fsspec_writer_reader()  # public from torch 2.15 on
 
         for i in range(3):
             dest = f"{store.rstrip('/')}/fsspec-direct/run-{i}"

@@ -21,6 +21,7 @@ __all__ = [
     "checkpointable_fields",
     "copy_checkpointable_fields",
     "failed_metadata",
+    "fsspec_writer_reader",
     "global_shape",
     "metadata_kwargs",
     "raise_if_failed",
@@ -119,3 +120,17 @@ def global_shape(t: Any) -> tuple[int, ...]:
         if fields is not None:
             return fields[0]
     return tuple(t.size())
+
+
+def fsspec_writer_reader() -> tuple[type, type]:
+    """DCP's ``(FsspecWriter, FsspecReader)``: from the public ``fsspec_filesystem`` module (torch >= 2.15),
+    else from the private ``_fsspec_filesystem`` one (deprecated in 2.15: importing it warns). Imported on
+    first use (it imports fsspec)."""
+    try:
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: PLC0415
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import (  # type: ignore[no-redef]  # noqa: PLC0415
+            FsspecReader,
+            FsspecWriter,
+        )
+    return FsspecWriter, FsspecReader

@@ -110,6 +110,21 @@ def test_doctor_reads_the_range_from_metadata(monkeypatch: pytest.MonkeyPatch) -
     assert rec.status == "info" and "2.7, 2.9-2.14" in rec.detail and "2.15.0" in rec.detail
 
 
+def test_fsspec_storage_from_the_public_module_where_it_exists() -> None:
+    import importlib.util
+
+    from gemini_dcp.compat import fsspec_writer_reader
+
+    writer, reader = fsspec_writer_reader()
+    assert (writer.__name__, reader.__name__) == ("FsspecWriter", "FsspecReader")
+    if importlib.util.find_spec("torch.distributed.checkpoint.fsspec_filesystem") is not None:  # torch >= 2.15
+        assert writer.__module__ == reader.__module__ == "torch.distributed.checkpoint.fsspec_filesystem"
+    # Nothing else imports the private module (deprecated in 2.15): compat.py's fallback is the one place.
+    users = [p.relative_to(REPO) for d in ("gemini_dcp", "cli", "benchmarks", "examples") for p in (REPO / d).rglob("*.py")
+             if "_fsspec_filesystem" in p.read_text(encoding="utf-8")]
+    assert users == [Path("gemini_dcp/compat.py")], users
+
+
 # ---- CheckpointableTensor ------------------------------------------------------------------------
 H, W = 12, 6
 #: A shard: (global row/col offsets, sizes, offsets inside the local tensor). Per layout, per rank.
