@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, LoadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .checksum import checksum
-from .compat import failed_metadata, raise_if_failed
+from .compat import failed_metadata, global_shape, raise_if_failed
 from .comm import Comm, get_comm
 from .config import parse_step, resolve_node_id
 from .errors import (
@@ -591,7 +591,7 @@ class GeminiStorageReader(StorageReader):
                 continue
             size = getattr(obj, "size", None)
             if isinstance(smd, TensorStorageMetadata) and isinstance(obj, torch.Tensor) and callable(size):
-                want = tuple(size())
+                want = global_shape(obj)  # a CheckpointableTensor (torch >= 2.15) is a slice of a larger tensor
                 if tuple(smd.size) != want:
                     shapes.append((str(fqn), tuple(smd.size), want))
         if not missing and not shapes:
