@@ -241,16 +241,18 @@ def _script_requirement() -> TorchRequirement:
     return pyproject_torch_requirement() if _installed_is_stale() else torch_requirement()
 
 
-def _check(version: str | None) -> int:
+def _check(version: str | None, *, installed: bool) -> int:
     req = _script_requirement()
     if version is None:
         print(f"torch is not installed; gemini-dcp needs {req.pip_spec()} ({req.source})", file=sys.stderr)
         return 1
     if req.admits(version):
         return 0
-    print(f"torch {version} is outside gemini-dcp's supported range {req} ({req.source}): installing gemini-dcp "
-          f"here would make pip replace it. Use a torch that satisfies it (pip install '{req.pip_spec()}'), "
-          "or give gemini-dcp its own venv", file=sys.stderr)
+    what = f"torch {version} is outside gemini-dcp's supported range {req} ({req.source})"
+    if installed:
+        what += (": installing gemini-dcp here would make pip replace it. Use a torch that satisfies it "
+                 f"(pip install '{req.pip_spec()}'), or give gemini-dcp its own venv")
+    print(what, file=sys.stderr)
     return 1
 
 
@@ -260,9 +262,9 @@ def main(argv: list[str]) -> int:
         if cmd == "range":
             print(torch_requirement())
         elif cmd == "check" and len(argv) == 2:
-            return _check(argv[1])
+            return _check(argv[1], installed=False)
         elif cmd == "check-installed":
-            return _check(installed_torch_version())
+            return _check(installed_torch_version(), installed=True)
         elif cmd == "torchrec" and len(argv) == 2:
             pairing = torchrec_pairing(argv[1])
             if pairing is not None:
