@@ -98,18 +98,19 @@ class TorchRequirement:
     def __init__(self, specifier: str, source: str) -> None:
         self.specifier = specifier.strip()
         self.source = source  # "metadata of gemini-dcp 0.1.0" or "…/pyproject.toml"
+        self._clauses: list[tuple[str, str]] = []
+        for clause in filter(None, (c.strip() for c in self.specifier.split(","))):
+            m = _CLAUSE.match(clause)
+            if m is None:
+                raise ConfigError(f"torch requirement {self.specifier!r} ({source}): cannot parse {clause!r}; "
+                                  "fix the torch entry of pyproject.toml's dependencies and reinstall (pip install -e .)")
+            self._clauses.append((m.group(1), m.group(2)))
         try:
             from packaging.specifiers import SpecifierSet  # noqa: PLC0415
 
             self._spec: SpecifierSet | None = SpecifierSet(self.specifier)
         except ImportError:
             self._spec = None
-        self._clauses: list[tuple[str, str]] = []
-        for clause in filter(None, (c.strip() for c in self.specifier.split(","))):
-            m = _CLAUSE.match(clause)
-            if m is None:
-                raise ValueError(f"torch requirement {self.specifier!r} ({source}): cannot parse {clause!r}")
-            self._clauses.append((m.group(1), m.group(2)))
 
     def __str__(self) -> str:
         # The order people write: lower bound first (metadata normalizes '>=2.7,<2.16' to '<2.16,>=2.7').
