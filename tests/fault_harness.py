@@ -381,13 +381,19 @@ def _fired(log_dir: Path, phase: str | None) -> bool:
 
 
 def _drain_pids(roots: list[str]) -> list[int]:
+    """Live drain processes serving any of ``roots`` (found by their command line, which names
+    the node's persist directory: a process still importing has no pid file yet)."""
     pids = []
-    for root in roots:
-        for pid_file in Path(root).glob(f"{JOB}/persist/**/daemon.pid"):
-            try:
-                pids.append(int(pid_file.read_text().strip()))
-            except (OSError, ValueError):
-                continue
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "_gemini_dcp_drain" in cmd and any(r in cmd for r in roots) and _alive(int(entry)):
+            pids.append(int(entry))
     return pids
 
 
@@ -403,11 +409,9 @@ def _wait_drains(roots: list[str], bound_s: float) -> list[int]:
     """Wait for the nodes' drain processes to exit; kill and return those still alive after ``bound_s``."""
     deadline = time.monotonic() + bound_s
     pids = _drain_pids(roots)
-    while time.monotonic() < deadline:
-        pids = [p for p in _drain_pids(roots) if _alive(p)]
-        if not pids:
-            return []
+    while pids and time.monotonic() < deadline:
         time.sleep(0.1)
+        pids = _drain_pids(roots)
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)
@@ -464,23 +468,26 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
         if store:
             (tmp / "store").mkdir()
         save_fault = t.fault() if t.kind in ("save", "drain", "survivor") else None
-        bound = t.timeout_s * 3 + 30
+        # a group killed on the first death ends at once; survivors left alone must fail on their
+        # own: bounded by the control group's and the training group's timeouts (both timeout_s)
+        bound = t.timeout_s * 4 + 10 if t.kind == "survivor" else t.timeout_s * 3 + 30
         save = run_group(_specs(t, "save", roots, out, fault=save_fault, fault_log=str(logs), persistent=store),
                          bound, kill_on_death=t.kind != "survivor")
         record["save_codes"] = save.codes
-        record["fired"] = _fired(logs, t.phase) if t.kind != "load" else None
         committed = _committed(out, t.world, t.steps)
         record["committed"] = committed
         outcome, detail = "pass", ""
         if save.timed_out:
             outcome, detail = "hang", f"the save group was still running after {bound:.0f} s (codes {save.codes})"
-        if t.kind == "survivor" and outcome == "pass" and record["fired"]:
-            # the group was not killed: every other rank had to end on its own, in bounded time
-            if any(c is None for c in save.codes):
-                outcome, detail = "hang", f"survivors did not fail within their timeout (codes {save.codes})"
         leftover = _wait_drains(roots, 25.0 if store else 2.0)
         if leftover:
             outcome, detail = "hang", f"drain processes {leftover} still alive 25 s after the job"
+        record["fired"] = _fired(logs, t.phase) if t.kind != "load" else None  # a drain fires after the job
+        record["save_seconds"] = round(save.seconds, 3)
+        if t.kind == "survivor" and outcome == "pass" and record["fired"] and save.killed_by_parent:
+            # the group was not killed for the fault: every other rank had to end on its own, in bounded time
+            outcome, detail = "hang", (f"ranks {save.killed_by_parent} were still waiting {bound:.0f} s after a peer "
+                                       f"{'stopped' if t.signal == 'SIGSTOP' else 'died'} (timeout_s={t.timeout_s})")
         _results(out, "save", t.world)
         if t.kind == "load" and outcome == "pass":
             run = run_group(_specs(t, "load", roots, out, fault=t.fault(), fault_log=str(logs), persistent=None), bound)
