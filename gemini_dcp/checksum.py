@@ -10,7 +10,11 @@ record stores which one was used, so a checkpoint written with either can be
 verified anywhere.
 
 Copies run block by block and each block is hashed while it is still in cache,
-so checksumming costs far less than a second pass over memory.
+so checksumming costs far less than a second pass over memory. That fusion is for
+saving (and replicas) only: a load verifies a chunk's stored bytes *before* any of
+them may reach the live tensors (``GeminiStorageReader.read_data``), so it hashes
+with :func:`checksum` and copies afterwards; there is no copy-then-verify into a
+destination here on purpose.
 """
 
 from __future__ import annotations
@@ -126,15 +130,6 @@ def copy_and_checksum(
             d.copy_(s)
             h.update(d)
     return value if h is None else h.value()
-
-
-def checksum_then_copy(dst: torch.Tensor, src: torch.Tensor, algo: str, block: int = BLOCK_BYTES) -> int:
-    """Hash ``src`` and copy it into ``dst`` block by block; returns the checksum of ``src``.
-
-    Used on load: the caller compares the value with the recorded checksum and
-    discards ``dst`` on mismatch.
-    """
-    return copy_and_checksum(dst, src, algo, block)
 
 
 Checksummer = Callable[[torch.Tensor], int]
