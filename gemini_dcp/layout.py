@@ -76,10 +76,10 @@ def _dir_problem(st: os.stat_result, *, sticky_ok: bool) -> str | None:
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory"
     if st.st_uid != os.geteuid():
-        return f"is owned by {describe_owner(st)}, not by this process ({_we_are()})"
+        return "is owned by another user"
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022 and not (sticky_ok and mode & stat.S_ISVTX):
-        return f"is group- or other-writable ({describe_owner(st)}), so others could have planted files in it"
+        return "is group- or other-writable, so others could have planted files in it"
     return None
 
 
@@ -89,8 +89,8 @@ def check_private_dir_stat(path: Path, st: os.stat_result, *, sticky_ok: bool = 
     if problem is not None:
         link = _link_text(path) if stat.S_ISLNK(st.st_mode) else ""
         raise TierRootError(
-            f"refusing to use {path}{link}: it {problem} ({describe_owner(st)}). gemini_dcp runs as {_we_are()} "
-            f"and only uses directories it owns that no other user can write. {_SAFE_ADVICE}"
+            f"refusing to use {path}{link}: it {problem}; it belongs to {describe_owner(st)}. gemini_dcp runs as "
+            f"{_we_are()} and only uses directories it owns that no other user can write. {_SAFE_ADVICE}"
         )
 
 
@@ -114,12 +114,12 @@ def check_file_stat(path: Path, st: os.stat_result, *, single_link: bool = False
     if not stat.S_ISREG(st.st_mode):
         problem = "is not a regular file"
     elif st.st_uid != os.geteuid():
-        problem = f"is owned by another user, not by this process ({_we_are()})"
+        problem = f"is owned by another user (this process is {_we_are()})"
     elif single_link and st.st_nlink != 1:
         problem = f"has {st.st_nlink} hard links (a gemini_dcp file has one)"
     if problem is not None:
         raise UntrustedDataError(
-            f"refusing to use {path}: it {problem} ({describe_owner(st)}); it was not read or written. "
+            f"refusing to use {path}: it {problem}; it belongs to {describe_owner(st)}. It was not read or written. "
             f"{_SAFE_ADVICE}"
         )
 
