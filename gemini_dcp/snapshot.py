@@ -70,7 +70,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from .compat import copy_checkpointable_fields
-from .errors import GeminiError
+from .errors import ConfigError, GeminiError
 from .interleave import (
     DEFAULT_ALPHA,
     DEFAULT_MAX_CHUNK,
@@ -283,6 +283,19 @@ class InterleaveOptions:
 _STOP = object()
 
 
+def _check_options(interleave: Any, max_pending: Any, on_busy: Any, timeout_s: Any) -> None:
+    """Refuse bad AsyncCheckpointer arguments with a ConfigError, before anything is created."""
+    if not isinstance(interleave, (bool, InterleaveOptions)):
+        raise ConfigError(f"interleave={interleave!r}: give True, False or an InterleaveOptions.")
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+        raise ConfigError(f"max_pending={max_pending!r}: the snapshots that may wait at once, an int >= 1.")
+    if on_busy not in ("block", "skip"):
+        raise ConfigError(f"on_busy={on_busy!r}: choose 'block' (wait for the previous save) or 'skip'.")
+    if timeout_s is not None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ConfigError(f"timeout_s={timeout_s!r}: give a finite positive number of seconds, or None (the writer's).")
+
+
 class AsyncCheckpointer:
     """Checkpoint every step into GEMINI memory tiers without stalling training.
 
@@ -325,16 +338,24 @@ class AsyncCheckpointer:
         planner: Any = None,
         **writer_kwargs: Any,
     ) -> None:
+        _check_options(interleave, max_pending, on_busy, timeout_s)
         if writer is None:
             writer = GeminiStorageWriter(process_group=process_group, **writer_kwargs)
-        elif not isinstance(writer, GeminiStorageWriter):
-            writer = writer()
         elif writer_kwargs:
-            raise TypeError("pass writer options either in the writer or as keyword arguments, not both")
+            raise ConfigError(
+                f"writer options {sorted(writer_kwargs)} given with a writer: pass them either to the "
+                "GeminiStorageWriter or as keyword arguments of AsyncCheckpointer, not both."
+            )
+        elif not isinstance(writer, GeminiStorageWriter):
+            if not callable(writer):
+                raise ConfigError(
+                    f"writer={writer!r}: give a GeminiStorageWriter, a zero-argument factory of one, or None."
+                )
+            writer = writer()
+            if not isinstance(writer, GeminiStorageWriter):
+                raise ConfigError(f"the writer factory returned {type(writer).__name__}, not a GeminiStorageWriter.")
         if process_group is not None and writer.process_group is None:
             writer.process_group = process_group
-        if on_busy not in ("block", "skip"):
-            raise ValueError(f"on_busy={on_busy!r}: choose 'block' or 'skip'")
         self.writer = writer
         self.timeout_s = float(timeout_s if timeout_s is not None else writer.options.timeout_s)
         # Collective: create the control group now, from the training thread, on every rank.

@@ -129,6 +129,8 @@ def rank_main(spec: dict[str, Any]) -> None:
         os.environ[ENV_FAULT] = spec["fault"]
     if spec.get("fault_log"):
         os.environ[ENV_FAULT_LOG] = spec["fault_log"]
+    if spec.get("node_id"):
+        os.environ["GEMINI_DCP_NODE_ID"] = spec["node_id"]  # fixed identities: a copied tree is the same nodes
     result: dict[str, Any] = {"rank": rank}
     code = 0
     try:
@@ -161,7 +163,11 @@ def rank_main(spec: dict[str, Any]) -> None:
                 except BaseException as exc:  # noqa: BLE001 - classified for the parent (DCP's CheckpointException is a BaseException)
                     err = find_gemini_error(exc)
                     result["error"] = type(err).__name__ if err is not None else type(exc).__name__
+                    result["gemini_error"] = err is not None  # one of gemini_dcp's errors (a GeminiError)
                     result["message"] = str(err if err is not None else exc)[-800:]
+                    # a failed restore must leave the caller's tensors as they were (all -7)
+                    result["touched"] = [f"model.{k}" for k in ("w", "b", "h") if not bool((sd["model"][k].to_local() == -7).all())]
+                    result["touched"] += ["extra.i"] if not bool((sd["extra"]["i"] == -7).all()) else []
                 else:
                     result["restored"] = reader.restored_step
                     result["bad_keys"] = matches(sd, reader.restored_step, spec["world"])
@@ -338,12 +344,13 @@ def random_trial(seed: int) -> Trial:
 
 
 def _specs(t: Trial, mode: str, roots: list[str], out: Path, *, fault: str | None, fault_log: str | None,
-           persistent: str | None) -> list[dict[str, Any]]:
+           persistent: str | None, node_ids: bool = False) -> list[dict[str, Any]]:
     return [
         {
             "rank": r, "world": t.world, "root": roots[t.layout[r]], "out": str(out), "mode": mode,
             "steps": t.steps, "keep": t.keep, "replicas": t.replicas, "timeout_s": t.timeout_s,
             "pg_timeout": t.timeout_s, "fault": fault, "fault_log": fault_log, "persistent": persistent,
+            "node_id": f"node{t.layout[r]}" if node_ids else None,
         }
         for r in range(t.world)
     ]
