@@ -186,7 +186,7 @@ class LocalTier:
         if cost(slot)[0] == 9:  # cannot happen: at most ``keep`` of keep + 1 slots are protected
             raise AssertionError(f"rank {rank}: every slot holds a protected step {sorted(protected)}")
         lost = sorted(s for s in holding.get(slot, []))
-        if cost(slot)[0] == 3 and step is not None and any(s > step for s in lost):
+        if cost(slot)[0] == 3 and step is not None and _not_abandoned(self, [s for s in lost if s > step]):
             log.warning(
                 "rank %s: reusing the slot of steps %s (newer than step %s, never restored in this launch) "
                 "for lack of a free slot: those steps are gone from this node.", rank, lost, step,
@@ -294,6 +294,16 @@ class LocalTier:
         return [j for j in list_jobs(self.root) if j != self.job_id]
 
 
+def _not_abandoned(tier: LocalTier, steps: list[int]) -> list[int]:
+    """Those of ``steps`` that no restore in this launch abandoned."""
+    if not steps:
+        return []
+    from .launch import current_launch  # noqa: PLC0415
+
+    gone = tier.abandoned_steps(current_launch().launch_id)
+    return [s for s in steps if s not in gone]
+
+
 def _read_small(path: Path) -> bytes:
     """A small side file of ours, never read through a symbolic link."""
     fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
@@ -352,9 +362,12 @@ def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None
     second live launch of the same job on the same root.
 
     Every writer process of a launch holds ``<job_dir>/launches/<launch_id>.lock`` with a shared
-    ``flock``; the kernel drops it when the process exits (however it dies), so a dead launch
-    never blocks: its file is removed. Another launch's file that is still locked belongs to a
-    live process: :class:`JobConflictError` names it. Called from every rank (local work only).
+    POSIX record lock; the kernel drops it when the process exits (however it dies), so a dead
+    launch never blocks: its file is removed. Another launch's file that is still locked belongs
+    to a live process: :class:`JobConflictError` names it. Called from every rank (local work only).
+
+    POSIX locks (``lockf``), not ``flock``: a child forked without exec (a DataLoader worker) does
+    not inherit them, so an orphaned child of a crashed worker cannot block the restarted launch.
     """
     job_dir = tier.layout.job_dir
     with _held_guard:
@@ -362,11 +375,8 @@ def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None
         if held is None:
             ldir = ensure_private_dir(job_dir / "launches")
             path = ldir / f"{launch.launch_id}.lock"
-            fd = _open_lock_file(path, create=True)
+            fd = _lock_own_file(path, launch)
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                if os.fstat(fd).st_size == 0:
-                    os.pwrite(fd, _launch_file_text(launch), 0)
                 _refuse_live_launches(tier, ldir, path)
             except BaseException:
                 os.close(fd)
@@ -374,6 +384,28 @@ def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None
             held = _held[job_dir] = _HeldLock(path, fd)
         held.users += 1
     weakref.finalize(owner, _release_launch_lock, job_dir)
+
+
+def _lock_own_file(path: Path, launch: LaunchInfo) -> int:
+    """Open (create) and share-lock this launch's file; retried if a prober of another launch
+    removed it between our open and our lock (it then looked like a dead launch's file)."""
+    for _ in range(20):
+        fd = _open_lock_file(path, create=True)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH)
+            try:
+                same = os.lstat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                if os.fstat(fd).st_size == 0:
+                    os.pwrite(fd, _launch_file_text(launch), 0)
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise JobConflictError(f"could not hold {path}: it keeps being removed. Is another launch of this job starting?")
 
 
 def _release_launch_lock(job_dir: Path) -> None:
@@ -408,8 +440,10 @@ def _refuse_live_launches(tier: LocalTier, ldir: Path, mine: Path) -> None:
             continue
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
                 try:
                     info = json.loads(os.pread(fd, 4096, 0) or b"{}")
                 except ValueError:

@@ -12,6 +12,11 @@ Call order (driven by ``dcp.save``; **all ranks must call dcp.save together**):
    group). Only after that exchange, which proves every rank's shards are
    written and checksummed, does each node's leader atomically write the step
    record (DCP metadata + all checksums) — the commit — and evict old steps.
+   Before any byte is written, one all-reduce of three ints (carried by plan
+   replay's own agreement when it replays) agrees on G, the newest step committed
+   on every node: this save neither overwrites nor evicts it, so a commit that
+   fails on some node (a full tmpfs at the record write, a crash) always leaves
+   every node holding G.
 5. ``finish`` (coordinator) — confirms the commit and hands the step to the
    persistent drain.
 
