@@ -209,6 +209,17 @@ def test_restore_across_launches_is_logged_and_exposed(shm: Any, monkeypatch: py
     assert "step 4" in text and saver.description in text and saver.launch_id in text and later.description in text
 
 
+def test_a_restart_of_the_same_run_is_info_another_run_is_warning() -> None:
+    from gemini_dcp.reader import _same_run
+
+    a = "run job7 at 10.0.0.1:29500 (restart 0, world 16)"
+    assert _same_run(a, "run job7 at 10.0.0.2:41000 (restart 1, world 16)")  # torchrun restart: new rendezvous
+    assert not _same_run(a, "run job8 at 10.0.0.1:29500 (restart 0, world 16)")
+    assert not _same_run("run - at h:1 (restart 0, world 2)", "run - at h:1 (restart 1, world 2)")  # no run id
+    assert not _same_run("run none at h:1 (restart 0, world 2)", "run none at h:2 (restart 0, world 2)")
+    assert not _same_run("process 12 on h", "process 12 on h")
+
+
 # ---- two simulated nodes: peer path, repair from a peer --------------------------------------------
 def _save_both(rank: int, world_size: int, root: str, *, cc_roots: list[str]) -> None:
     torch.manual_seed(0)
