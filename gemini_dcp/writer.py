@@ -536,6 +536,11 @@ class GeminiStorageWriter(StorageWriter):
             if step in steps:
                 rec = self.tier.record(step)
                 again = rec is not None and bool(rec.launch_id) and rec.launch_id == self.launch.launch_id
+                if rec is not None and not again and self._leader is not False:
+                    log.warning(
+                        "step %s of job %r in %s was saved by another launch (%s): this save replaces it.",
+                        step, self.job_id, self.root, rec.launch_description or "unknown",
+                    )
         except OSError as exc:  # the save itself reports an unusable tier; G stays unknown here
             log.warning("step %s: could not list this node's records: %s", step, exc)
         failed = self._failed_commit
@@ -819,12 +824,6 @@ class GeminiStorageWriter(StorageWriter):
         self._pending_record = node_record
         self._leader = rank == min(rep.rank for rep in mine)
         if self._leader:
-            old = self.tier.record(record.step)
-            if old is not None and old.launch_id != record.launch_id:
-                log.warning(
-                    "step %s of job %r: replacing the record saved by another launch (%s) with this launch's (%s).",
-                    record.step, self.job_id, old.launch_description or "unknown", record.launch_description,
-                )
             fault_point("commit.before_record")
             try:
                 self.tier.write_record(node_record)

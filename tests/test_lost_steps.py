@@ -204,15 +204,19 @@ def test_newer_steps_survive_a_new_launch_unless_a_restore_abandoned_them(root: 
 
 
 # ---- a step saved twice -----------------------------------------------------------------------------
-def test_same_step_twice_in_one_launch_is_refused_and_replaced_across_launches(root: str, launch: Any) -> None:
+def test_same_step_twice_in_one_launch_is_refused_and_replaced_across_launches(
+    root: str, launch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     launch(1)
     _save(root, "s", 5, {"model": torch.ones(4)})
     with pytest.raises(BaseException) as info:
         _save(root, "s", 5, {"optim": torch.zeros(4)})
     err = _gemini(info.value)
     assert isinstance(err, InvalidStepError) and "one state dict" in str(err), err
-    launch(2)  # after a restart the step may be saved again: the new save replaces the old
-    _save(root, "s", 5, {"model": torch.full((4,), 2.0)})
+    launch(2)  # after a restart the step may be saved again: the new save replaces the old, logged
+    with caplog.at_level(logging.WARNING, logger="gemini_dcp.writer"):
+        _save(root, "s", 5, {"model": torch.full((4,), 2.0)})
+    assert any("saved by another launch" in r.getMessage() and "replaces it" in r.getMessage() for r in caplog.records)
     target = {"model": torch.zeros(4)}
     dcp.load(target, storage_reader=GeminiStorageReader(root=root, job_id="s"), checkpoint_id=5)
     assert torch.equal(target["model"], torch.full((4,), 2.0))
