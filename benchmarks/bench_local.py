@@ -89,7 +89,8 @@ def instrument_reader(reader: Any, clock: common.PhaseClock) -> None:
     clock.wrap(reader, "read_data", "read_data")
     clock.wrap(reader, "_read_all", "read_local")
     clock.wrap(reader, "_local_bytes", "mmap_slots")
-    clock.wrap(reader, "_apply", "verify_copy")
+    clock.wrap(reader, "_stage", "verify_copy")  # checksum of the stored bytes (before any copy)
+    clock.wrap(reader, "_apply", "verify_copy")  # the copy into the live tensors, once every rank verified
 
 
 # ---- the per-rank body ------------------------------------------------------------------------

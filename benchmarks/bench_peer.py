@@ -196,7 +196,8 @@ def restore_worker(rank: int, world: int, *, total_bytes: int, roots: list[str],
     def load() -> None:
         clock.reset()
         reader = GeminiStorageReader(root=roots[rank], job_id=JOB)
-        clock.wrap(reader, "_apply", "verify_copy")
+        clock.wrap(reader, "_stage", "verify_copy")  # checksum of the stored bytes (before any copy)
+        clock.wrap(reader, "_apply", "verify_copy")  # the copy into the live tensors, once every rank verified
         clock.wrap(reader, "read_metadata", "read_metadata")
         clock.wrap(reader, "_read_all", "read_all")
         clock.wrap(reader, "read_data", "read_data")
