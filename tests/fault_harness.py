@@ -133,6 +133,7 @@ def rank_main(spec: dict[str, Any]) -> None:
         os.environ["GEMINI_DCP_NODE_ID"] = spec["node_id"]  # fixed identities: a copied tree is the same nodes
     result: dict[str, Any] = {"rank": rank}
     code = 0
+    t0 = time.monotonic()
     try:
         import datetime
 
@@ -145,6 +146,7 @@ def rank_main(spec: dict[str, Any]) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=spec["world"],
                                 timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
+        result["init_s"] = round(time.monotonic() - t0, 3)
         try:
             if spec["mode"] == "save":
                 for step in range(1, spec["steps"] + 1):
@@ -173,11 +175,10 @@ def rank_main(spec: dict[str, Any]) -> None:
                     result["bad_keys"] = matches(sd, reader.restored_step, spec["world"])
                     result["from"] = dict(reader.restored_from)
         finally:
-            import gc
-
-            gc.collect()
-            time.sleep(0.02)
+            result["work_s"] = round(time.monotonic() - t0 - result["init_s"], 3)
+            t_destroy = time.monotonic()
             dist.destroy_process_group()
+            result["destroy_s"] = round(time.monotonic() - t_destroy, 3)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         code = 3
         from gemini_dcp import find_gemini_error
@@ -185,6 +186,7 @@ def rank_main(spec: dict[str, Any]) -> None:
         err = find_gemini_error(exc)
         result["late" if "error" in result else "error"] = type(err if err is not None else exc).__name__
         result["late_message" if "message" in result else "message"] = f"{err or exc}\n{traceback.format_exc()[-1500:]}"
+    result["total_s"] = round(time.monotonic() - t0, 3)
     (out / f"result-{spec['mode']}-{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.exit(code)
@@ -578,13 +580,25 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The (kind, phase, signal, outcome, count) table of a soak summary, as Markdown."""
+    lines = ["| kind | phase | signal | outcome | trials |", "|---|---|---|---|---:|"]
+    for row in summary["table"]:
+        lines.append(f"| {row['kind']} | {row['phase']} | {row['signal']} | {row['outcome']} | {row['count']} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", required=True, help="JSON file for the summary and every trial")
+    ap.add_argument("--out", required=True, help="JSON file for the summary and every trial (read by --table)")
     ap.add_argument("--deadline", type=float, default=0.0, help="stop starting trials at this unix time (0: none)")
+    ap.add_argument("--table", action="store_true", help="print the Markdown table of the --out soak file and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(markdown_table(json.loads(Path(args.out).read_text())))
+        return 0
     records: list[dict[str, Any]] = []
     t0 = time.time()
     out = Path(args.out)
