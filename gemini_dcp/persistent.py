@@ -392,13 +392,19 @@ class PersistentTier:
         self._meta_cache[step] = (md, index)
         return md, index
 
-    def read_items(self, step: int, plan: LoadPlan, planner: LoadPlanner) -> int:
+    def read_items(
+        self, step: int, plan: LoadPlan, planner: LoadPlanner, *, stage: list[tuple[list[ReadItem], Any]] | None = None
+    ) -> int:
         """Read ``plan``'s items of ``step`` into the planner's tensors / ``load_bytes``; returns bytes read.
 
         Every item is checked against the checksum recorded when it was saved:
         the in-memory ShardRef when the planner's metadata comes from a memory
         record (a mixed restore of the same step), else the step's index.
         Raises PersistentTierError (ChecksumMismatchError for bad bytes).
+
+        ``stage``: nothing is applied; each verified item is appended as ``(read items,
+        stored tensor in its saved dtype | raw bytes of a bytes item)`` for the caller to
+        apply once everything is verified (the reader's all-or-nothing load).
         """
         md, index = self._load(step)
         planner_sd = getattr(getattr(planner, "metadata", None), "storage_data", None) or {}
@@ -428,7 +434,7 @@ class PersistentTier:
                                 f"{self._u(path)} is truncated: item {idx.fqn!r} needs bytes {info.offset}+{info.length}."
                             )
                         expect = _expected(planner_sd.get(idx), index, idx)
-                        self._apply(step, idx, raw, by_index[idx], planner, expect, path)
+                        self._apply(step, idx, raw, by_index[idx], planner, expect, path, stage)
                         total += info.length
                 finally:
                     try:
@@ -463,12 +469,15 @@ class PersistentTier:
 
     def _apply(
         self, step: int, idx: MetadataIndex, raw: bytes, items: list[ReadItem], planner: LoadPlanner,
-        expect: tuple[str, int] | None, path: str,
+        expect: tuple[str, int] | None, path: str, stage: list[tuple[list[ReadItem], Any]] | None = None,
     ) -> None:
         what = f"item {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step} in {self._u(path)}"
         if items[0].type == LoadItemType.BYTE_IO:
             if expect is not None:
                 _verify(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8), expect, what)
+            if stage is not None:
+                stage.append((items, raw))
+                return
             for item in items:
                 planner.load_bytes(item, io.BytesIO(raw))
             return
@@ -478,6 +487,9 @@ class PersistentTier:
             raise PersistentTierError(f"{what} is not a readable torch.save tensor: {exc}") from exc
         if expect is not None:
             _verify(stored, expect, what)
+        if stage is not None:
+            stage.append((items, stored))  # the saved dtype: the reader converts as it applies
+            return
         for item in items:
             src = stored
             for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
