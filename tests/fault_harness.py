@@ -227,11 +227,15 @@ class GroupRun:
     seconds: float
     timed_out: bool  # some process outlived the group's bound and was killed
     killed_by_parent: list[int]  # ranks the parent killed after another died (torchrun's reaction)
+    timed_hit: bool = False  # a timed kill (``kill_at``) reached a live process
 
 
-def run_group(specs: list[dict[str, Any]], bound_s: float, *, kill_on_death: bool = True) -> GroupRun:
+def run_group(specs: list[dict[str, Any]], bound_s: float, *, kill_on_death: bool = True,
+              kill_at: tuple[int, float, int] | None = None) -> GroupRun:
     """Start one process per spec; when one exits non-zero, SIGKILL the others (unless
-    ``kill_on_death`` is False); anything alive after ``bound_s`` is killed and reported."""
+    ``kill_on_death`` is False); anything alive after ``bound_s`` is killed and reported.
+    ``kill_at=(rank, delay_s, signal)``: the parent sends ``signal`` to that rank ``delay_s``
+    after the start (a fault at a random point, not at a named phase)."""
     ctx = context()
     port = free_port()
     t0 = time.monotonic()
@@ -243,7 +247,17 @@ def run_group(specs: list[dict[str, Any]], bound_s: float, *, kill_on_death: boo
     killed: list[int] = []
     timed_out = False
     stopped = [False] * len(procs)
+    timed_hit = False
     while any(p.exitcode is None for p in procs):
+        if kill_at is not None and time.monotonic() - t0 >= kill_at[1]:
+            victim = procs[kill_at[0]]
+            if victim.exitcode is None:
+                try:
+                    os.kill(victim.pid, kill_at[2])
+                    timed_hit = True
+                except ProcessLookupError:
+                    pass
+            kill_at = None
         if time.monotonic() - t0 > bound_s:
             timed_out = True
             break
@@ -263,7 +277,7 @@ def run_group(specs: list[dict[str, Any]], bound_s: float, *, kill_on_death: boo
                 pass
     for p in procs:
         p.join(10)
-    return GroupRun([p.exitcode for p in procs], time.monotonic() - t0, timed_out, killed)
+    return GroupRun([p.exitcode for p in procs], time.monotonic() - t0, timed_out, killed, timed_hit)
 
 
 def _is_stopped(pid: int) -> bool:
@@ -284,7 +298,7 @@ class Trial:
     """One trial's parameters (all derived from ``seed`` when made by :func:`random_trial`)."""
 
     seed: int
-    kind: str  # "save" | "load" | "drain" | "survivor" | "none"
+    kind: str  # "save" | "timed" | "load" | "drain" | "survivor" | "none"
     phase: str | None = None
     nth: int = 1
     signal: str = "SIGKILL"
@@ -295,6 +309,7 @@ class Trial:
     replicas: int = 2
     wipe: tuple[int, ...] = ()  # nodes whose root is emptied before the restart
     timeout_s: float = 20.0
+    delay_s: float = 0.0  # "timed": the parent kills ``rank`` this long after the save job starts
 
     @property
     def world(self) -> int:
@@ -305,6 +320,8 @@ class Trial:
         return max(self.layout) + 1
 
     def fault(self) -> str | None:
+        if self.kind == "timed":
+            return f"t+{self.delay_s:.3f}s:{self.signal}/{self.rank}"
         if self.phase is None:
             return None
         return f"{self.phase}@{self.nth}:{self.signal}/{self.rank}"
@@ -314,18 +331,21 @@ def random_trial(seed: int) -> Trial:
     """A trial drawn from ``seed``: kind, phase, nth, signal, rank, layout, keep, wipe."""
     rng = random.Random(seed)
     layout = rng.choice(LAYOUTS)
-    kind = rng.choices(["save", "load", "drain", "survivor", "none"], weights=[70, 14, 6, 3, 2])[0]
+    kind = rng.choices(["save", "timed", "load", "drain", "survivor", "none"], weights=[60, 12, 14, 6, 3, 2])[0]
     replicas = 2 if rng.random() < 0.8 else 1
     steps = rng.randint(2, 4)
     keep = rng.choice([1, 2, 2])
     phase: str | None = None
     nth = 1
+    delay_s = 0.0
     sig = rng.choices(["SIGKILL", "SIGTERM"], weights=[85, 15])[0]
     if kind == "save":
         phase = rng.choice(SAVE_PHASES)
         nth = rng.randint(1, steps)
     elif kind == "load":
         phase = rng.choice(LOAD_PHASES)
+    elif kind == "timed":
+        delay_s = round(rng.uniform(0.1, 1.0), 3)  # a save job of 2-4 steps runs ~0.3-1 s here
     elif kind == "drain":
         phase = rng.choice(DRAIN_PHASES)
         nth = rng.randint(1, 2)
@@ -342,7 +362,8 @@ def random_trial(seed: int) -> Trial:
     if replicas == 2 and kind != "drain" and rng.random() < 0.4:
         wipe = (rng.randrange(max(layout) + 1),)
     return Trial(seed=seed, kind=kind, phase=phase, nth=nth, signal=sig, rank=rank, layout=layout, steps=steps,
-                 keep=keep, replicas=replicas, wipe=wipe, timeout_s=5.0 if kind == "survivor" else 20.0)
+                 keep=keep, replicas=replicas, wipe=wipe, timeout_s=5.0 if kind == "survivor" else 20.0,
+                 delay_s=delay_s)
 
 
 def _specs(t: Trial, mode: str, roots: list[str], out: Path, *, fault: str | None, fault_log: str | None,
@@ -477,11 +498,12 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
         if store:
             (tmp / "store").mkdir()
         save_fault = t.fault() if t.kind in ("save", "drain", "survivor") else None
+        kill_at = (t.rank, t.delay_s, int(getattr(signal, t.signal))) if t.kind == "timed" else None
         # a group killed on the first death ends at once; survivors left alone must fail on their
         # own: bounded by the control group's and the training group's timeouts (both timeout_s)
         bound = t.timeout_s * 4 + 10 if t.kind == "survivor" else t.timeout_s * 3 + 30
         save = run_group(_specs(t, "save", roots, out, fault=save_fault, fault_log=str(logs), persistent=store),
-                         bound, kill_on_death=t.kind != "survivor")
+                         bound, kill_on_death=t.kind != "survivor", kill_at=kill_at)
         record["save_codes"] = save.codes
         committed = _committed(out, t.world, t.steps)
         record["committed"] = committed
@@ -492,6 +514,8 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
         if leftover:
             outcome, detail = "hang", f"drain processes {leftover} still alive 25 s after the job"
         record["fired"] = _fired(logs, t.phase) if t.kind != "load" else None  # a drain fires after the job
+        if t.kind == "timed":  # fired: the signal, not a normal exit, ended that rank
+            record["fired"] = save.timed_hit and save.codes[t.rank] == -int(getattr(signal, t.signal))
         record["save_seconds"] = round(save.seconds, 3)
         if t.kind == "survivor" and outcome == "pass" and record["fired"] and save.killed_by_parent:
             # the group was not killed for the fault: every other rank had to end on its own, in bounded time
@@ -568,7 +592,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts per (kind, phase, signal, outcome) and the failing records."""
     counts: Counter[tuple[str, str, str, str]] = Counter()
     for r in records:
-        counts[(r["kind"], r["phase"] or "-", r["signal"] if r["phase"] else "-", r["outcome"])] += 1
+        timed = r["kind"] == "timed"
+        phase = r["phase"] or ("(random time)" if timed else "-")
+        counts[(r["kind"], phase, r["signal"] if r["phase"] or timed else "-", r["outcome"])] += 1
     return {
         "trials": len(records),
         "outcomes": dict(Counter(r["outcome"] for r in records)),
