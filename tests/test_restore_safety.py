@@ -132,6 +132,21 @@ def test_persistent_restore_converts_dtypes_as_stock_dcp(shm: Any, monkeypatch: 
     for k in got:
         assert _bit_equal(got[k], stock[k]) and _bit_equal(got[k], _expected()[k]), k
 
+    # a corrupt object in the store (the only copy left): the load raises and nothing was copied
+    pt = PersistentTier(url, "pdt")
+    info = next(v for i, v in pt.read_metadata(3).storage_data.items() if i.fqn == "same")
+    path = f"{pt.step_path(3)}/{info.relative_path}"
+    blob = bytearray(pt.fs.cat_file(path))
+    pos = bytes(blob).find(_saved_state()["same"].numpy().tobytes(), info.offset)
+    assert info.offset < pos < info.offset + info.length
+    blob[pos + 5] ^= 0xFF
+    pt.fs.pipe_file(path, bytes(blob))
+    live = _targets(3.0)
+    with pytest.raises(BaseException) as ei:
+        dcp.load(live, storage_reader=GeminiStorageReader(root=root, job_id="pdt", persistent=url))
+    assert isinstance(find_gemini_error(ei.value), ChecksumMismatchError), ei.value
+    assert all(bool((v == 3.0).all()) for v in live.values())
+
 
 # ---- checksum failures leave the live tensors as they were ------------------------------------------
 def test_corrupt_slot_with_no_other_copy_leaves_tensors_bit_identical(shm: Any) -> None:
