@@ -515,7 +515,7 @@ class GeminiStorageReader(StorageReader):
                 f"what dtype/shape the chunk was saved with (dtype {dtype!r}, shape {shape!r}); it cannot be "
                 "restored by this gemini_dcp. Load it with the release that saved it, or load another step."
             )
-        elem = torch.empty(0, dtype=tdtype).element_size()
+        elem = tdtype.itemsize
         numel = 1
         for d in shape:
             numel *= d
@@ -526,7 +526,10 @@ class GeminiStorageReader(StorageReader):
             )
         if numel == 0:
             return torch.empty(tuple(shape), dtype=tdtype)
-        return buf.view(tdtype).view(tuple(shape))
+        try:
+            return buf.view(tdtype).view(tuple(shape))
+        except RuntimeError:  # bytes not aligned for the dtype (never in a slot or a receive buffer): copy once
+            return buf.clone().view(tdtype).view(tuple(shape))
 
     def _metadata_of(self, index: MetadataIndex) -> Any:
         md = self._record.metadata if self._record is not None else getattr(self, "_metadata", None)
