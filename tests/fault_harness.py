@@ -187,7 +187,10 @@ def rank_main(spec: dict[str, Any]) -> None:
         result["late" if "error" in result else "error"] = type(err if err is not None else exc).__name__
         result["late_message" if "message" in result else "message"] = f"{err or exc}\n{traceback.format_exc()[-1500:]}"
     result["total_s"] = round(time.monotonic() - t0, 3)
-    (out / f"result-{spec['mode']}-{rank}.json").write_text(json.dumps(result))
+    final = out / f"result-{spec['mode']}-{rank}.json"
+    tmp = final.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, final)  # whole or absent: the parent may SIGKILL this process at any moment
     sys.stdout.flush()
     sys.exit(code)
 
@@ -386,6 +389,7 @@ def _results(out: Path, mode: str, world: int) -> list[dict[str, Any] | None]:
         res.append(json.loads(p.read_text()) if p.exists() else None)
         if p.exists():
             p.unlink()
+        p.with_suffix(".tmp").unlink(missing_ok=True)
     return res
 
 
