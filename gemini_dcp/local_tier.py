@@ -323,6 +323,10 @@ class _HeldLock:
 
 _held: dict[Path, _HeldLock] = {}
 _held_guard = threading.Lock()
+# Writers that died: their job dirs, one entry per writer. A writer's finalizer may run inside a
+# garbage collection triggered anywhere, even inside hold_launch_lock with the guard held (same
+# thread): it only queues its release, applied by whoever holds or next takes the guard.
+_releases: list[Path] = []
 
 
 def _launch_file_text(launch: LaunchInfo) -> bytes:
@@ -371,6 +375,7 @@ def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None
     """
     job_dir = tier.layout.job_dir
     with _held_guard:
+        _apply_releases()
         held = _held.get(job_dir)
         if held is None:
             ldir = ensure_private_dir(job_dir / "launches")
@@ -383,7 +388,8 @@ def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None
                 raise
             held = _held[job_dir] = _HeldLock(path, fd)
         held.users += 1
-    weakref.finalize(owner, _release_launch_lock, job_dir)
+        weakref.finalize(owner, _release_launch_lock, job_dir)
+        _apply_releases()
 
 
 def _lock_own_file(path: Path, launch: LaunchInfo) -> int:
@@ -409,15 +415,27 @@ def _lock_own_file(path: Path, launch: LaunchInfo) -> int:
 
 
 def _release_launch_lock(job_dir: Path) -> None:
-    with _held_guard:
+    """A writer's finalizer: never blocks (see ``_releases``)."""
+    _releases.append(job_dir)
+    if _held_guard.acquire(blocking=False):
+        try:
+            _apply_releases()
+        finally:
+            _held_guard.release()
+
+
+def _apply_releases() -> None:
+    """Apply queued releases (the guard is held)."""
+    while _releases:
+        job_dir = _releases.pop()
         held = _held.get(job_dir)
         if held is None:
-            return
+            continue
         held.users -= 1
         if held.users <= 0:
             del _held[job_dir]
             try:
-                os.close(held.fd)  # drops the flock: this launch no longer blocks another
+                os.close(held.fd)  # drops the lock: this launch no longer blocks another
             except OSError:
                 pass
 

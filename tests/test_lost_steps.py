@@ -336,3 +336,21 @@ def test_no_checkpoint_message_does_not_claim_a_persistent_tier(root: str) -> No
         _load(root, "nothing")
     err = _gemini(info.value)
     assert isinstance(err, CheckpointNotFoundError) and "persistent tier included" not in str(err), err
+
+
+def test_a_writer_collected_while_the_launch_lock_is_taken_does_not_deadlock(root: str, launch: Any) -> None:
+    """A writer in a reference cycle is finalized by whatever garbage collection comes next,
+    which may run inside hold_launch_lock with its guard held (it hung the suite once)."""
+    import gemini_dcp.local_tier as lt
+
+    launch(1)
+    w = GeminiStorageWriter(root=root, job_id="cyc")
+    w.cycle = w  # type: ignore[attr-defined]
+    del w
+    with lt._held_guard:
+        gc.collect()  # the finalizer runs here, with the guard held by this thread
+    w2 = GeminiStorageWriter(root=root, job_id="cyc")  # applies the queued release
+    job_dir = Path(root, "cyc")
+    assert lt._held[job_dir].users == 1
+    del w2
+    assert job_dir not in lt._held  # the last writer gone: the lock is dropped
