@@ -201,13 +201,16 @@ class GeminiStorageReader(StorageReader):
         if any(v is None for v in views):
             raise ShardUnavailableError("another rank could not read its tier root; see its error.")
         try:
-            decision = decide(views, self._requested, self.job_id, persisted)  # same result on every rank
+            decision = decide(  # same result on every rank
+                views, self._requested, self.job_id, persisted if self.persistent is not None else None
+            )
         except ShardUnavailableError as exc:
             problems = getattr(exc, "problems", ())
             if not problems:
                 raise
             raise unrestorable_error(self.job_id, problems, bool(persisted), self._describe(comm, problems)) from None
         self._local = {}
+        self.tier.record_restore(decision.step)  # steps newer here are abandoned: this launch's next save drops them
         if decision.fingerprint is None:
             self._decision, self._record = decision, None
             return
