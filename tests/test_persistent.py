@@ -85,10 +85,25 @@ def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> Non
         assert _equal_plain(sd, 6)
     status = drain_status(_persist_dir(root, job))["steps"]
     assert status["6"]["state"] == "done" and "1" not in status and "3" not in status
-    # the same save of step 6 again (e.g. a retried save): the store already has it, nothing is rewritten
+    # the same save of step 6 again by the next launch (a torchrun restart retrying it): the store
+    # already has it, nothing is rewritten. (A second save of one step within a launch is refused.)
     mtime = (step_dir / ".metadata").stat().st_mtime_ns
-    w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=2, persist_keep=2)
-    dcp.save(plain_state(6), storage_writer=w, checkpoint_id=6)
+    from gemini_dcp.launch import current_launch
+
+    restart = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RESTART_COUNT": "1"}
+    saved_env = {k: os.environ.get(k) for k in restart}
+    os.environ.update(restart)
+    current_launch.cache_clear()
+    try:
+        w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=2, persist_keep=2)
+        dcp.save(plain_state(6), storage_writer=w, checkpoint_id=6)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        current_launch.cache_clear()
     assert wait_idle(_persist_dir(root, job), 180)
     assert "already holds" in drain_status(_persist_dir(root, job))["steps"]["6"]["detail"]
     assert (step_dir / ".metadata").stat().st_mtime_ns == mtime
