@@ -133,6 +133,53 @@ def test_record_write_failing_on_one_node_keeps_a_step_restorable_everywhere(tmp
             shutil.rmtree(r, ignore_errors=True)
 
 
+def _replayed_saves_with_a_failed_record(rank: int, world_size: int, root: str, *, job: str) -> dict[str, Any]:
+    """Plan replay (no DCP collective after the write): node 1's record write fails at step 4."""
+    import errno
+
+    import torch.distributed as dist
+
+    import gemini_dcp.layout as layout_mod
+    from gemini_dcp.plan_replay import PlanReplay
+
+    writer = GeminiStorageWriter(root=root, job_id=job, keep=1)
+    replay = PlanReplay(writer, dist.group.WORLD, no_dist=False)
+    for step in (1, 2, 3):
+        replay.save(plain_state(step, rank), step)
+    orig = layout_mod._write_all
+    if rank == 1:
+        def full(fd: int, data: bytes) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        layout_mod._write_all = full  # type: ignore[attr-defined]
+    err = None
+    try:
+        replay.save(plain_state(4, rank), 4)
+    except BaseException as exc:  # noqa: BLE001
+        err = type(_gemini(exc)).__name__
+    layout_mod._write_all = orig  # type: ignore[attr-defined]
+    at4 = LocalTier(root, job).steps()
+    replay.save(plain_state(5, rank), 5)
+    return {"error": err, "at4": at4, "at5": LocalTier(root, job).steps(), "replayed": replay.replayed,
+            "loaded": _exact_load(root, job, rank)}
+
+
+def test_replayed_saves_keep_the_step_committed_everywhere() -> None:
+    roots = [tempfile.mkdtemp(prefix="gemini-lost-r0-", dir="/dev/shm"), tempfile.mkdtemp(prefix="gemini-lost-r1-", dir="/dev/shm")]
+    try:
+        out = run_ranks(_replayed_saves_with_a_failed_record, 2, roots, job="rp")
+        assert [o["error"] for o in out] == [None, "TierFullError"], out
+        assert [o["at4"] for o in out] == [[3, 4], [3]], out  # node 0 did not evict 3 for its lone 4
+        assert [o["at5"] for o in out] == [[3, 5], [3, 5]], out
+        assert [o["loaded"] for o in out] == [(5, True), (5, True)], out
+        assert out[0]["replayed"] >= 3, out  # the agreement rode in plan replay's own all-reduce
+    finally:
+        import shutil
+
+        for r in roots:
+            shutil.rmtree(r, ignore_errors=True)
+
+
 def test_keep_one_on_one_node_holds_just_the_newest(root: str, launch: Any) -> None:
     """One node: its own record is the whole commit, so keep=1 keeps one step (on several
     nodes it keeps the step known committed everywhere too, see the test above)."""
