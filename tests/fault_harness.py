@@ -149,7 +149,8 @@ def rank_main(spec: dict[str, Any]) -> None:
         result["init_s"] = round(time.monotonic() - t0, 3)
         try:
             if spec["mode"] == "save":
-                for step in range(1, spec["steps"] + 1):
+                first = spec.get("first_step", 1)
+                for step in range(first, first + spec["steps"]):
                     writer = GeminiStorageWriter(
                         root=spec["root"], job_id=JOB, keep=spec["keep"], replicas=spec["replicas"],
                         timeout_s=spec["timeout_s"], persistent=spec.get("persistent"), persist_every=1,
@@ -313,6 +314,7 @@ class Trial:
     wipe: tuple[int, ...] = ()  # nodes whose root is emptied before the restart
     timeout_s: float = 20.0
     delay_s: float = 0.0  # "timed": the parent kills ``rank`` this long after the save job starts
+    resume: bool = True  # after the restart: save the next step (a new launch) and restore exactly it
 
     @property
     def world(self) -> int:
@@ -334,7 +336,7 @@ def random_trial(seed: int) -> Trial:
     """A trial drawn from ``seed``: kind, phase, nth, signal, rank, layout, keep, wipe."""
     rng = random.Random(seed)
     layout = rng.choice(LAYOUTS)
-    kind = rng.choices(["save", "timed", "load", "drain", "survivor", "none"], weights=[60, 12, 14, 6, 3, 2])[0]
+    kind = rng.choices(["save", "timed", "load", "drain", "survivor", "none"], weights=[62, 12, 14, 4, 3, 2])[0]
     replicas = 2 if rng.random() < 0.8 else 1
     steps = rng.randint(2, 4)
     keep = rng.choice([1, 2, 2])
@@ -366,7 +368,7 @@ def random_trial(seed: int) -> Trial:
         wipe = (rng.randrange(max(layout) + 1),)
     return Trial(seed=seed, kind=kind, phase=phase, nth=nth, signal=sig, rank=rank, layout=layout, steps=steps,
                  keep=keep, replicas=replicas, wipe=wipe, timeout_s=5.0 if kind == "survivor" else 20.0,
-                 delay_s=delay_s)
+                 delay_s=delay_s, resume=rng.random() < 0.5)
 
 
 def _specs(t: Trial, mode: str, roots: list[str], out: Path, *, fault: str | None, fault_log: str | None,
@@ -541,6 +543,22 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
                                                     may_be_empty=True)
             if outcome == "pass" and restored is None and committed > 0:
                 outcome, detail = "fail", f"nothing restored with step {committed} committed"
+        if outcome == "pass" and not store and t.resume:
+            # training resumes (a new launch): the next step saves, and a restart restores exactly it
+            nxt = (restored or 0) + 1
+            specs = [{**s, "first_step": nxt, "steps": 1} for s in _specs(t, "save", roots, out, fault=None,
+                                                                           fault_log=None, persistent=None)]
+            run = run_group(specs, bound)
+            res = _results(out, "save", t.world)
+            if run.codes != [0] * t.world:
+                errs = sorted({f"{r.get('error')}: {r.get('message', '')[:300]}" for r in res if r and "error" in r})
+                outcome, detail = "fail", f"resume: saving step {nxt} after restoring {restored} failed {run.codes}: {errs}"
+            else:
+                run = run_group(_specs(t, "load", roots, out, fault=None, fault_log=None, persistent=None), bound)
+                r_outcome, r_step, r_detail = _check_load(_results(out, "load", t.world), run, nxt, nxt, may_be_empty=False)
+                record["resumed"] = r_step
+                if r_outcome != "pass":
+                    outcome, detail = r_outcome, f"resume: after saving step {nxt} on top of restored {restored}: {r_detail}"
         if outcome == "pass" and store:
             # the store alone (every node's memory lost) restores a bit-exact step, or none at all
             for r in roots:
