@@ -359,6 +359,8 @@ def random_trial(seed: int) -> Trial:
         phase = rng.choice(["save.after_copy", "replicate.mid_send", "commit.before_record"])
         nth = rng.randint(1, steps)
         sig = rng.choice(["SIGKILL", "SIGSTOP"])
+    if phase is not None and phase.startswith("replicate."):
+        replicas = 2  # replicas=1 never replicates: the fault could not fire
     rank = rng.randrange(len(layout))
     if phase in ("commit.before_record", "commit.after_record", "commit.after_evict"):
         # only a node leader (the lowest rank on its node) writes a record
