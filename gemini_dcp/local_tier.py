@@ -211,21 +211,24 @@ class LocalTier:
         """
         evicted: list[int] = []
         steps = self.steps()
+        abandoned = self.abandoned_steps(launch_id) if launch_id is not None else set()
+        for step in steps:
+            # An abandoned step is dropped wherever it sits (even below ``newest``: a restart must
+            # never fall back into the abandoned timeline), unless this launch saved it anew.
+            if step in abandoned and step != newest and step != global_step:
+                rec = self.record(step)
+                if (rec is None or rec.launch_id != launch_id) and self.delete_record(step):
+                    evicted.append(step)
+        steps = [s for s in steps if s not in evicted]
         newer = [s for s in steps if s > newest]
         if newer:
-            abandoned = self.abandoned_steps(launch_id) if launch_id is not None else set()
-            for step in newer:
-                if step in abandoned and self.delete_record(step):
-                    evicted.append(step)
-            kept = [s for s in newer if s not in evicted]
-            if kept:
-                _warn_once(
-                    f"newer:{self.layout.job_dir}:{kept}",
-                    "job %r in %s holds steps %s, newer than step %s just saved, which no restore in this launch "
-                    "abandoned: they are kept, and a restart restores the newest restorable step. If they belong to "
-                    "another run, give each run its own job_id (or remove them: gemini-dcp gc --remove-job).",
-                    self.job_id, self.root, kept, newest,
-                )
+            _warn_once(
+                f"newer:{self.layout.job_dir}:{newer}",
+                "job %r in %s holds steps %s, newer than step %s just saved, which no restore in this launch "
+                "abandoned: they are kept, and a restart restores the newest restorable step. If they belong to "
+                "another run, give each run its own job_id (or remove them: gemini-dcp gc --remove-job).",
+                self.job_id, self.root, newer, newest,
+            )
         remaining = [s for s in steps if s <= newest]
         for step in remaining[:-keep] if keep < len(remaining) else []:
             if step != newest and step != global_step and self.delete_record(step):

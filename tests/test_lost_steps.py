@@ -250,6 +250,13 @@ def test_newer_steps_survive_a_new_launch_unless_a_restore_abandoned_them(root: 
     assert _load(root, "t")[0] == 2
     _save(root, "t", 3)
     assert LocalTier(root, "t").steps() == [2, 3]
+    launch(5)  # go back to 2 and skip ahead: the abandoned 3 must not stay as a step to fall back to
+    assert _load(root, "t", step=2)[0] == 2
+    _save(root, "t", 5)
+    assert LocalTier(root, "t").steps() == [2, 5]
+    _save(root, "t", 3)  # this launch's own save of the number 3 is not abandoned
+    _save(root, "t", 4)
+    assert LocalTier(root, "t").steps() == [3, 4, 5]
 
 
 # ---- a step saved twice -----------------------------------------------------------------------------
