@@ -249,7 +249,7 @@ class GeminiStorageWriter(StorageWriter):
         for name, val in (("persist_keep", persist_keep), ("persist_keep_every", persist_keep_every)):
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ConfigError(f"{name}={val!r}: give an int >= 1, or None.")
-        if persistent is not None and (not isinstance(persistent, str) or not persistent.strip()):
+        if persistent is not None and (not isinstance(persistent, (str, os.PathLike)) or not str(persistent).strip()):
             raise ConfigError(f"persistent={persistent!r}: give the fsspec URL of the persistent tier, or None.")
         self.options = TierOptions(
             keep=keep,
