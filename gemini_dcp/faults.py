@@ -1,12 +1,14 @@
 """Named fault points for the fault-injection suite (tests/test_fault_injection.py).
 
 Production code marks each phase boundary of save, replicate, commit, drain and load
-with ``fault_point("<phase>")``. Unless ``$GEMINI_DCP_FAULT`` is set this is one dict
-lookup. With ``GEMINI_DCP_FAULT="<phase>[@<nth>][:<signal>][/<rank>]"`` the process
+with ``fault_point("<phase>")``. Unless ``$GEMINI_DCP_FAULT`` or ``$GEMINI_DCP_FAULT_LOG``
+is set this is two membership tests on ``os.environ`` (about a microsecond). With ``GEMINI_DCP_FAULT="<phase>[@<nth>][:<signal>][/<rank>]"`` the process
 kills itself with the signal (default SIGKILL) at the ``nth`` (default 1st) time it
 reaches that phase, optionally only on one global rank. ``GEMINI_DCP_FAULT_LOG=<dir>``
-makes every process append the phases it reached to ``<dir>/<pid>.phases`` (the harness
-uses it to enumerate the boundaries and to prove a fault fired).
+makes every process append the phases it reached to ``<dir>/<pid>.phases`` as
+``<rank> <phase>`` lines, and ``<rank> <phase> fire`` just before it kills itself (the
+harness uses them to prove every boundary is reached and that a fault fired). The drain
+process inherits both variables from the rank that started it.
 
 The phase names are part of the test contract; see :data:`PHASES`.
 """
@@ -77,7 +79,7 @@ def _log(phase: str, what: str = "") -> None:
 def fault_point(phase: str) -> None:
     """Die here if the fault-injection environment says so (a no-op in production).
 
-    Production cost: two membership tests on ``os.environ`` (~0.2 us) per call. The kill is logged as
+    Production cost: two membership tests on ``os.environ`` per call. The kill is logged as
     ``<rank> <phase> fire`` before the signal is sent, so the harness knows it fired.
     """
     if ENV_FAULT not in os.environ and ENV_FAULT_LOG not in os.environ:
