@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from typing import Any
 
 import pytest
 
@@ -118,3 +119,58 @@ def test_hung_peer_survivors_fail_in_bounded_time() -> None:
 def test_random_trials(seed: int) -> None:
     """Random kind/phase/nth/signal/rank/layout/keep/wipe drawn from a recorded seed (fault_harness.random_trial)."""
     _check(fh.run_trial(fh.random_trial(seed)))
+
+
+def _probe_like_a_restarting_rank(path: str, held: Any, go: Any) -> None:
+    """What a sibling rank's _refuse_live_launches does to a dead launch's file: lock it
+    exclusively, unlink it, close it (here with a pause inside, to widen the window)."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR)
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    held.set()
+    go.wait(5)
+    os.unlink(path)
+    os.close(fd)
+
+
+@pytest.mark.xfail(strict=True, reason="local_tier._refuse_live_launches takes a sibling rank's probe lock on a dead "
+                   "launch's file for a live launch (soak 2026-11-25: 3 spurious JobConflictError in ~450 trials)")
+def test_sibling_probe_of_a_dead_launch_is_not_a_live_launch(tmp_path) -> None:
+    """Found by the soak: after a crash, the ranks of the restarted launch that share a node probe
+    the dead launch's lock file at the same moment; one rank's probe (LOCK_EX, then unlink) made
+    another rank raise JobConflictError naming the dead launch, so the restart failed."""
+    import multiprocessing as mp
+    import threading
+
+    from gemini_dcp.launch import LaunchInfo
+    from gemini_dcp.local_tier import LocalTier, hold_launch_lock
+
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    ctx = mp.get_context("fork")
+    dead = ctx.Process(target=_hold_and_exit, args=(str(root),))
+    dead.start()
+    dead.join()
+    files = list((root / "j" / "launches").glob("*.lock"))
+    assert len(files) == 1, files
+    held, go = ctx.Event(), ctx.Event()
+    prober = ctx.Process(target=_probe_like_a_restarting_rank, args=(str(files[0]), held, go))
+    prober.start()
+    try:
+        assert held.wait(10)
+        threading.Timer(0.2, go.set).start()  # the probe ends (file unlinked) shortly after we look
+        tier = LocalTier(root, "j")
+        hold_launch_lock(tier, LaunchInfo("0123456789abcdef", "restarted run", "vm", os.getpid(), 0.0), tier)
+    finally:
+        go.set()
+        prober.join(10)
+
+
+def _hold_and_exit(root: str) -> None:
+    from gemini_dcp.launch import LaunchInfo
+    from gemini_dcp.local_tier import LocalTier, hold_launch_lock
+
+    tier = LocalTier(root, "j")
+    hold_launch_lock(tier, LaunchInfo("deadbeefdeadbeef", "crashed run", "vm", os.getpid(), 0.0), tier)
+    os._exit(0)  # dies holding it: the kernel drops the lock, the file stays
