@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -460,11 +461,10 @@ def _refuse_live_launches(tier: LocalTier, ldir: Path, mine: Path) -> None:
             _warn_once(str(path), "cannot check launch file %s: %s", path, exc)
             continue
         try:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
+            verdict = _probe(path, fd)
+            if verdict == "gone":
+                continue  # a sibling rank's probe found it dead and removed it
+            if verdict == "alive":
                 try:
                     info = json.loads(os.pread(fd, 4096, 0) or b"{}")
                 except ValueError:
@@ -478,6 +478,41 @@ def _refuse_live_launches(tier: LocalTier, ldir: Path, mine: Path) -> None:
             remove_quietly(path)  # locked by nobody: its launch is dead (a restarted or finished run)
         finally:
             os.close(fd)
+
+
+PROBE_PATIENCE_S = 2.0  # how long a lock held on another launch's file may be a sibling's probe
+
+
+def _probe(path: Path, fd: int) -> str:
+    """"dead" (we now hold it exclusively), "gone" (removed meanwhile) or "alive".
+
+    A failed exclusive lock is not proof of life: a sibling rank of the restarted launch may be
+    probing the same dead launch's file this very moment (it holds the lock exclusively, then
+    unlinks the file). A live launch holds its shared lock for as long as it runs, so the lock
+    stays taken and the file stays in place for the whole ``PROBE_PATIENCE_S``; a probe does not.
+    """
+    deadline = time.monotonic() + PROBE_PATIENCE_S
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        else:
+            try:
+                if os.lstat(path).st_ino != os.fstat(fd).st_ino:
+                    return "gone"  # removed (and maybe made anew by its launch: then it is looked at next time)
+            except FileNotFoundError:
+                return "gone"
+            return "dead"
+        try:
+            if os.lstat(path).st_ino != os.fstat(fd).st_ino:
+                return "gone"
+        except FileNotFoundError:
+            return "gone"
+        if time.monotonic() >= deadline:
+            return "alive"
+        time.sleep(0.02)
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:

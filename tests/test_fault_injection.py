@@ -134,8 +134,6 @@ def _probe_like_a_restarting_rank(path: str, held: Any, go: Any) -> None:
     os.close(fd)
 
 
-@pytest.mark.xfail(strict=True, reason="local_tier._refuse_live_launches takes a sibling rank's probe lock on a dead "
-                   "launch's file for a live launch (soak 2026-11-25: 3 spurious JobConflictError in ~450 trials)")
 def test_sibling_probe_of_a_dead_launch_is_not_a_live_launch(tmp_path) -> None:
     """Found by the soak: after a crash, the ranks of the restarted launch that share a node probe
     the dead launch's lock file at the same moment; one rank's probe (LOCK_EX, then unlink) made
