@@ -638,6 +638,16 @@ def markdown_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _dump(doc: dict[str, Any]) -> str:
+    """The soak file: the summary readable, then one compact line per trial record."""
+    head = {k: v for k, v in doc.items() if k not in ("failures", "trials_run")}
+    lines = [json.dumps(head, indent=1, default=str)[:-2] + ","]
+    for key in ("failures", "trials_run"):
+        rows = [json.dumps(r, default=str, separators=(",", ":")) for r in doc.get(key, [])]
+        lines.append(f' "{key}": [\n  ' + ",\n  ".join(rows) + "\n ]" + ("," if key == "failures" else ""))
+    return "\n".join(lines) + "\n}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=1000)
@@ -664,10 +674,10 @@ def main(argv: list[str] | None = None) -> int:
             summary = summarize(records)
             print(f"[{i + 1}/{args.trials}] {summary['outcomes']} {time.time() - t0:.0f}s", flush=True)
             doc = {"seed": args.seed, "started_unix": t0, "seconds": round(time.time() - t0, 1), **summary, "trials_run": records}
-            out.write_text(json.dumps(doc, indent=1, default=str))
+            out.write_text(_dump(doc))
     summary = summarize(records)
     doc = {"seed": args.seed, "started_unix": t0, "seconds": round(time.time() - t0, 1), **summary, "trials_run": records}
-    out.write_text(json.dumps(doc, indent=1, default=str))
+    out.write_text(_dump(doc))
     print(json.dumps({k: summary[k] for k in ("trials", "outcomes", "fired")}), flush=True)
     return 0 if not summary["failures"] else 1
 
