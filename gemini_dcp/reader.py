@@ -59,7 +59,7 @@ from .restore_plan import NodeView, RestoreDecision, StepView, Unrestorable, dec
 from .slots import ReadOnlySlot
 
 if TYPE_CHECKING:
-    from .peer import Tally
+    from .peer import ReceiveArena, Tally
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class GeminiStorageReader(StorageReader):
         self._record: StepRecord | None = None
         self._local: dict[int, Path] = {}
         self._maps: dict[Path, ReadOnlySlot] = {}
+        self._arenas: list[ReceiveArena] = []  # this restore's peer receive buffers (gemini_dcp.peer)
         self._staged: list[Staged] = []
         self._dests: dict[int, torch.Tensor] = {}  # id(read item) -> its resolved destination
         self._checked_planner: LoadPlanner | None = None
@@ -337,6 +338,7 @@ class GeminiStorageReader(StorageReader):
             # frames — a process that kept them until interpreter exit could abort while tearing down.
             self._staged, self._dests = [], {}
             self._maps.clear()
+            self._drop_arenas()
             if error is not None:
                 traceback.clear_frames(error.__traceback__)
                 raise error
@@ -384,15 +386,29 @@ class GeminiStorageReader(StorageReader):
         finalizing (no new threads), the unmap runs inline.
         """
         maps, self._maps = self._maps, {}
-        if not maps:
+        arenas, self._arenas = self._arenas, []
+        if not maps and not arenas:
             return
-        if sys.is_finalizing():
+
+        def unmap() -> None:
             maps.clear()
+            for arena in arenas:
+                arena.release()  # the staged views are gone: the receive buffers' mapping goes with it
+            arenas.clear()
+
+        if sys.is_finalizing():
+            unmap()
             return
         try:
-            threading.Thread(target=maps.clear, name="gemini-dcp-unmap", daemon=False).start()
+            threading.Thread(target=unmap, name="gemini-dcp-unmap", daemon=False).start()
         except RuntimeError:  # "can't create new thread at interpreter shutdown"
-            maps.clear()
+            unmap()
+
+    def _drop_arenas(self) -> None:
+        """Release the peer receive buffers now (a failed restore), after their pre-fault workers end."""
+        arenas, self._arenas = self._arenas, []
+        for arena in arenas:
+            arena.release()
 
     def _comm(self) -> Comm:
         return get_comm(self.timeout_s, self.process_group)
