@@ -33,9 +33,29 @@ _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def resolve_root(root: str | os.PathLike[str] | None) -> Path:
     """``root`` if given, else ``$GEMINI_DCP_ROOT``, else ``/dev/shm/gemini_dcp``."""
+    if root is not None and not isinstance(root, (str, os.PathLike)):
+        raise ConfigError(
+            f"root={root!r} is a {type(root).__name__}, not a path: pass the tier root as a str or "
+            f"pathlib.Path (e.g. root='/dev/shm/gemini_dcp'), or leave it unset to use ${ENV_ROOT}."
+        )
     if root is None or str(root) == "":
         root = os.environ.get(ENV_ROOT) or DEFAULT_ROOT
     return Path(root).expanduser().absolute()
+
+
+def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
+    """``timeout_s`` as a float if it is a positive, finite number of seconds, else ConfigError."""
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or not timeout_s > 0
+    ):
+        raise ConfigError(
+            f"{name}={timeout_s!r}: give a positive, finite number of seconds (default 300); "
+            "an infinite wait would hang a save or load forever on a dead peer or store."
+        )
+    return float(timeout_s)
 
 
 def resolve_job_id(job_id: str | None) -> str:
@@ -117,9 +137,9 @@ class TierOptions:
     on_peer_failure: OnPeerFailure = "raise"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.keep, int) or self.keep < 1:
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(f"keep={self.keep!r}: keep at least 1 committed step (default {DEFAULT_KEEP}).")
-        if not isinstance(self.replicas, int) or self.replicas < 1:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ConfigError(
                 f"replicas={self.replicas!r}: replicas counts the node's own copy, so it must be an int >= 1 "
                 "(2 = one extra copy on a peer node)."
@@ -131,18 +151,11 @@ class TierOptions:
                 f"checksum={self.checksum!r}: choose 'auto' (default: crc32c when the C++ extension is "
                 "built, else xxh3), 'xxh3' or 'crc32c'."
             )
-        if self.capacity_bytes is not None and (not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0):
-            raise ConfigError(f"capacity_bytes={self.capacity_bytes!r}: give a positive byte budget or None.")
-        if (
-            isinstance(self.timeout_s, bool)
-            or not isinstance(self.timeout_s, (int, float))
-            or not math.isfinite(self.timeout_s)
-            or not self.timeout_s > 0
+        if self.capacity_bytes is not None and (
+            isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0
         ):
-            raise ConfigError(
-                f"timeout_s={self.timeout_s!r}: give a positive, finite number of seconds (default 300); "
-                "an infinite wait would hang a save forever on a dead peer."
-            )
+            raise ConfigError(f"capacity_bytes={self.capacity_bytes!r}: give a positive byte budget or None.")
+        check_timeout(self.timeout_s)
         if self.on_peer_failure not in ("raise", "degrade"):
             raise ConfigError(
                 f"on_peer_failure={self.on_peer_failure!r}: choose 'raise' (fail the save) or 'degrade' "

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .checksum import checksum
 from .compat import failed_metadata, global_shape, raise_if_failed
 from .comm import Comm, get_comm
-from .config import parse_step, resolve_node_id
+from .config import check_timeout, parse_step, resolve_node_id
 from .errors import (
     CheckpointMismatchError,
     ChecksumMismatchError,
@@ -109,6 +109,7 @@ class GeminiStorageReader(StorageReader):
         process_group: Any = None,
     ) -> None:
         super().__init__()
+        timeout_s = check_timeout(timeout_s)  # before any directory is touched
         self.tier = LocalTier(root, job_id)
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
