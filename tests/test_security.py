@@ -205,7 +205,11 @@ def test_six_field_tensor_properties_decode_on_this_torch(monkeypatch: pytest.Mo
     six = pickle.dumps(props)
     monkeypatch.undo()
     got = restricted_loads(six, source="torch-2.15 metadata")
-    assert type(got) is TensorProperties and got == props
+    assert type(got) is TensorProperties
+    fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    assert all(getattr(got, f) == getattr(props, f) for f in fields)
+    if "strides" in getattr(TensorProperties, "__dataclass_fields__", {}):  # torch >= 2.15 keeps them
+        assert tuple(got.strides) == (4, 1)
     assert restricted_loads(pickle.dumps(props), source="5 fields") == props
 
 
