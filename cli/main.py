@@ -406,7 +406,7 @@ def doctor_cmd(
         "--build-ext", help="Build the C++/CUDA extension now if this machine has no cached build (takes a while).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Check the environment a job will run in: tier root, tmpfs, free space, /dev/shm size in containers, memory budget, GPUs, torch and extension versions. Exit 1 if a check fails."""
+    """Check the environment a job will run in: tier root, tmpfs, free space, /dev/shm size in containers, memory budget, GPUs, the torch version against the supported range, torchrec support, the extension. Exit 1 if a check fails."""
     from gemini_dcp.doctor import doctor
 
     rep = doctor(root, expected_gb=expected_gb, keep=keep, replicas=replicas, build_ext=build_ext)
