@@ -50,6 +50,8 @@ _LOCK = threading.Lock()
 _BROKEN: str | None = None
 # Groups replaced by rebuild(): kept alive, as their failed operations may still hold buffers.
 _RETIRED: list[Any] = []
+# A store agreement is abandoned after this many timeout_s (its own store waits take at most 1.5 x).
+AGREE_DEADLINE_FACTOR = 2.0
 
 RESTART_HINT = (
     "The checkpoint control group of this process is unusable from now on: every later save or load "
@@ -91,6 +93,8 @@ class Comm:
     def __init__(self, group: dist.ProcessGroup | None, timeout_s: float | None = None) -> None:
         self.group = group
         self.timeout_s = timeout_s
+        # Why the last agree_via_store returned None ("" when it did not).
+        self.agreement_failure = ""
         if group is None:
             self.rank, self.world_size = 0, 1
             self.ranks: tuple[int, ...] = (0,)
@@ -166,38 +170,98 @@ class Comm:
         which a gloo timeout closes): every rank's ``obj`` (JSON-able), or None.
 
         Rank 0 proposes every rank's value once all arrived within ``timeout_s``, else
-        "abort"; a rank that waited ``2 * timeout_s`` for the decision in vain proposes
+        "abort"; a rank that waited ``1.5 * timeout_s`` for the decision in vain proposes
         "abort". The first proposal wins (an atomic compare-and-set), so every rank that
         returns returns the same answer: all ranks get the values, or all get None.
         ``topic`` must be the same on every rank and unique per agreement.
-        """
-        import json  # noqa: PLC0415
 
+        **Every wait is bounded.** The store is served by one process (rank 0's without
+        torchrun's agent): when that process is stalled (SIGSTOP, a hung host) its socket
+        still accepts requests but never answers, and a store client call may then block
+        far beyond any timeout it was given (the client waits for the answer to its
+        cancelled wait without a deadline). So the whole exchange runs on a helper thread
+        that this rank abandons after ``2 * timeout_s`` (:data:`AGREE_DEADLINE_FACTOR`):
+        it then returns None, and :attr:`agreement_failure` says why (which phase, after
+        how long). All-or-nothing is kept across such a give-up: every rank posts the wall
+        clock time until which it will accept a decision (its entry plus ``1.5 * timeout_s``)
+        and rank 0 proposes the values only before the earliest of those (else "abort"),
+        so a rank that gave up can never be the only one not to commit.
+        """
+        self.agreement_failure = ""
         if not self.distributed:
             return [obj]
         timeout = float(self.timeout_s or 300.0)
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            prefix = f"gemini_dcp/agree/{'-'.join(map(str, self.ranks))}/{topic}/"
-            decision_key = prefix + "decision"
-            store.set(prefix + str(self.rank), json.dumps(obj))
-            if self.rank == 0:
-                keys = [prefix + str(r) for r in range(self.world_size)]
-                try:
-                    store.wait(keys, timedelta(seconds=timeout))
-                    proposal = json.dumps([json.loads(store.get(k)) for k in keys])
-                except Exception:  # noqa: BLE001 - a rank did not report in time
-                    proposal = "abort"
-                decided = store.compare_set(decision_key, "", proposal)
-            else:
-                try:
-                    store.wait([decision_key], timedelta(seconds=2 * timeout))
-                except Exception:  # noqa: BLE001 - rank 0 did not decide in time: propose abort
-                    pass
-                decided = store.compare_set(decision_key, "", "abort")
-        except Exception as exc:  # noqa: BLE001 - the store itself failed (rank 0's process is gone)
-            log.error("agreement %r over the store failed: %s", topic, exc)
+        limit = AGREE_DEADLINE_FACTOR * timeout
+        state: dict[str, str] = {"phase": "connecting to the store"}
+        t0 = time.monotonic()
+        result: dict[str, Any] = {}
+
+        def exchange() -> None:
+            try:
+                result["value"] = self._store_exchange(topic, obj, timeout, state)
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread
+                result["error"] = exc
+
+        worker = threading.Thread(target=exchange, name=f"gemini-dcp-agree-{topic}", daemon=True)
+        worker.start()
+        worker.join(limit)
+        waited = time.monotonic() - t0
+        if worker.is_alive():  # the store (the process serving it) does not answer: give up
+            self.agreement_failure = (
+                f"agreement {topic!r} over the default store: no answer while {state['phase']} after "
+                f"{waited:.1f} s (deadline {AGREE_DEADLINE_FACTOR:g} x timeout_s={timeout:g}); the process "
+                f"serving the store (rank 0 without torchrun's agent, else the torchrun agent) is stalled or gone"
+            )
+            log.error("%s", self.agreement_failure)
             return None
+        if "error" in result:
+            exc = result["error"]
+            self.agreement_failure = (
+                f"agreement {topic!r} over the default store failed while {state['phase']} after "
+                f"{waited:.1f} s: {type(exc).__name__}: {str(exc).strip()[:300]}"
+            )
+            log.error("%s", self.agreement_failure)
+            return None
+        decided = result["value"]
+        if decided is None:
+            self.agreement_failure = (
+                f"agreement {topic!r} over the default store: not every rank reported within "
+                f"timeout_s={timeout:g} (decided 'abort' after {waited:.1f} s)"
+            )
+        return decided
+
+    def _store_exchange(self, topic: str, obj: Any, timeout: float, state: dict[str, str]) -> list[Any] | None:
+        """The store protocol of :meth:`agree_via_store` (runs on its helper thread; ``state['phase']``
+        names the step under way, for the give-up message). Returns the values, or None for "abort"."""
+        import json  # noqa: PLC0415
+
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"gemini_dcp/agree/{'-'.join(map(str, self.ranks))}/{topic}/"
+        decision_key = prefix + "decision"
+        accept_until = time.time() + 1.5 * timeout  # wall clock: comparable across nodes
+        state["phase"] = "posting this rank's outcome"
+        store.set(prefix + str(self.rank), json.dumps({"value": obj, "until": accept_until}))
+        if self.rank == 0:
+            keys = [prefix + str(r) for r in range(self.world_size)]
+            state["phase"] = "waiting for every rank's outcome"
+            try:
+                store.wait(keys, timedelta(seconds=timeout))
+                posted = [json.loads(store.get(k)) for k in keys]
+                # Values only while every rank still accepts them: one that gave up never commits.
+                late = time.time() >= min(float(p["until"]) for p in posted) - 0.25 * timeout
+                proposal = "abort" if late else json.dumps([p["value"] for p in posted])
+            except Exception:  # noqa: BLE001 - a rank did not report in time
+                proposal = "abort"
+            state["phase"] = "recording the decision"
+            decided = store.compare_set(decision_key, "", proposal)
+        else:
+            state["phase"] = "waiting for rank 0's decision"
+            try:
+                store.wait([decision_key], timedelta(seconds=1.5 * timeout))
+            except Exception:  # noqa: BLE001 - rank 0 did not decide in time: propose abort
+                pass
+            state["phase"] = "proposing 'abort' (no decision from rank 0)"
+            decided = store.compare_set(decision_key, "", "abort")
         text = decided.decode() if isinstance(decided, bytes) else str(decided)
         return None if text == "abort" else json.loads(text)
 

@@ -166,8 +166,9 @@ def replicate(
         agreed = comm.agree_via_store(f"replicate-{step}-{_STORE_AGREEMENTS}", [error or why, True])
         if agreed is None:
             reason = (
-                f"step {step}: peer replication failed ({error or why}) and not every rank reported within "
-                f"timeout_s={comm.timeout_s:g} (a peer is stalled or gone); the step is not committed"
+                f"step {step}: peer replication failed ({error or why}) and the ranks could not agree on it "
+                f"({comm.agreement_failure or f'not every rank reported within timeout_s={comm.timeout_s:g}'}); "
+                f"a peer is stalled or gone; the step is not committed on any node"
             )
             mark_broken(reason)
             raise RestartRequiredError(f"{reason}. {RESTART_HINT}")

@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -32,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec.implementations.memory import MemoryFileSystem
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
-from gemini_dcp.errors import PersistentTierError, RestartRequiredError, UntrustedDataError
+from gemini_dcp.errors import PeerError, PersistentTierError, RestartRequiredError, UntrustedDataError
 from gemini_dcp.persistent import INDEX, SIDE_DIR, PersistentTier, PersistentTimeoutError, StepDir
 from mp_utils import run_ranks
 from workloads import plain_state
@@ -380,3 +381,113 @@ def test_degrade_commits_on_every_rank_after_a_peer_transfer_timeout() -> None:
         assert degraded is True and committed == 2, res
         assert took < 4.5 + 3 + SLACK_S, res
         assert r["3"] == (False, 3), res
+
+
+# ---- the store's host frozen mid-replication ------------------------------------------------------
+FROZEN_TIMEOUT_S = 3.0
+
+
+def _frozen_store_host_rank(rank: int, world_size: int, port: int, root: str, out_dir: str,
+                            on_peer_failure: str) -> None:
+    """One rank of the frozen-store-host scenario (a spawned process): step 1 saves normally;
+    at step 2 rank 0, which also serves the default TCPStore, SIGSTOPs itself mid-replication.
+    Ranks 1 and 2 write what step 2 raised, and how long it took, to ``<out_dir>/<rank>.json``."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", GEMINI_DCP_FAULT="replicate.mid_send@2:SIGSTOP/0",
+    )
+    torch.set_num_threads(1)
+    # The training group waits timeout_s too (DCP's own gathers run on it), as in the soak.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=FROZEN_TIMEOUT_S))
+    sd = {f"w{rank}": torch.full((256, 16), float(rank)), "step": 0}
+    w = GeminiStorageWriter(root=root, job_id="frozen-host", replicas=2, timeout_s=FROZEN_TIMEOUT_S,
+                            on_peer_failure=on_peer_failure)
+    result: dict[str, Any] = {}
+    dcp.save(sd, storage_writer=w, checkpoint_id=1)
+    t0 = time.monotonic()
+    try:
+        dcp.save(sd, storage_writer=w, checkpoint_id=2)  # rank 0 stops inside this one
+        result.update(error="no error", message="")
+    except BaseException as exc:  # noqa: BLE001 - classified by the test (DCP raises CheckpointException)
+        gem = find_gemini_error(exc)
+        result.update(error=type(gem).__name__ if gem else type(exc).__name__, message=str(gem or exc),
+                      peer_error=isinstance(gem, PeerError))
+    from gemini_dcp.comm import broken_reason
+
+    # DCP's own gather on the training group follows write_data: with rank 0 frozen it fails with
+    # that group's raw timeout, which then hides the writer's error; the reason stays on record here.
+    result.update(seconds=time.monotonic() - t0, committed=w.last_committed_step, own_reason=broken_reason())
+    tmp = Path(out_dir, f"{rank}.tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, Path(out_dir, f"{rank}.json"))
+    # No destroy_process_group: the process serving the store is frozen (the soak covers teardown).
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_peer_failure", ["raise", "degrade"])
+def test_store_host_frozen_mid_replication_ends_in_bounded_time(on_peer_failure: str) -> None:
+    """Soak finding (seed 20261185783989): rank 0 frozen (SIGSTOP) mid-replication while it also
+    serves the default TCPStore. The store agreement that follows the failed transfer used to
+    block ranks 1 and 2 forever (a store client call on a stalled server does not honour its
+    timeout). Now they raise RestartRequiredError (a PeerError) within a few timeout_s, naming
+    the phase, and neither commits step 2 (all-or-nothing)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from mp_utils import free_port
+
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    roots = [tempfile.mkdtemp(prefix=f"gemini-bw-frozen{i}-", dir=base) for i in range(3)]
+    out_dir = tempfile.mkdtemp(prefix="gemini-bw-frozen-out-")
+    ctx = mp.start_processes(_run_frozen_rank, args=(3, free_port(), roots, out_dir, on_peer_failure),
+                             nprocs=3, join=False, start_method="spawn")
+    # transfer wait + store agreement (2 x) + DCP's gather on the training group, plus start-up
+    bound = 60.0
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline and len(results) < 2:
+            for r in (1, 2):
+                f = Path(out_dir, f"{r}.json")
+                if r not in results and f.exists():
+                    results[r] = json.loads(f.read_text())
+            dead = [r for r in (1, 2) if r not in results and not ctx.processes[r].is_alive()]
+            assert not dead, f"ranks {dead} died without a result (exit codes {[p.exitcode for p in ctx.processes]})"
+            time.sleep(0.2)
+    finally:
+        for p in ctx.processes:  # rank 0 is stopped: wake it so the kill is delivered, then kill all
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in ctx.processes:
+            p.join(10)
+        for d in (*roots, out_dir):
+            shutil.rmtree(d, ignore_errors=True)
+    assert len(results) == 2, f"ranks {sorted({1, 2} - set(results))} still blocked {bound:.0f} s after rank 0 froze"
+    for r, res in results.items():
+        assert res["error"] != "no error", (r, res)
+        # Our RestartRequiredError (a PeerError), unless DCP's gather on the training group (rank 0
+        # frozen) raised its own timeout over it (docs/failure-semantics.md, "Bounded waits").
+        assert res["peer_error"] or res["error"] == "RuntimeError", (r, res)
+        assert res["committed"] == 1, (r, res)  # step 2 committed on no surviving node
+        # transfer (1 x) + agreement (<= 2 x) + DCP's gather (1 x), plus scheduling slack
+        assert res["seconds"] < 4 * FROZEN_TIMEOUT_S + 2 * SLACK_S, (r, res)
+        reason = res["own_reason"] or ""
+        assert "step 2" in reason and "not committed" in reason, (r, res)
+        assert "over the default store" in reason and "stalled or gone" in reason, (r, res)
+
+
+def _run_frozen_rank(rank: int, world_size: int, port: int, roots: list[str], out_dir: str, on_peer_failure: str) -> None:
+    """torch.multiprocessing entry: rank ``rank`` of the frozen-store-host scenario on node ``roots[rank]``."""
+    _frozen_store_host_rank(rank, world_size, port, roots[rank], out_dir, on_peer_failure)
