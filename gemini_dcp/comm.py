@@ -279,9 +279,13 @@ class Comm:
             return
         check_usable()
         key = (self.ranks, float(self.timeout_s or 0.0))
+        timeout = float(self.timeout_s or 300.0)
         t0 = time.monotonic()
         try:
-            fresh = _new_group(self.ranks, self.timeout_s or 300.0)
+            # new_group's rendezvous goes over the default store, which may hang on a stalled
+            # store host beyond the timeout it is given: the rank gives up after 2 x timeout_s.
+            fresh = _bounded("creating the replacement gloo group", lambda: _new_group(self.ranks, timeout),
+                             AGREE_DEADLINE_FACTOR * timeout)
         except _transport_errors() as exc:
             why = self.failure(f"replacing the control group after: {reason};", exc, time.monotonic() - t0)
             mark_broken(why)
@@ -292,6 +296,27 @@ class Comm:
                 _GROUPS[key] = fresh
         self.group = fresh
         log.warning("checkpoint control group replaced after a failed peer transfer (%s)", reason)
+
+
+def _bounded(what: str, fn: Callable[[], T], limit_s: float) -> T:
+    """``fn()`` on a helper thread, waited for at most ``limit_s``; past that raises TimeoutError
+    (the thread is abandoned: it may stay blocked in a call that ignores its own timeout)."""
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=call, name=f"gemini-dcp-bounded: {what}", daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    if worker.is_alive():
+        raise TimeoutError(f"{what}: no answer within {limit_s:g} s (the default store's host is stalled or gone)")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def _new_group(ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup:

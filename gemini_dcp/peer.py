@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
@@ -114,6 +115,8 @@ def replicate(
     transport = False  # the error is a transport failure (the group must be replaced)
     what, who = "posting transfers", None
     t_xfer = time.monotonic()
+    # Every transfer wait names its deadline (the group's own timeout bounds it too, as a backstop).
+    deadline = timedelta(seconds=float(comm.timeout_s or 300.0))
     try:
         # Every receive is posted before any send waits, so paced (blocking) sends cannot deadlock.
         for src, dst in sorted(routes):
@@ -141,11 +144,11 @@ def replicate(
                 pace(n)  # into the next idle span of training communication (gemini_dcp.interleave)
                 for w, t in [(dist.isend(chunk, dst=t, group=comm.group), t) for t in targets]:
                     what, who = f"paced send of rank {me}'s slot", t
-                    w.wait()
+                    w.wait(deadline)
             sent = nbytes * len(targets)
         fault_point("replicate.mid_send")  # sends posted, not all delivered
         for w, what, who in works:
-            w.wait()
+            w.wait(deadline)
     except _transport_errors() as exc:  # gloo timeout / peer gone
         transport = True
         error = comm.failure(f"peer transfer ({what})", exc, time.monotonic() - t_xfer, peer=who)
