@@ -52,6 +52,11 @@ _BROKEN: str | None = None
 _RETIRED: list[Any] = []
 # A store agreement is abandoned after this many timeout_s (its own store waits take at most 1.5 x).
 AGREE_DEADLINE_FACTOR = 2.0
+# ... or after this many, if this rank's first post to the store is still unanswered (a stalled host).
+POST_GIVE_UP = 1.25
+_PHASE_CONNECT = "connecting to the store"
+_PHASE_POST = "posting this rank's outcome"
+_PHASE_PROBE = "checking that the store answers"
 
 RESTART_HINT = (
     "The checkpoint control group of this process is unusable from now on: every later save or load "
@@ -180,19 +185,23 @@ class Comm:
         still accepts requests but never answers, and a store client call may then block
         far beyond any timeout it was given (the client waits for the answer to its
         cancelled wait without a deadline). So the whole exchange runs on a helper thread
-        that this rank abandons after ``2 * timeout_s`` (:data:`AGREE_DEADLINE_FACTOR`):
+        that this rank abandons after ``2 * timeout_s`` (:data:`AGREE_DEADLINE_FACTOR`), or
+        after ``1.25 * timeout_s`` while its post (and a check that the store took it) is
+        unanswered (:data:`POST_GIVE_UP`):
         it then returns None, and :attr:`agreement_failure` says why (which phase, after
         how long). All-or-nothing is kept across such a give-up: every rank posts the wall
-        clock time until which it will accept a decision (its entry plus ``1.5 * timeout_s``)
-        and rank 0 proposes the values only before the earliest of those (else "abort"),
-        so a rank that gave up can never be the only one not to commit.
+        clock times until which it will accept a decision (its entry plus ``1.5 * timeout_s``)
+        and by which its post must have been taken (its entry plus ``timeout_s``), and rank 0
+        proposes the values only before the earliest of the former (less ``0.25 * timeout_s``)
+        and of the latter (else "abort"), so a rank that gave up can never be the only one not
+        to commit.
         """
         self.agreement_failure = ""
         if not self.distributed:
             return [obj]
         timeout = float(self.timeout_s or 300.0)
         limit = AGREE_DEADLINE_FACTOR * timeout
-        state: dict[str, str] = {"phase": "connecting to the store"}
+        state: dict[str, str] = {"phase": _PHASE_CONNECT}
         t0 = time.monotonic()
         result: dict[str, Any] = {}
 
@@ -204,7 +213,11 @@ class Comm:
 
         worker = threading.Thread(target=exchange, name=f"gemini-dcp-agree-{topic}", daemon=True)
         worker.start()
-        worker.join(limit)
+        # A running store host answers at once (its server thread, not its main thread): a post
+        # and probe still unanswered after POST_GIVE_UP x timeout_s mean the host is stalled.
+        worker.join(POST_GIVE_UP * timeout)
+        if worker.is_alive() and state["phase"] not in (_PHASE_CONNECT, _PHASE_POST, _PHASE_PROBE):
+            worker.join(max(0.0, limit - (time.monotonic() - t0)))
         waited = time.monotonic() - t0
         if worker.is_alive():  # the store (the process serving it) does not answer: give up
             self.agreement_failure = (
@@ -238,9 +251,14 @@ class Comm:
         store = dist.distributed_c10d._get_default_store()
         prefix = f"gemini_dcp/agree/{'-'.join(map(str, self.ranks))}/{topic}/"
         decision_key = prefix + "decision"
-        accept_until = time.time() + 1.5 * timeout  # wall clock: comparable across nodes
-        state["phase"] = "posting this rank's outcome"
-        store.set(prefix + str(self.rank), json.dumps({"value": obj, "until": accept_until}))
+        now = time.time()  # wall clock: comparable across nodes
+        # until: this rank accepts a decision only until then; posted_by: its post counts only if
+        # the store took it by then (else this rank may have given up on an unanswered post).
+        mine = {"value": obj, "until": now + 1.5 * timeout, "posted_by": now + timeout}
+        state["phase"] = _PHASE_POST
+        store.set(prefix + str(self.rank), json.dumps(mine))
+        state["phase"] = _PHASE_PROBE  # a set may return unanswered: a check needs the host's answer
+        store.check([prefix + str(self.rank)])
         if self.rank == 0:
             keys = [prefix + str(r) for r in range(self.world_size)]
             state["phase"] = "waiting for every rank's outcome"
@@ -248,7 +266,9 @@ class Comm:
                 store.wait(keys, timedelta(seconds=timeout))
                 posted = [json.loads(store.get(k)) for k in keys]
                 # Values only while every rank still accepts them: one that gave up never commits.
-                late = time.time() >= min(float(p["until"]) for p in posted) - 0.25 * timeout
+                now = time.time()
+                late = (now >= min(float(p["until"]) for p in posted) - 0.25 * timeout
+                        or now >= min(float(p["posted_by"]) for p in posted))
                 proposal = "abort" if late else json.dumps([p["value"] for p in posted])
             except Exception:  # noqa: BLE001 - a rank did not report in time
                 proposal = "abort"
