@@ -18,20 +18,26 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import Iterable
 from pathlib import Path
 
 from .config import resolve_job_id, resolve_root
 from .errors import ChecksumMismatchError, GeminiError, JobConflictError, TierRootError
 from .launch import LaunchInfo
-from .layout import JobLayout, atomic_write_bytes, check_root, ensure_private_dir, list_jobs, remove_quietly
+from .layout import (
+    JobLayout,
+    atomic_write_bytes,
+    check_root,
+    ensure_private_dir,
+    list_jobs,
+    open_private,
+    read_private_bytes,
+    remove_quietly,
+)
 from .records import StepRecord, read_record, write_record
 
 log = logging.getLogger(__name__)
 
 _MAX_DECODED = 16  # decoded records kept per LocalTier (newest steps)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 RESTORE_MARKER = "restored.json"  # in the job dir: the last restore from this tier (see note_restore)
 _warned: set[str] = set()  # odd entries already reported by this process (one warning each)
 
@@ -250,9 +256,9 @@ class LocalTier:
         blob = json.dumps(data, sort_keys=True).encode()
         path = self.layout.job_dir / RESTORE_MARKER
         try:
-            if _read_small(path) == blob:
+            if read_private_bytes(path) == blob:
                 return
-        except OSError:
+        except (OSError, GeminiError):  # absent, or not ours / a link: replaced by our own below
             pass
         atomic_write_bytes(path, blob)
 
@@ -270,10 +276,10 @@ class LocalTier:
         """Steps a restore in ``launch_id`` abandoned (empty without such a restore)."""
         path = self.layout.job_dir / RESTORE_MARKER
         try:
-            data = json.loads(_read_small(path))
+            data = json.loads(read_private_bytes(path))
         except FileNotFoundError:
             return set()
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, GeminiError) as exc:
             _warn_once(str(path), "ignoring unreadable restore marker %s: %s", path, exc)
             return set()
         if not isinstance(data, dict) or data.get("launch_id") != launch_id:
@@ -308,15 +314,6 @@ def _not_abandoned(tier: LocalTier, steps: list[int]) -> list[int]:
     return [s for s in steps if s not in gone]
 
 
-def _read_small(path: Path) -> bytes:
-    """A small side file of ours, never read through a symbolic link."""
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-    try:
-        return os.read(fd, 1 << 20)
-    finally:
-        os.close(fd)
-
-
 # ---- one live launch per job and root ---------------------------------------------------------
 class _HeldLock:
     """This process's shared lock on its launch file of one job dir, held while a writer lives."""
@@ -341,28 +338,8 @@ def _launch_file_text(launch: LaunchInfo) -> bytes:
 
 
 def _open_lock_file(path: Path, create: bool) -> int:
-    flags = os.O_RDWR | _NOFOLLOW | _CLOEXEC | (os.O_CREAT if create else 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            from .errors import UntrustedDataError  # noqa: PLC0415
-
-            raise UntrustedDataError(
-                f"refusing to use {path}: it is a symbolic link; gemini_dcp never follows links inside a tier root. "
-                "Remove it, or use a private tier root."
-            ) from exc
-        raise
-    st = os.fstat(fd)
-    if not (st.st_mode & 0o170000 == 0o100000) or st.st_uid != os.geteuid():
-        os.close(fd)
-        from .errors import UntrustedDataError  # noqa: PLC0415
-
-        raise UntrustedDataError(
-            f"refusing to use {path}: not a regular file owned by uid {os.geteuid()} (uid {st.st_uid}). "
-            "Remove it, or use a private tier root."
-        )
-    return fd
+    """A launch lock file, opened read-write through the checked path (ours, regular, never a link)."""
+    return open_private(path, os.O_RDWR | (os.O_CREAT if create else 0))
 
 
 def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None:

@@ -44,7 +44,6 @@ import hashlib
 import io
 import logging
 import os
-import math
 import pickle
 import re
 import threading
@@ -60,7 +59,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .checksum import as_bytes, checksum
-from .config import resolve_job_id
+from .config import check_timeout, resolve_job_id
 from .errors import ChecksumMismatchError, ConfigError, PersistentTierError, StepNotFoundError, UntrustedDataError
 from .records import ShardRef
 from .safe_pickle import restricted_loads
@@ -102,13 +101,6 @@ class PersistentTimeoutError(PersistentTierError):
 
 class UntrustedSideFileError(PersistentTierError, UntrustedDataError):
     """A side file of the persistent store (index, part marker, metadata) was refused or is unreadable."""
-
-
-def check_timeout(value: Any, name: str = "timeout_s") -> float:
-    """``value`` as a positive, finite number of seconds, else ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}={value!r}: give a positive, finite number of seconds (e.g. 300).")
-    return float(value)
 
 
 def bounded_call(
