@@ -14,7 +14,7 @@ shared, so passes drift; interleaving cancels most of it):
 * ``gemini_asap`` — the same with pacing off (copy as fast as possible);
 * ``gemini_planned`` — ``gemini`` with every save planned by ``dcp.save``
   (``DefaultSavePlanner`` with DCP's own plan caching) instead of replaying
-  the recorded plan (gemini_dcp.plan_replay): the A/B of the replay;
+  the recorded plan (gemini_dcp.snapshot.replay): the A/B of the replay;
 * ``gemini_dcp_async`` — ``dcp.async_save`` with ``AsyncGeminiStorageWriter``
   as its stager (zero-copy staging, optimizer-step guard, no pacing);
 * ``stock``  — ``dcp.async_save`` with ``DefaultStager`` (every staging option
@@ -93,7 +93,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from gemini_dcp import GeminiStorageWriter
-    from gemini_dcp.snapshot import AsyncCheckpointer, AsyncGeminiStorageWriter, InterleaveOptions, checkpoint_group
+    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer, AsyncGeminiStorageWriter, InterleaveOptions, checkpoint_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if os.environ.get("BENCH_SWITCH_INTERVAL"):

@@ -61,10 +61,10 @@ def _lookup(refs: Any, keys: list[tuple[int, int]]) -> list[Any]:
 def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-    from gemini_dcp.peer import refs_by_key
-    from gemini_dcp.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
-    from gemini_dcp.restore_plan import NodeView, StepView
-    from gemini_dcp.writer import _expand, _overlay, _RankReport, _SplitLayout
+    from gemini_dcp.peer.replication import refs_by_key
+    from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
+    from gemini_dcp.core.restore_order import NodeView, StepView
+    from gemini_dcp.dcp.writer import _expand, _overlay, _RankReport, _SplitLayout
 
     layout = {
         MetadataIndex(f"model.layers.{i // 3}.w{i % 3}", [r * 64, 0]): ShardRef(r, i * 65536, 65536, 0, "crc32c", "bfloat16", (64, 512))
@@ -146,8 +146,8 @@ def plain_gather(world: int, tensors: int, nodes: tuple[str, ...], repeat: int) 
     )
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from gemini_dcp.records import ShardRef
-    from gemini_dcp.writer import INLINE_METADATA_PADDING, _RankReport
+    from gemini_dcp.local.records import ShardRef
+    from gemini_dcp.dcp.writer import INLINE_METADATA_PADDING, _RankReport
 
     fqns = [f"model.layers.{i // 3}.w{i % 3}" for i in range(tensors)]
     meta = Metadata({
@@ -186,7 +186,7 @@ def first_record(rec: Any, repeat: int) -> dict[str, Any]:
     """The first record of a layout in a process: the node leader's encode (layout pickled and its
     location digest computed once per layout), and a restoring process's decode, kept packed
     (now) vs materializing a MetadataIndex and a ShardRef per chunk (what decoding did before)."""
-    from gemini_dcp import records
+    from gemini_dcp.local import records
 
     def cold() -> None:
         for cache in (records._layout_blobs, records._digests, records._positions, records._locations):

@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gemini_dcp import ext, gpuinfo  # noqa: E402
+from gemini_dcp import ext  # noqa: E402
+from gemini_dcp.ops import gpuinfo  # noqa: E402
 
 MiB = 1 << 20
 

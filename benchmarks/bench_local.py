@@ -50,7 +50,7 @@ from common import GIB, fmt, gbps, median, spread  # noqa: E402
 
 SAVE_TARGET = 5.0
 # What GeminiStorageWriter's default checksum="auto" resolves to on this machine (crc32c with the extension).
-from gemini_dcp.checksum import resolve_algo  # noqa: E402
+from gemini_dcp.core.checksum import resolve_algo  # noqa: E402
 
 DEFAULT_ALGO = resolve_algo("auto")
 LOAD_TARGET = 3.0
@@ -63,7 +63,7 @@ ALGO_SUFFIX = {"xxh3": "", "crc32c": "_crc32c"}
 
 
 def instrument_writer(writer: Any, clock: common.PhaseClock) -> None:
-    import gemini_dcp.writer as wmod
+    import gemini_dcp.dcp.writer as wmod
 
     clock.wrap(writer, "write_data", "write_data")
     clock.wrap(writer, "_write_local", "copy_checksum")

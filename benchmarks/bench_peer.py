@@ -53,8 +53,8 @@ JOB = "bench"
 
 
 def _instrument_peer(clock: common.PhaseClock) -> None:
-    """Time the verification and transfer helpers of gemini_dcp.peer (module attributes)."""
-    import gemini_dcp.peer as peer
+    """Time the verification and transfer helpers of gemini_dcp.peer.replication (module attributes)."""
+    import gemini_dcp.peer.replication as peer
 
     if getattr(peer, "_bench_wrapped", False):
         return
@@ -111,7 +111,7 @@ def _slot_source(writer: Any, step: int, rank: int, nbytes: int) -> Any:
     (no extra memory). Falls back to a filled buffer if the slot is smaller (rank 1 with fewer bytes)."""
     import torch
 
-    from gemini_dcp.slots import ReadOnlySlot
+    from gemini_dcp.local.slots import ReadOnlySlot
 
     rec = writer.tier.record(step)
     rs = rec.slot_of(rank) if rec is not None else None

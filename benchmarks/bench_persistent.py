@@ -37,9 +37,9 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gemini_dcp import GeminiStorageWriter  # noqa: E402
-from gemini_dcp.drain import drain_status, wait_idle  # noqa: E402
-from gemini_dcp.local_tier import LocalTier  # noqa: E402
-from gemini_dcp.persistent import PersistentTier  # noqa: E402
+from gemini_dcp.persistent.drain import drain_status, wait_idle  # noqa: E402
+from gemini_dcp.local.tier import LocalTier  # noqa: E402
+from gemini_dcp.persistent.store import PersistentTier  # noqa: E402
 
 GIB = float(1 << 30)
 
@@ -140,7 +140,7 @@ def main() -> None:
                    "store": store, "root": root},
     }
     # time the part of a save the persistent tier adds to the training path (the drain request)
-    import gemini_dcp.drain as drain_mod  # noqa: PLC0415
+    import gemini_dcp.persistent.drain as drain_mod  # noqa: PLC0415
 
     request_s: list[float] = []
     orig_submit = drain_mod.Drainer.submit
@@ -186,7 +186,7 @@ def main() -> None:
                            "write_s": st.get("write_seconds"), "upload_s": st.get("upload_seconds"), "files": st.get("files")})
         fsspec_runs = []
         from torch.distributed.checkpoint import FileSystemWriter  # noqa: PLC0415
-        from gemini_dcp.compat import fsspec_writer_reader  # noqa: PLC0415
+        from gemini_dcp.core.compat import fsspec_writer_reader  # noqa: PLC0415
 
         FsspecWriter, _ = fsspec_writer_reader()  # public from torch 2.15 on
 

@@ -12,7 +12,7 @@ saves alternate between:
   DefaultSavePlanner(enable_plan_caching=True))`` every save: what
   ``AsyncCheckpointer`` did before plan replay (DCP's own plan caching still
   runs its gather/scatter and result collectives);
-* ``replay`` — ``gemini_dcp.plan_replay.PlanReplay.save``: the first save
+* ``replay`` — ``gemini_dcp.snapshot.replay.PlanReplay.save``: the first save
   planned, the others replayed (one integer all-reduce + the commit gather).
 
 Figures per N: median wall time per save (barrier to barrier: the slowest
@@ -55,8 +55,8 @@ def _worker(rank: int, world: int, *, roots: list[str], tensors: list[int], per_
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from gemini_dcp import GeminiStorageWriter
-    from gemini_dcp.comm import get_comm
-    from gemini_dcp.plan_replay import PlanReplay
+    from gemini_dcp.transport.comm import get_comm
+    from gemini_dcp.snapshot.replay import PlanReplay
 
     group = get_comm(300.0).group
     out: dict[str, Any] = {}

@@ -99,7 +99,7 @@ def remove_dir(path: Path) -> None:
 
 def mount_options(path: str | os.PathLike[str]) -> str | None:
     """``fstype options`` of the mount that holds ``path`` (from /proc/mounts), or None."""
-    from gemini_dcp.doctor import mount_entry
+    from gemini_dcp.ops.doctor import mount_entry
 
     entry = mount_entry(Path(path))
     return None if entry is None else f"{entry[1]} {entry[2]}"

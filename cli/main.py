@@ -142,7 +142,7 @@ def inspect_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Jobs and steps held here: committed or not, sizes, ranks/nodes, replica placement, age, and whether each step is restorable from what this host sees."""
-    from gemini_dcp.inspect import inspect_root
+    from gemini_dcp.ops.inspection import inspect_root
 
     info = inspect_root(root, job, persistent)
     if as_json:
@@ -165,7 +165,7 @@ def verify_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Recompute the checksum of every shard held here (memory slots; with --persistent, the store too). Exit 1 if any is bad or missing."""
-    from gemini_dcp.verify import verify
+    from gemini_dcp.ops.verify import verify
 
     with progress_bar(_err(), "verifying", disable=as_json) as tick:
         report = verify(root, job, step, persistent=persistent, progress=tick)
@@ -192,9 +192,9 @@ def flush_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Write a step from this node's memory to a persistent store, in the stock DCP layout of the persistent tier. Refuses, listing the missing shards, if this host cannot see the whole step."""
-    from gemini_dcp.config import resolve_job_id
-    from gemini_dcp.persistent import PersistentTier
-    from gemini_dcp.stock import materialize_step
+    from gemini_dcp.core.config import resolve_job_id
+    from gemini_dcp.persistent.store import PersistentTier
+    from gemini_dcp.persistent.stock_format import materialize_step
 
     from gemini_dcp.errors import ShardUnavailableError
 
@@ -225,7 +225,7 @@ def restore_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Materialize a step from whatever tiers hold it (memory here, else --persistent) as a stock DCP checkpoint that plain dcp.load(checkpoint_id=DIR) reads."""
-    from gemini_dcp.stock import materialize_step
+    from gemini_dcp.persistent.stock_format import materialize_step
 
     dest = to if "://" in to else os.path.abspath(os.path.expanduser(to))
     with progress_bar(_err(), f"restoring step {step}", disable=as_json, unit="bytes") as tick:
@@ -270,7 +270,7 @@ def export_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Export a step's consolidated weights (HuggingFace safetensors layout) from any tier."""
-    from gemini_dcp.export import export_safetensors
+    from gemini_dcp.persistent.export import export_safetensors
 
     out_dir = os.path.abspath(os.path.expanduser(to))
     spinner = _err().status(f"exporting step {step}", spinner="dots") if not as_json else contextlib.nullcontext()
@@ -336,7 +336,7 @@ def plan_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Placement table and P(recover from memory) for k simultaneous failures; with --checkpoint-gb and --iteration-s, GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing."""
-    from gemini_dcp.tier_plan import plan
+    from gemini_dcp.ops.sizing import plan
 
     figures = {"checkpoint_gb": checkpoint_gb, "iteration_s": iteration_s, "memory_bw_gbps": memory_bw_gbps,
                "persistent_bw_gbps": persistent_bw_gbps, "failures_per_day": failures_per_day,
@@ -369,7 +369,7 @@ def gc_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Evict old steps of a job from this node's memory, never the newest committed one; free slot files no step uses and no process has open. --remove-job drops a finished job entirely."""
-    from gemini_dcp.housekeeping import collect_garbage, remove_job as remove
+    from gemini_dcp.ops.housekeeping import collect_garbage, remove_job as remove
 
     me = [os.getpid()]
     if remove_job:
@@ -407,7 +407,7 @@ def doctor_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Check the environment a job will run in: tier root, tmpfs, free space, /dev/shm size in containers, memory budget, GPUs, the torch version against the supported range, torchrec support, the extension. Exit 1 if a check fails."""
-    from gemini_dcp.doctor import doctor
+    from gemini_dcp.ops.doctor import doctor
 
     rep = doctor(root, expected_gb=expected_gb, keep=keep, replicas=replicas, build_ext=build_ext)
     if as_json:

@@ -68,7 +68,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--replicas", type=int, default=1, help="copies in CPU memory, the node's own included (2: one peer copy)")
     c.add_argument("--keep", type=int, default=2, help="committed steps kept in memory")
     c.add_argument("--async-ckpt", action="store_true",
-                   help="gemini: save through gemini_dcp.snapshot.AsyncCheckpointer (the copy runs during the next "
+                   help="gemini: save through gemini_dcp.snapshot.checkpointer.AsyncCheckpointer (the copy runs during the next "
                         "forward/backward; only the next optimizer step waits for it) instead of a blocking dcp.save")
     c.add_argument("--persistent", default=None, help="fsspec URL of the persistent tier (gemini backend)")
     c.add_argument("--persist-every", type=int, default=10, help="drain every K-th step to --persistent")
@@ -345,7 +345,7 @@ class GeminiCheckpointer(Checkpointer):
             dcp.save({"app": app}, storage_writer=self.writer, checkpoint_id=step, planner=save_planner())
             return
         if self.snapshots is None:  # collective (creates the checkpoint group): every rank saves this step
-            from gemini_dcp.snapshot import AsyncCheckpointer
+            from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer
 
             self.snapshots = AsyncCheckpointer(self.writer, optimizer=app.optim, model=app.model)
         self._previous, self._last = self._last, self.snapshots.save({"app": app}, step)
@@ -392,7 +392,7 @@ class GeminiCheckpointer(Checkpointer):
             return
         dist.barrier()
         if ctx.local_rank == 0:  # one rank per node removes the node's files of this job
-            from gemini_dcp.local_tier import LocalTier
+            from gemini_dcp.local.tier import LocalTier
 
             LocalTier(self.args.root, self.args.job_id, create=False).remove_job()
 

@@ -8,7 +8,7 @@
     dcp.load(state_dict, storage_reader=reader)   # newest restorable step
     print(reader.restored_step, reader.restored_from)
 
-Per-step zero-stall snapshots (``gemini_dcp.snapshot``): ``AsyncCheckpointer`` (recommended),
+Per-step zero-stall snapshots (``gemini_dcp.snapshot.checkpointer``): ``AsyncCheckpointer`` (recommended),
 or ``AsyncGeminiStorageWriter`` for stock ``dcp.async_save`` (it is DCP's ``AsyncStager``).
 """
 
@@ -34,23 +34,35 @@ from .errors import (
     WorldSizeError,
     find_gemini_error,
 )
-from .reader import GeminiStorageReader
-from .writer import GeminiStorageWriter
+from ._aliases import OLD_MODULES, install as _install_aliases
 
 __version__ = "0.1.0"
 
-_SNAPSHOT_API = ("AsyncCheckpointer", "AsyncGeminiStorageWriter", "InterleaveOptions")
+_install_aliases()
+
+# Public names and the module that defines each; imported on first use, so that
+# ``import gemini_dcp`` (and ``gemini_dcp.errors``) does not import torch.
+_LAZY = {
+    "GeminiStorageWriter": "gemini_dcp.dcp.writer",
+    "GeminiStorageReader": "gemini_dcp.dcp.reader",
+    "AsyncCheckpointer": "gemini_dcp.snapshot.checkpointer",
+    "AsyncGeminiStorageWriter": "gemini_dcp.snapshot.checkpointer",
+    "InterleaveOptions": "gemini_dcp.snapshot.checkpointer",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """The async-snapshot API, imported on first use (it pulls in the interleaving machinery)."""
-    if name in _SNAPSHOT_API:
-        from . import snapshot  # noqa: PLC0415
+    """Public classes (and the old flat module names) imported on first use."""
+    import importlib  # noqa: PLC0415 - keeps the root light
 
-        value = getattr(snapshot, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in OLD_MODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 __all__ = [

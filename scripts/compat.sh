@@ -22,8 +22,8 @@ fi
 VER=$1
 shift
 BASE_PY=${PYTHON:-python3}
-# The supported range is pyproject.toml's (read by gemini_dcp/torch_support.py, which needs no torch).
-"$BASE_PY" gemini_dcp/torch_support.py check "$VER" || exit 1
+# The supported range is pyproject.toml's (read by gemini_dcp/core/torch_support.py, which needs no torch).
+"$BASE_PY" gemini_dcp/core/torch_support.py check "$VER" || exit 1
 VENV=${GEMINI_DCP_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/gemini_dcp/venvs}/torch-$VER
 PY=$VENV/bin/python
 LOG=$VENV/compat-$(date -u +%Y%m%dT%H%M%SZ).log

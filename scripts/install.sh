@@ -2,9 +2,9 @@
 # Install gemini_dcp and its CPU stack (idempotent; quick when already installed).
 # torch 2.13.0 CPU + fbgemm-gpu-cpu 1.8.0 + torchrec 1.8.0 (without its CUDA deps) is a known-good set.
 # GEMINI_DCP_TORCH=2.7.1 installs another torch when none is installed. The supported range and the
-# torchrec pairings are not written here: gemini_dcp/torch_support.py reads the range from the installed
+# torchrec pairings are not written here: gemini_dcp/core/torch_support.py reads the range from the installed
 # package's metadata (pyproject.toml before the first install) and holds the pairing table
-# (`python gemini_dcp/torch_support.py torchrec-support`); torch versions without a pairing skip the
+# (`python gemini_dcp/core/torch_support.py torchrec-support`); torch versions without a pairing skip the
 # torchrec tests. A torch already installed is never replaced: one outside the range stops the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ sys.exit(0 if (not want or v.split("+")[0] == want) else 1)
 PYEOF
 }
 pipi() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
-support() { "$PY" gemini_dcp/torch_support.py "$@"; }  # run by path: works before torch is installed
+support() { "$PY" gemini_dcp/core/torch_support.py "$@"; }  # run by path: works before torch is installed
 if ! have torch; then
   WANT=${GEMINI_DCP_TORCH:-2.13.0}
   support check "$WANT" || { echo "install.sh: GEMINI_DCP_TORCH=$WANT: pick a torch in $(support range)" >&2; exit 1; }

@@ -3,7 +3,7 @@
 A *trial* runs a small job of 2-4 ranks on 2-3 simulated nodes (each node its own tier root
 under a temporary directory) that saves steps 1..K with deterministic per-step values, while
 one rank (or its node's drain process) kills itself at a named phase boundary
-(``gemini_dcp.faults``; SIGKILL, sometimes SIGTERM or SIGSTOP). Like torchrun, the parent
+(``gemini_dcp.core.faults``; SIGKILL, sometimes SIGTERM or SIGSTOP). Like torchrun, the parent
 then kills the rest of the worker group. Then it "restarts": fresh processes load with
 :class:`~gemini_dcp.GeminiStorageReader` (optionally after wiping one node's root: that
 node's memory is lost; ``replicas=2`` keeps a copy elsewhere) and check that
@@ -47,7 +47,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from gemini_dcp.faults import ENV_FAULT, ENV_FAULT_LOG, PHASES
+from gemini_dcp.core.faults import ENV_FAULT, ENV_FAULT_LOG, PHASES
 
 SAVE_PHASES: tuple[str, ...] = tuple(p for p in PHASES if p.split(".")[0] in ("save", "replicate", "commit"))
 DRAIN_PHASES: tuple[str, ...] = tuple(p for p in PHASES if p.startswith("drain."))
@@ -211,7 +211,7 @@ def context() -> Any:
         ctx.set_forkserver_preload([
             # torch._dynamo: DTensor's first distribute_tensor imports it (~2 s a process otherwise)
             "torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.tensor", "gemini_dcp",
-            "gemini_dcp.writer", "gemini_dcp.reader", "gemini_dcp.peer", __name__,
+            "gemini_dcp.dcp.writer", "gemini_dcp.dcp.reader", "gemini_dcp.peer.replication", __name__,
         ])
         _CTX = ctx
     return _CTX

@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gemini_dcp.adopt import Adoption, orphaned_part
-from gemini_dcp.drain import Paths, drain_status, server_pid, wait_idle
-from gemini_dcp.inspect import inspect_root
-from gemini_dcp.local_tier import LocalTier
-from gemini_dcp.persistent import PersistentTier
-from gemini_dcp.restore_plan import NodeView, StepView
+from gemini_dcp.persistent.adopt import Adoption, orphaned_part
+from gemini_dcp.persistent.drain import Paths, drain_status, server_pid, wait_idle
+from gemini_dcp.ops.inspection import inspect_root
+from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.persistent.store import PersistentTier
+from gemini_dcp.core.restore_order import NodeView, StepView
 from mp_utils import run_ranks, run_until_death
 from workloads import COLS, ROWS, dtensor_state, full_weight, load_and_check
 

@@ -34,7 +34,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.errors import PeerError, PersistentTierError, RestartRequiredError, UntrustedDataError
-from gemini_dcp.persistent import INDEX, SIDE_DIR, PersistentTier, PersistentTimeoutError, StepDir
+from gemini_dcp.persistent.store import INDEX, SIDE_DIR, PersistentTier, PersistentTimeoutError, StepDir
 from mp_utils import run_ranks
 from workloads import plain_state
 
@@ -104,7 +104,7 @@ def test_reader_fails_on_black_hole_store(root: str, black_hole: str) -> None:
 
 def test_store_calls_after_the_probe_are_bounded(black_hole: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tier whose store stops answering after construction: listing and reads overrun, never hang."""
-    import gemini_dcp.persistent as persistent
+    import gemini_dcp.persistent.store as persistent
 
     monkeypatch.setattr(PersistentTier, "_probe", lambda self: None)
     pt = PersistentTier(black_hole, "bh", timeout_s=1.5)
@@ -155,7 +155,7 @@ class _HangingFile:
 
 
 def test_drain_upload_to_hanging_store_ends_failed(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gemini_dcp.drain import drain_status
+    from gemini_dcp.persistent.drain import drain_status
 
     fsspec.register_implementation("gemhang", _HangingFS, clobber=True)
     monkeypatch.setenv("GEMINI_DCP_DRAIN_MODE", "thread")  # the store lives in this process
@@ -231,7 +231,7 @@ def test_planted_index_is_refused_and_load_does_not_go_on_unverified(
 
 
 def test_planted_part_marker_is_refused(tmp_path: Path) -> None:
-    from gemini_dcp.stock import try_finalize
+    from gemini_dcp.persistent.stock_format import try_finalize
 
     store = tmp_path / "store"
     sd = StepDir.from_url(str(store / "job" / "step-9"))
@@ -247,7 +247,7 @@ def test_planted_part_marker_is_refused(tmp_path: Path) -> None:
 
 
 def test_planted_progress_is_refused_and_abandons_the_drain(tmp_path: Path) -> None:
-    from gemini_dcp.drain import _classify, _load_progress
+    from gemini_dcp.persistent.drain import _classify, _load_progress
 
     d = tmp_path / "stage" / "step-000000000001"
     d.mkdir(parents=True)
@@ -291,7 +291,7 @@ def _stall_scenario(rank: int, world_size: int, root: str, stall_s: float) -> di
             out[name] = (type(gem).__name__ if gem else type(exc).__name__, str(gem or exc), time.monotonic() - t0)
         if rank == 1 and name == "stalled":
             w2._write_local = inner  # type: ignore[method-assign]
-    from gemini_dcp.comm import broken_reason
+    from gemini_dcp.transport.comm import broken_reason
 
     out["own_reason"] = broken_reason()  # what broke this rank's control group, in its own words
     return out
@@ -335,7 +335,7 @@ def test_writer_timeout_honoured_after_longer_one(stall_results: list[dict[str, 
 
 
 def _degrade_scenario(rank: int, world_size: int, root: str, stall_s: float) -> dict[str, Any]:
-    import gemini_dcp.peer as peer
+    import gemini_dcp.peer.replication as peer
 
     sd = {f"w{rank}": torch.full((64, 8), float(rank)), "step": 0}
     w = GeminiStorageWriter(root=root, job_id="degrade", replicas=2, timeout_s=3, on_peer_failure="degrade")
@@ -418,7 +418,7 @@ def _frozen_store_host_rank(rank: int, world_size: int, port: int, root: str, ou
         gem = find_gemini_error(exc)
         result.update(error=type(gem).__name__ if gem else type(exc).__name__, message=str(gem or exc),
                       peer_error=isinstance(gem, PeerError))
-    from gemini_dcp.comm import broken_reason
+    from gemini_dcp.transport.comm import broken_reason
 
     # DCP's own gather on the training group follows write_data: with rank 0 frozen it fails with
     # that group's raw timeout, which then hides the writer's error; the reason stays on record here.

@@ -20,9 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
-from gemini_dcp.checksum import resolve_algo
+from gemini_dcp.core.checksum import resolve_algo
 from gemini_dcp.errors import ConfigError
-from gemini_dcp.local_tier import LocalTier
+from gemini_dcp.local.tier import LocalTier
 from gemini_dcp_cli.main import app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ DRAIN_SCRIPT = textwrap.dedent(
     warnings.simplefilter("ignore")
     import torch, torch.distributed.checkpoint as dcp
     from gemini_dcp import GeminiStorageWriter
-    from gemini_dcp.drain import wait_idle
+    from gemini_dcp.persistent.drain import wait_idle
     root, url = sys.argv[1], sys.argv[2]
     for step in (1, 2, 3, 4):
         w = GeminiStorageWriter(root=root, job_id="d", persistent=url, persist_every=2)
@@ -297,7 +297,7 @@ def test_gc_never_evicts_the_newest_committed_step(root_copy: str) -> None:
     assert again["evicted_steps"] == [] and tier.steps() == [3]
     res = cli("gc", "--keep", "0", "--root", root_copy, "--job", "j")
     assert res.exit_code == 2 and tier.steps() == [3]
-    from gemini_dcp.housekeeping import collect_garbage
+    from gemini_dcp.ops.housekeeping import collect_garbage
 
     with pytest.raises(ConfigError, match="remove-job"):
         collect_garbage(root_copy, "j", 0)
@@ -353,14 +353,14 @@ def test_doctor(saved_root: str, tmp_path: Path) -> None:
 
 
 def _on_tmpfs(path: str) -> bool:
-    from gemini_dcp.doctor import mount_of
+    from gemini_dcp.ops.doctor import mount_of
 
     m = mount_of(Path(path))
     return m is not None and m[1] == "tmpfs"
 
 
 def test_doctor_flags_disk_and_small_shm(tmp_path: Path) -> None:
-    from gemini_dcp.doctor import doctor
+    from gemini_dcp.ops.doctor import doctor
 
     mounts = tmp_path / "mounts"
     mounts.write_text("/dev/sda1 / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n")
@@ -372,7 +372,7 @@ def test_doctor_flags_disk_and_small_shm(tmp_path: Path) -> None:
 
 
 def test_doctor_reports_tmpfs_page_size(tmp_path: Path) -> None:
-    from gemini_dcp.doctor import doctor, tmpfs_huge_pages
+    from gemini_dcp.ops.doctor import doctor, tmpfs_huge_pages
 
     mounts = tmp_path / "mounts"
     sysfs = tmp_path / "shmem_enabled"
@@ -396,7 +396,7 @@ def test_doctor_reports_tmpfs_page_size(tmp_path: Path) -> None:
 
 
 # ---- plan ----------------------------------------------------------------------------------------
-@pytest.mark.skipif(not has_module("gemini_dcp.placement"), reason="gemini_dcp.placement (issue 3) is not in the tree yet")
+@pytest.mark.skipif(not has_module("gemini_dcp.peer.placement"), reason="gemini_dcp.peer.placement (issue 3) is not in the tree yet")
 def test_plan_placement_and_probabilities() -> None:
     out = cli_json("plan", "--nodes", "16", "--replicas", "2", "--strategy", "group", "--failures", "3")
     probs = {r["failures"]: r["p_recover"] for r in out["recovery"]}
@@ -411,12 +411,12 @@ def test_plan_placement_and_probabilities() -> None:
 
 
 def test_missing_component_is_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "gemini_dcp.placement", None)  # as if this install lacked the module
-    assert_user_error(cli("plan", "--nodes", "4", "--replicas", "2"), "gemini_dcp.placement", "lacks")
+    monkeypatch.setitem(sys.modules, "gemini_dcp.peer.placement", None)  # as if this install lacked the module
+    assert_user_error(cli("plan", "--nodes", "4", "--replicas", "2"), "gemini_dcp.peer.placement", "lacks")
 
 
-@pytest.mark.skipif(not (has_module("gemini_dcp.placement") and has_module("gemini_dcp.costmodel")),
-                    reason="gemini_dcp.placement / gemini_dcp.costmodel are not in the tree yet")
+@pytest.mark.skipif(not (has_module("gemini_dcp.peer.placement") and has_module("gemini_dcp.ops.costmodel")),
+                    reason="gemini_dcp.peer.placement / gemini_dcp.ops.costmodel are not in the tree yet")
 def test_plan_wasted_time() -> None:
     out = cli_json("plan", "--nodes", "16", "--replicas", "2", "--checkpoint-gb", "100", "--iteration-s", "60",
                    "--memory-bw-gbps", "50", "--persistent-bw-gbps", "2.5", "--failures-per-day", "2")
@@ -449,7 +449,7 @@ def _save_two_nodes(rank: int, world_size: int, root: str, *, with_replicas: boo
     from workloads import save_steps
 
     save_steps(rank, world_size, root, job="mp", steps=[5, 6], kind="dtensor", replicas=1)
-    if with_replicas:  # one peer copy of each node's shards (needs gemini_dcp.placement)
+    if with_replicas:  # one peer copy of each node's shards (needs gemini_dcp.peer.placement)
         save_steps(rank, world_size, root, job="rep", steps=[1], kind="dtensor", replicas=2)
 
 
@@ -460,7 +460,7 @@ def two_nodes() -> Iterator[list[str]]:
     from mp_utils import run_ranks
 
     roots = [tempfile.mkdtemp(prefix=f"gemini-cli-node{i}-", dir=_tmp_base()) for i in range(2)]
-    run_ranks(_save_two_nodes, 2, roots, with_replicas=has_module("gemini_dcp.placement"))
+    run_ranks(_save_two_nodes, 2, roots, with_replicas=has_module("gemini_dcp.peer.placement"))
     yield roots
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
@@ -493,7 +493,7 @@ def test_two_nodes_partial_flush(two_nodes: list[str], tmp_path: Path) -> None:
     assert res["complete"] and res["from_memory"] > 0 and res["from_persistent"] > 0
 
 
-@pytest.mark.skipif(not has_module("gemini_dcp.placement"), reason="gemini_dcp.placement (issue 3) is not in the tree yet")
+@pytest.mark.skipif(not has_module("gemini_dcp.peer.placement"), reason="gemini_dcp.peer.placement (issue 3) is not in the tree yet")
 def test_two_nodes_with_peer_replicas(two_nodes: list[str], tmp_path: Path) -> None:
     n0, n1 = two_nodes
     s = cli_json("inspect", "--root", n0, "--job", "rep")["jobs"][0]["steps"][-1]

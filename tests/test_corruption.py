@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 import fault_harness as fh
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
 from gemini_dcp.errors import ConfigError, GeminiError, InvalidStepError
-from gemini_dcp.local_tier import LocalTier
+from gemini_dcp.local.tier import LocalTier
 
 JOB = fh.JOB
 TRIAL = fh.Trial(seed=0, kind="none", layout=(0, 1), steps=2, keep=2, replicas=2)

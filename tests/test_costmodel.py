@@ -1,4 +1,4 @@
-"""gemini_dcp.costmodel: GEMINI's wasted-time model (pure, fast)."""
+"""gemini_dcp.ops.costmodel: GEMINI's wasted-time model (pure, fast)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gemini_dcp.costmodel import CostInputs, wasted_time
+from gemini_dcp.ops.costmodel import CostInputs, wasted_time
 
 
 def test_defaults_and_keys() -> None:

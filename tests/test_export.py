@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from gemini_dcp import ConfigError, GeminiStorageWriter, ShardUnavailableError
-from gemini_dcp.export import export_safetensors
-from gemini_dcp.persistent import PersistentTier
-from gemini_dcp.stock import materialize_step
+from gemini_dcp.persistent.export import export_safetensors
+from gemini_dcp.persistent.store import PersistentTier
+from gemini_dcp.persistent.stock_format import materialize_step
 from mp_utils import run_ranks
 from workloads import COLS, ROWS, full_weight, save_steps
 

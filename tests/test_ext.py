@@ -19,7 +19,8 @@ import crc32c as crc32c_pkg
 import pytest
 import torch
 
-from gemini_dcp import ext, gpuinfo
+from gemini_dcp import ext
+from gemini_dcp.ops import gpuinfo
 from gemini_dcp.errors import ConfigError, GeminiError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,7 +178,7 @@ def test_copy_with_crc32c_continues_a_running_crc(impl: str, threads: int) -> No
 
 
 def test_paced_copy_and_checksum_matches_unpaced(impl: str) -> None:
-    from gemini_dcp.checksum import copy_and_checksum
+    from gemini_dcp.core.checksum import copy_and_checksum
 
     src = _rand((2 << 20) + 77, 10)
     blocks: list[int] = []

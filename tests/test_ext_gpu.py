@@ -15,7 +15,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from gemini_dcp import ext, gpuinfo
+from gemini_dcp import ext
+from gemini_dcp.ops import gpuinfo
 
 pytestmark = [
     pytest.mark.gpu,

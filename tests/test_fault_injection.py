@@ -3,7 +3,7 @@
 Every named save/replicate/commit phase once with SIGKILL on 2 simulated nodes, every load and
 drain phase, a SIGTERM, a kill between two nodes' commits with ``keep=1`` and a node lost, a
 hung (SIGSTOPped) peer, a few random seeds; and a check that every phase of
-:data:`gemini_dcp.faults.PHASES` is reached by a clean job (so no fault point is dead code).
+:data:`gemini_dcp.core.faults.PHASES` is reached by a clean job (so no fault point is dead code).
 
 Each trial: real rank processes save steps 1..K, one dies at the phase, the rest are killed
 (torchrun's reaction), fresh processes restore: the restored step must be bit-exact and not
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 import fault_harness as fh
-from gemini_dcp import faults
-from gemini_dcp.faults import PHASES
+from gemini_dcp.core import faults
+from gemini_dcp.core.faults import PHASES
 
 
 def _check(record: dict) -> None:
@@ -141,8 +141,8 @@ def test_sibling_probe_of_a_dead_launch_is_not_a_live_launch(tmp_path) -> None:
     import multiprocessing as mp
     import threading
 
-    from gemini_dcp.launch import LaunchInfo
-    from gemini_dcp.local_tier import LocalTier, hold_launch_lock
+    from gemini_dcp.core.launch import LaunchInfo
+    from gemini_dcp.local.tier import LocalTier, hold_launch_lock
 
     root = tmp_path / "root"
     root.mkdir(mode=0o700)
@@ -166,8 +166,8 @@ def test_sibling_probe_of_a_dead_launch_is_not_a_live_launch(tmp_path) -> None:
 
 
 def _hold_and_exit(root: str) -> None:
-    from gemini_dcp.launch import LaunchInfo
-    from gemini_dcp.local_tier import LocalTier, hold_launch_lock
+    from gemini_dcp.core.launch import LaunchInfo
+    from gemini_dcp.local.tier import LocalTier, hold_launch_lock
 
     tier = LocalTier(root, "j")
     hold_launch_lock(tier, LaunchInfo("deadbeefdeadbeef", "crashed run", "vm", os.getpid(), 0.0), tier)

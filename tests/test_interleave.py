@@ -1,4 +1,4 @@
-"""Issue 5: traffic interleaving (gemini_dcp.interleave) — packing as pure functions, the
+"""Issue 5: traffic interleaving (gemini_dcp.snapshot.interleave) — packing as pure functions, the
 online pacer on a fake clock, and a 2-rank integration run where the scheduled copy
 lands in the gaps between training collectives and restores bit-exact."""
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from gemini_dcp.interleave import (
+from gemini_dcp.snapshot.interleave import (
     CollectiveProfiler,
     IterationTrace,
     LiveTimeline,
@@ -209,7 +209,7 @@ def test_pacer_of_one_iteration_stops_pacing_when_the_next_begins() -> None:
 
 
 def test_replication_messages_split_a_slot_exactly() -> None:
-    from gemini_dcp.peer import _messages
+    from gemini_dcp.peer.replication import _messages
 
     assert _messages(10, 0) == [(0, 10)] and _messages(10, 16) == [(0, 10)]
     assert _messages(10, 4) == [(0, 4), (4, 4), (8, 2)]
@@ -278,7 +278,7 @@ def _interleaved_run(rank: int, world: int, root: str, replicas: int = 1) -> dic
     import torch.distributed.checkpoint as dcp
 
     from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
-    from gemini_dcp.snapshot import AsyncCheckpointer, InterleaveOptions
+    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer, InterleaveOptions
 
     torch.manual_seed(0)  # plain tensors are replicated in DCP's model: same values on every rank
     params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(6)]  # 24 MiB (+ momentum)
@@ -393,7 +393,7 @@ def _profile_fsdp_and_ddp(rank: int, world: int, root: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gemini_dcp.interleave import ddp_allreduce_hook
+    from gemini_dcp.snapshot.interleave import ddp_allreduce_hook
 
     out: dict[str, Any] = {}
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from gemini_dcp import (
     TierRootError,
     find_gemini_error,
 )
-from gemini_dcp.local_tier import LocalTier
+from gemini_dcp.local.tier import LocalTier
 from mp_utils import run_ranks, run_until_death
 from workloads import load_and_check, plain_state, save_steps
 
@@ -130,10 +130,10 @@ def test_retention_keeps_last_k_and_slot_ring(root: str) -> None:
 
 def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> None:
     """Save step 1 cleanly, then SIGKILL this rank at ``point`` while saving step 2."""
-    import gemini_dcp.checksum as ck
-    import gemini_dcp.layout as layout_mod
-    import gemini_dcp.records as rec_mod
-    import gemini_dcp.writer as wmod
+    import gemini_dcp.core.checksum as ck
+    import gemini_dcp.local.job_dir as layout_mod
+    import gemini_dcp.local.records as rec_mod
+    import gemini_dcp.dcp.writer as wmod
     from workloads import dtensor_state
 
     dcp.save(dtensor_state(1, world_size), storage_writer=GeminiStorageWriter(root=root, job_id=job), checkpoint_id=1)
@@ -171,7 +171,7 @@ def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> N
             orig_write(path, record)
             die()
 
-        import gemini_dcp.local_tier as lt
+        import gemini_dcp.local.tier as lt
 
         lt.write_record = write_then_die
     dcp.save(dtensor_state(2, world_size), storage_writer=GeminiStorageWriter(root=root, job_id=job), checkpoint_id=2)
@@ -271,7 +271,7 @@ def test_a_failed_metadata_read_reaches_the_caller_on_every_torch(root: str) -> 
 
 
 def test_not_enough_space_is_checked_before_writing(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gemini_dcp.writer as wmod
+    import gemini_dcp.dcp.writer as wmod
 
     monkeypatch.setattr(wmod, "free_bytes", lambda path: 1 << 20)  # a 1 MiB tmpfs, as in a small container
     sd = {"big": torch.zeros(4 << 20, dtype=torch.uint8)}
@@ -316,8 +316,8 @@ def test_step_record_encoding_reuses_the_metadata_shell() -> None:
     import xxhash
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
-    from gemini_dcp import records
-    from gemini_dcp.records import RECORD_MAGIC, RankSlot, ShardRef, StepRecord, decode_record, encode_record
+    from gemini_dcp.local import records
+    from gemini_dcp.local.records import RECORD_MAGIC, RankSlot, ShardRef, StepRecord, decode_record, encode_record
 
     sd_meta = {f"w{i}": BytesStorageMetadata() for i in range(50)}
     base = Metadata(state_dict_metadata=sd_meta, planner_data={"w0": ("w0",)})
@@ -378,7 +378,7 @@ def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
 
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-    from gemini_dcp.records import ChecksumOverlay, RankSlot, ShardRef, StepRecord
+    from gemini_dcp.local.records import ChecksumOverlay, RankSlot, ShardRef, StepRecord
 
     layout = {MetadataIndex(f"w{i % 7}", [i // 7, 0]): ShardRef(i % 3, 64 * i, 64, 0, "crc32c", "float32", (4, 4))
               for i in range(60)}
@@ -400,15 +400,15 @@ def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
     with pytest.raises(ValueError):
         ChecksumOverlay(layout, sums[:-1])
 
-    from gemini_dcp.records import refs_by_location
+    from gemini_dcp.local.records import refs_by_location
 
     by_loc = refs_by_location(overlay)
     assert dict(by_loc.items()) == refs_by_location(plain)  # a view over the overlay, the same chunks
     assert by_loc[(2, 64 * 59)] == plain[MetadataIndex("w3", [8, 0])]
 
     # a fresh process: the fingerprint's location digest arrives with the layout, not recomputed
-    from gemini_dcp import records
-    from gemini_dcp.records import decode_record, encode_record
+    from gemini_dcp.local import records
+    from gemini_dcp.local.records import decode_record, encode_record
 
     blob = encode_record(record(overlay))
     records._digests._entries.clear()
@@ -425,7 +425,7 @@ def test_decoded_layout_is_packed_and_behaves_like_the_dict() -> None:
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-    from gemini_dcp.records import (
+    from gemini_dcp.local.records import (
         ChecksumOverlay, PackedLayout, RankSlot, ShardRef, StepRecord, decode_record, encode_record, refs_by_location,
     )
 

@@ -4,7 +4,7 @@ machines sharing a node id, to a full tmpfs at the record write, or to an odd fi
 
 Multi-node cases run real gloo ranks (tests/mp_utils.run_ranks), each rank its own tier root
 (one simulated node each). Single-process cases tell launches apart through the environment
-that ``gemini_dcp.launch.current_launch`` reads.
+that ``gemini_dcp.core.launch.current_launch`` reads.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.errors import ConfigError, InvalidStepError, JobConflictError
-from gemini_dcp.launch import current_launch
-from gemini_dcp.local_tier import LocalTier
+from gemini_dcp.core.launch import current_launch
+from gemini_dcp.local.tier import LocalTier
 from mp_utils import run_ranks
 from workloads import plain_state
 
@@ -79,7 +79,7 @@ def _fail_record_write_on_rank1(rank: int, world_size: int, root: str, *, job: s
     """Save 1 and 2 (keep=1), then step 3 with node 1's tmpfs full at the record write."""
     import errno
 
-    import gemini_dcp.layout as layout_mod
+    import gemini_dcp.local.job_dir as layout_mod
 
     for step in (1, 2):
         _save(root, job, step, plain_state(step, rank), keep=1)
@@ -139,8 +139,8 @@ def _replayed_saves_with_a_failed_record(rank: int, world_size: int, root: str, 
 
     import torch.distributed as dist
 
-    import gemini_dcp.layout as layout_mod
-    from gemini_dcp.plan_replay import PlanReplay
+    import gemini_dcp.local.job_dir as layout_mod
+    from gemini_dcp.snapshot.replay import PlanReplay
 
     writer = GeminiStorageWriter(root=root, job_id=job, keep=1)
     replay = PlanReplay(writer, dist.group.WORLD, no_dist=False)
@@ -224,11 +224,11 @@ def test_second_live_launch_is_refused_and_a_dead_one_never_blocks(root: str, la
 
 
 def test_default_job_id_warns_once(root: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    import gemini_dcp.config as config
+    import gemini_dcp.core.config as config
 
     monkeypatch.setattr(config, "_warned_default_job", False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    with caplog.at_level(logging.WARNING, logger="gemini_dcp.config"):
+    with caplog.at_level(logging.WARNING, logger="gemini_dcp.core.config"):
         LocalTier(root)
         LocalTier(root)
     warned = [r for r in caplog.records if "job id 'none'" in r.getMessage()]
@@ -270,7 +270,7 @@ def test_same_step_twice_in_one_launch_is_refused_and_replaced_across_launches(
     err = _gemini(info.value)
     assert isinstance(err, InvalidStepError) and "one state dict" in str(err), err
     launch(2)  # after a restart the step may be saved again: the new save replaces the old, logged
-    with caplog.at_level(logging.WARNING, logger="gemini_dcp.writer"):
+    with caplog.at_level(logging.WARNING, logger="gemini_dcp.dcp.writer"):
         _save(root, "s", 5, {"model": torch.full((4,), 2.0)})
     assert any("saved by another launch" in r.getMessage() and "replaces it" in r.getMessage() for r in caplog.records)
     target = {"model": torch.zeros(4)}
@@ -290,7 +290,7 @@ def test_a_step_beyond_twelve_digits_is_saved_and_found(root: str, launch: Any) 
     got, target = _load(root, "big")
     assert got == big and target["step"] == big
     assert _load(root, "big", step=big)[0] == big
-    from gemini_dcp.housekeeping import collect_garbage
+    from gemini_dcp.ops.housekeeping import collect_garbage
 
     assert collect_garbage(root, "big", keep=1).kept_steps == [big]
     w = GeminiStorageWriter(root=root, job_id="big")
@@ -331,18 +331,18 @@ def test_odd_entries_in_steps_do_not_block_saves_or_loads(root: str, launch: Any
     steps = Path(root, "odd", "steps")
     (steps / "step-000000000007.rec").mkdir()  # a directory named like a record
     (steps / "step-000000000009.rec").write_bytes(b"not a record")  # an unreadable record
-    with caplog.at_level(logging.WARNING, logger="gemini_dcp.local_tier"):
+    with caplog.at_level(logging.WARNING, logger="gemini_dcp.local.tier"):
         _save(root, "odd", 2)
         _save(root, "odd", 3)
         assert _load(root, "odd")[0] == 3
     assert sum("step-000000000007.rec" in r.getMessage() for r in caplog.records) == 1
-    from gemini_dcp.housekeeping import collect_garbage
+    from gemini_dcp.ops.housekeeping import collect_garbage
 
     collect_garbage(root, "odd", keep=1)  # gc leaves the odd entries, without a traceback
 
 
 def test_gc_skips_a_stray_rank_directory(root: str, launch: Any) -> None:
-    from gemini_dcp.housekeeping import collect_garbage
+    from gemini_dcp.ops.housekeeping import collect_garbage
 
     launch(1)
     for step in (1, 2, 3):
@@ -354,7 +354,7 @@ def test_gc_skips_a_stray_rank_directory(root: str, launch: Any) -> None:
 
 
 def test_a_rank_that_writes_nothing_needs_no_slot_ring(root: str, launch: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gemini_dcp.writer as wmod
+    import gemini_dcp.dcp.writer as wmod
 
     launch(1)
     monkeypatch.setattr(wmod, "free_bytes", lambda path: 1 << 20)  # 1 MiB left: less than one 4 MiB slot
@@ -364,7 +364,7 @@ def test_a_rank_that_writes_nothing_needs_no_slot_ring(root: str, launch: Any, m
 
 def test_replicas_above_the_node_count_warn(root: str, launch: Any, caplog: pytest.LogCaptureFixture) -> None:
     launch(1)
-    with caplog.at_level(logging.WARNING, logger="gemini_dcp.writer"):
+    with caplog.at_level(logging.WARNING, logger="gemini_dcp.dcp.writer"):
         _save(root, "rep", 1, replicas=3)
     assert any("replicas=3 but the job runs on 1 node" in r.getMessage() for r in caplog.records)
 
@@ -395,7 +395,7 @@ def test_no_checkpoint_message_does_not_claim_a_persistent_tier(root: str) -> No
 def test_a_writer_collected_while_the_launch_lock_is_taken_does_not_deadlock(root: str, launch: Any) -> None:
     """A writer in a reference cycle is finalized by whatever garbage collection comes next,
     which may run inside hold_launch_lock with its guard held (it hung the suite once)."""
-    import gemini_dcp.local_tier as lt
+    import gemini_dcp.local.tier as lt
 
     launch(1)
     w = GeminiStorageWriter(root=root, job_id="cyc")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gemini_dcp.local_tier import LocalTier
+from gemini_dcp.local.tier import LocalTier
 from mp_utils import run_ranks
 from workloads import MetadataHidingPlanner, load_and_check, save_steps
 
@@ -161,7 +161,7 @@ def test_corrupt_local_copy_falls_back_to_peer(node_roots) -> None:
 
 
 def _corrupt_replica(rank: int, world_size: int, root: str, *, job: str, mode: str) -> str:
-    import gemini_dcp.peer as peer
+    import gemini_dcp.peer.replication as peer
 
     if rank == 1:
         peer._verify_items = lambda slot, results: ["model.w"]  # the bytes that arrived are bad
@@ -185,7 +185,7 @@ def test_bad_replica_fails_save_or_degrades(node_roots) -> None:
 
 def _save_with_broadcast_metadata(rank: int, world_size: int, root: str, *, job: str, steps: list[int]) -> list[bool]:
     """dcp.save with the planned metadata too large (here: any size) to ride inline in the report gather."""
-    import gemini_dcp.writer as writer_mod
+    import gemini_dcp.dcp.writer as writer_mod
 
     writer_mod.INLINE_METADATA_PADDING = 0
     save_steps(rank, world_size, root, job=job, steps=steps, replicas=2)

@@ -21,9 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, PersistentTierError, find_gemini_error
-from gemini_dcp.drain import drain_status, server_pid, wait_idle
-from gemini_dcp.local_tier import LocalTier
-from gemini_dcp.persistent import PersistentTier
+from gemini_dcp.persistent.drain import drain_status, server_pid, wait_idle
+from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.persistent.store import PersistentTier
 from mp_utils import run_ranks, run_until_death
 from workloads import COLS, ROWS, MetadataHidingPlanner, dtensor_state, full_weight, plain_state
 
@@ -88,7 +88,7 @@ def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> Non
     # the same save of step 6 again by the next launch (a torchrun restart retrying it): the store
     # already has it, nothing is rewritten. (A second save of one step within a launch is refused.)
     mtime = (step_dir / ".metadata").stat().st_mtime_ns
-    from gemini_dcp.launch import current_launch
+    from gemini_dcp.core.launch import current_launch
 
     restart = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RESTART_COUNT": "1"}
     saved_env = {k: os.environ.get(k) for k in restart}

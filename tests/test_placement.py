@@ -1,4 +1,4 @@
-"""gemini_dcp.placement: placement shapes, exact recovery probabilities, stable positions (pure, fast)."""
+"""gemini_dcp.peer.placement: placement shapes, exact recovery probabilities, stable positions (pure, fast)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 
 from gemini_dcp.errors import GeminiError
-from gemini_dcp.placement import (
+from gemini_dcp.peer.placement import (
     Placement,
     PlacementError,
     _survival_fraction,

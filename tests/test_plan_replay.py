@@ -1,4 +1,4 @@
-"""Plan replay for per-step saves (gemini_dcp.plan_replay), with real gloo ranks.
+"""Plan replay for per-step saves (gemini_dcp.snapshot.replay), with real gloo ranks.
 
 The first save is planned by ``dcp.save``; later saves of the same structure
 replay that plan with one integer all-reduce of agreement instead of DCP's
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
-from gemini_dcp.plan_replay import PlanReplay, same_plan
+from gemini_dcp.snapshot.replay import PlanReplay, same_plan
 from mp_utils import run_ranks
 
 
@@ -60,7 +60,7 @@ def _state(rank: int, step: int, extra: bool) -> dict[str, Any]:
 
 
 def _replay_steps(rank: int, world: int, root: str) -> dict[str, Any]:
-    from gemini_dcp.comm import get_comm
+    from gemini_dcp.transport.comm import get_comm
 
     writer = GeminiStorageWriter(root=root, job_id="replay", keep=8)
     group = get_comm(60.0).group
@@ -114,7 +114,7 @@ class _FailingWriter(GeminiStorageWriter):
 
 
 def _replay_failure(rank: int, world: int, root: str) -> list[str]:
-    from gemini_dcp.comm import get_comm
+    from gemini_dcp.transport.comm import get_comm
 
     writer = _FailingWriter(root=root, job_id="fail", keep=3, timeout_s=60)
     writer.fail_at = 2 if rank == 1 else None
@@ -143,12 +143,12 @@ def test_failure_on_one_rank_during_replay_reaches_every_rank(roots: list[str]) 
 
 
 def _replay_replicated(rank: int, world: int, root: str) -> dict[str, Any]:
-    from gemini_dcp.comm import get_comm
+    from gemini_dcp.transport.comm import get_comm
 
     writer = GeminiStorageWriter(root=root, job_id="rep", keep=2, replicas=2, timeout_s=60)
     replay = PlanReplay(writer, get_comm(60.0).group, no_dist=False)
-    from gemini_dcp.local_tier import LocalTier
-    from gemini_dcp.records import read_record
+    from gemini_dcp.local.tier import LocalTier
+    from gemini_dcp.local.records import read_record
 
     compact, kinds = [], []
     for step in range(4):
@@ -192,8 +192,8 @@ def test_replayed_commit_sends_checksums_only_and_replicas_restore(roots: list[s
 
 def _plain_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     """Plain ``dcp.save`` every step: after the first, the commit sends checksums only."""
-    from gemini_dcp.local_tier import LocalTier
-    from gemini_dcp.records import read_record
+    from gemini_dcp.local.tier import LocalTier
+    from gemini_dcp.local.records import read_record
 
     def writer() -> GeminiStorageWriter:
         return GeminiStorageWriter(root=root, job_id="plain", keep=2, replicas=2, timeout_s=60)
@@ -233,8 +233,8 @@ def test_plain_dcp_save_commits_checksums_only_once_every_rank_holds_the_layout(
 def test_compact_report_round_trip() -> None:
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from gemini_dcp.records import ShardRef
-    from gemini_dcp.writer import _compact, _expand, _rank_layouts, _RankReport
+    from gemini_dcp.local.records import ShardRef
+    from gemini_dcp.dcp.writer import _compact, _expand, _rank_layouts, _RankReport
 
     def wr(rank: int, fqn: str, off: int, n: int, cs: int) -> WriteResult:
         return WriteResult(index=MetadataIndex(fqn, [0]), size_in_bytes=n,
@@ -273,7 +273,7 @@ def test_single_process_replay(tmp_path: Any) -> None:
 def _key(sd: dict[str, Any]) -> Any:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from gemini_dcp.plan_replay import structure_key
+    from gemini_dcp.snapshot.replay import structure_key
 
     flat, mappings = flatten_state_dict(sd)
     return structure_key(flat, mappings)

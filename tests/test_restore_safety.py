@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.errors import CheckpointMismatchError, ChecksumMismatchError
-from gemini_dcp.launch import LaunchInfo, current_launch
-from gemini_dcp.local_tier import LocalTier
+from gemini_dcp.core.launch import LaunchInfo, current_launch
+from gemini_dcp.local.tier import LocalTier
 from mp_utils import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -114,7 +114,7 @@ def test_local_restore_converts_dtypes_as_stock_dcp(shm: Any, tmp_path: Path) ->
 
 
 def test_persistent_restore_converts_dtypes_as_stock_dcp(shm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gemini_dcp.persistent import PersistentTier
+    from gemini_dcp.persistent.store import PersistentTier
 
     monkeypatch.setenv("GEMINI_DCP_DRAIN_IDLE_S", "3")
     (root,) = shm()
@@ -197,7 +197,7 @@ def test_changed_shape_or_keys_raise_checkpoint_mismatch_naming_the_step(shm: An
 
 # ---- launch identity --------------------------------------------------------------------------------
 def test_restore_across_launches_is_logged_and_exposed(shm: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
-    import gemini_dcp.reader as reader_mod
+    import gemini_dcp.dcp.reader as reader_mod
 
     (root,) = shm()
     dcp.save(_saved_state(), storage_writer=GeminiStorageWriter(root=root, job_id="ln"), checkpoint_id=4)
@@ -205,7 +205,7 @@ def test_restore_across_launches_is_logged_and_exposed(shm: Any, monkeypatch: py
     rec = LocalTier(root, "ln").record(4)
     assert rec is not None and getattr(rec, "launch_id", "") == saver.launch_id  # the writer records its launch
 
-    with caplog.at_level(logging.INFO, logger="gemini_dcp.reader"):
+    with caplog.at_level(logging.INFO, logger="gemini_dcp.dcp.reader"):
         reader = GeminiStorageReader(root=root, job_id="ln")
         dcp.load(_targets(), storage_reader=reader)
     assert reader.restored_launch == saver.description
@@ -214,7 +214,7 @@ def test_restore_across_launches_is_logged_and_exposed(shm: Any, monkeypatch: py
     later = LaunchInfo("0123456789abcdef", "run - at 127.0.0.1:29999 (restart 0, world 1)", "h", 1, 0.0)
     monkeypatch.setattr(reader_mod, "current_launch", lambda: later)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="gemini_dcp.reader"):
+    with caplog.at_level(logging.INFO, logger="gemini_dcp.dcp.reader"):
         reader = GeminiStorageReader(root=root, job_id="ln")
         dcp.load(_targets(), storage_reader=reader)
     assert reader.restored_step == 4 and reader.restored_launch == saver.description
@@ -225,7 +225,7 @@ def test_restore_across_launches_is_logged_and_exposed(shm: Any, monkeypatch: py
 
 
 def test_a_restart_of_the_same_run_is_info_another_run_is_warning() -> None:
-    from gemini_dcp.reader import _same_run
+    from gemini_dcp.dcp.reader import _same_run
 
     a = "run job7 at 10.0.0.1:29500 (restart 0, world 16)"
     assert _same_run(a, "run job7 at 10.0.0.2:41000 (restart 1, world 16)")  # torchrun restart: new rendezvous
@@ -256,8 +256,8 @@ def _two_node_body(rank: int, world_size: int, root: str, *, cc_roots: list[str]
         def emit(self, record: logging.LogRecord) -> None:
             seen.append((record.levelno, record.getMessage()))
 
-    logging.getLogger("gemini_dcp.reader").addHandler(Keep())
-    logging.getLogger("gemini_dcp.reader").setLevel(logging.INFO)
+    logging.getLogger("gemini_dcp.dcp.reader").addHandler(Keep())
+    logging.getLogger("gemini_dcp.dcp.reader").setLevel(logging.INFO)
 
     # dtype conversion on the peer path: node 1's root was wiped, its rank reads every chunk from node 0
     got = _targets()

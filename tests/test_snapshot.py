@@ -1,4 +1,4 @@
-"""Issue 5: asynchronous per-step snapshots (gemini_dcp.snapshot).
+"""Issue 5: asynchronous per-step snapshots (gemini_dcp.snapshot.checkpointer).
 
 The multi-process test trains an FSDP2 model (2 gloo ranks, spawned) whose every
 parameter and optimizer-state element changes every step, checkpoints every
@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, TierFullError, find_gemini_error
-from gemini_dcp.snapshot import (
+from gemini_dcp.snapshot.checkpointer import (
     AsyncCheckpointer,
     AsyncCheckpointError,
     AsyncGeminiStorageWriter,
@@ -86,7 +86,7 @@ def test_snapshot_structure_copies_containers_not_tensors() -> None:
     w = torch.ones(4)
     bn = torch.nn.BatchNorm1d(3)
     sd = {"m": {"w": w, "rm": bn.running_mean, "l": [w, {"x": 1}]}, "opt": {"param_groups": [{"lr": 0.1}]}}
-    from gemini_dcp.snapshot import _buffer_storages
+    from gemini_dcp.snapshot.checkpointer import _buffer_storages
 
     snap = snapshot_structure(sd, _buffer_storages(bn))
     assert snap["m"]["w"] is w and snap["m"]["l"][0] is w  # zero copy
@@ -349,7 +349,7 @@ def test_plain_dcp_async_save_with_gemini_writer(root: str) -> None:
 
 def test_the_async_api_is_exported_from_the_package(tmp_path: Path) -> None:
     import gemini_dcp
-    from gemini_dcp import snapshot
+    from gemini_dcp.snapshot import checkpointer as snapshot
     from torch.distributed.checkpoint.staging import AsyncStager
 
     for name in ("AsyncCheckpointer", "AsyncGeminiStorageWriter", "InterleaveOptions"):

@@ -23,8 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
-from gemini_dcp.compat import HAS_CHECKPOINTABLE_TENSOR, checkpointable_fields
-from gemini_dcp.torch_support import (
+from gemini_dcp.core.compat import HAS_CHECKPOINTABLE_TENSOR, checkpointable_fields
+from gemini_dcp.core.torch_support import (
     TorchRequirement,
     pyproject_torch_requirement,
     torch_requirement,
@@ -81,7 +81,7 @@ def test_torchrec_pairings() -> None:
 
 def _support(*args: str) -> subprocess.CompletedProcess[str]:
     # Run by path, as install.sh does (no gemini_dcp import, so no torch needed).
-    return subprocess.run([sys.executable, str(REPO / "gemini_dcp" / "torch_support.py"), *args],
+    return subprocess.run([sys.executable, str(REPO / "gemini_dcp" / "core" / "torch_support.py"), *args],
                           capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -98,7 +98,7 @@ def test_install_script_helper() -> None:
 
 
 def test_doctor_reads_the_range_from_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gemini_dcp import doctor as doc
+    from gemini_dcp.ops import doctor as doc
 
     ok = doc._torch_check()
     assert ok.status == "pass" and str(torch_requirement()) in ok.detail
@@ -113,7 +113,7 @@ def test_doctor_reads_the_range_from_metadata(monkeypatch: pytest.MonkeyPatch) -
 def test_fsspec_storage_from_the_public_module_where_it_exists() -> None:
     import importlib.util
 
-    from gemini_dcp.compat import fsspec_writer_reader
+    from gemini_dcp.core.compat import fsspec_writer_reader
 
     writer, reader = fsspec_writer_reader()
     assert (writer.__name__, reader.__name__) == ("FsspecWriter", "FsspecReader")
@@ -122,7 +122,7 @@ def test_fsspec_storage_from_the_public_module_where_it_exists() -> None:
     # Nothing else imports the private module (deprecated in 2.15): compat.py's fallback is the one place.
     users = [p.relative_to(REPO) for d in ("gemini_dcp", "cli", "benchmarks", "examples") for p in (REPO / d).rglob("*.py")
              if "_fsspec_filesystem" in p.read_text(encoding="utf-8")]
-    assert users == [Path("gemini_dcp/compat.py")], users
+    assert users == [Path("gemini_dcp/core/compat.py")], users
 
 
 # ---- CheckpointableTensor ------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_layouts_cover_the_global_tensor() -> None:
 def test_structure_key_sees_moved_shard_boundaries() -> None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from gemini_dcp.plan_replay import structure_key
+    from gemini_dcp.snapshot.replay import structure_key
 
     def key(t: torch.Tensor) -> Any:
         flat, mappings = flatten_state_dict({"w": t, "step": 1})
@@ -200,7 +200,7 @@ def test_structure_key_sees_moved_shard_boundaries() -> None:
 
 
 def test_snapshot_clone_keeps_the_shard_layout() -> None:
-    from gemini_dcp.snapshot import _clone, _storage_key, snapshot_structure
+    from gemini_dcp.snapshot.checkpointer import _clone, _storage_key, snapshot_structure
 
     t = _local("two", 1, 3)
     c = _clone(t)
@@ -264,7 +264,7 @@ def test_checkpointable_tensor_saves_and_reshards_through_gemini(roots: list[str
 
 def _async_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     """AsyncCheckpointer with plan replay: a moved boundary (same local shapes) re-plans."""
-    from gemini_dcp.snapshot import AsyncCheckpointer
+    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer
 
     plan = [("two", 0), ("two", 1), ("moved", 2), ("moved", 3), ("two", 4)]
     kinds = []
@@ -307,8 +307,8 @@ def _one_rank(split: int, fill: bool) -> torch.Tensor:
 
 @needs_protocol
 def test_checkpointable_tensor_through_the_persistent_tier(tmp_path: Path) -> None:
-    from gemini_dcp.persistent import PersistentTier
-    from gemini_dcp.stock import materialize_step
+    from gemini_dcp.persistent.store import PersistentTier
+    from gemini_dcp.persistent.stock_format import materialize_step
 
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
     d = tempfile.mkdtemp(prefix="gemini-compat1-", dir=base)

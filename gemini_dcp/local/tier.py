@@ -1,0 +1,507 @@
+"""The node-local CPU-memory tier: records and slots of one job in one tier root.
+
+All files live on the node's tmpfs, outside every worker process, so they
+survive a SIGKILL of a worker and torchrun's restart of the worker group.
+This module does no communication; the writer and reader call it from every
+rank, and only a node's *leader* rank (its lowest rank) writes or evicts
+records.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from ..core.config import resolve_job_id, resolve_root
+from ..errors import ChecksumMismatchError, GeminiError, JobConflictError, TierRootError
+from ..core.launch import LaunchInfo
+from .job_dir import (
+    JobLayout,
+    atomic_write_bytes,
+    check_root,
+    ensure_private_dir,
+    list_jobs,
+    open_private,
+    read_private_bytes,
+    remove_quietly,
+)
+from .records import StepRecord, read_record, write_record
+
+log = logging.getLogger(__name__)
+
+_MAX_DECODED = 16  # decoded records kept per LocalTier (newest steps)
+RESTORE_MARKER = "restored.json"  # in the job dir: the last restore from this tier (see note_restore)
+_warned: set[str] = set()  # odd entries already reported by this process (one warning each)
+
+
+def _warn_once(key: str, msg: str, *args: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+class LocalTier:
+    """One job's files in one node's tier root."""
+
+    def __init__(self, root: str | Path | None = None, job_id: str | None = None, *, create: bool = True) -> None:
+        explicit = root is not None and str(root) != "" or _env_root_set()
+        self.root = check_root(resolve_root(root), explicit=explicit)
+        self.job_id = resolve_job_id(job_id)
+        self.layout = JobLayout(self.root, self.job_id)
+        self._decoded: dict[int, tuple[tuple[int, int, int, int], StepRecord]] = {}
+        self._saving: tuple[int, int | None] | None = None  # (step being saved, G): see begin_save
+        if create:
+            self.layout.create()
+
+    # ---- records -------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps that have a record on this node, ascending (records are only written once committed)."""
+        return self.layout.record_steps()
+
+    def record(self, step: int) -> StepRecord | None:
+        """The record of ``step`` on this node; None if absent or corrupt (logged)."""
+        path = self.layout.record_path(step)
+        try:
+            ident = _identity(path)
+            hit = self._decoded.get(step)
+            if hit is not None and hit[0] == ident:
+                return hit[1]
+            rec = read_record(path)
+        except FileNotFoundError:
+            self._decoded.pop(step, None)
+            return None
+        except (ChecksumMismatchError, EOFError, ValueError, TypeError, AttributeError, OSError, GeminiError) as exc:
+            # One odd entry (a directory named like a record, an unreadable or foreign file)
+            # must not block every load and save of the job: skipped, reported once.
+            _warn_once(
+                str(path), "ignoring unreadable step record %s: %s: %s (remove it, or run `gemini-dcp verify`)",
+                path, type(exc).__name__, exc,
+            )
+            return None
+        # Records are only ever replaced by rename (a new inode), so the file's identity
+        # says whether the decoded copy is current; a save reads 4+ records, and decoding
+        # one (unpickling the DCP metadata) costs milliseconds.
+        self._decoded[step] = (ident, rec)
+        if len(self._decoded) > _MAX_DECODED:
+            for old in sorted(self._decoded)[: len(self._decoded) - _MAX_DECODED]:
+                del self._decoded[old]
+        return rec
+
+    def records(self) -> dict[int, StepRecord]:
+        out: dict[int, StepRecord] = {}
+        for step in self.steps():
+            rec = self.record(step)
+            if rec is not None:
+                out[step] = rec
+        return out
+
+    def write_record(self, record: StepRecord) -> None:
+        self.layout.create()
+        path = self.layout.record_path(record.step)
+        write_record(path, record)
+        self._decoded[record.step] = (_identity(path), record)
+
+    def delete_record(self, step: int) -> bool:
+        path = self.layout.record_path(step)
+        try:
+            return remove_quietly(path)
+        except OSError as exc:  # a directory named like a record, a read-only steps dir: reported once
+            _warn_once(f"rm:{path}", "cannot remove step record %s: %s", path, exc)
+            return False
+
+    def newest_committed_before(self, step: int) -> int | None:
+        """The newest step below ``step`` with a readable record on this node (None if none)."""
+        for s in reversed(self.steps()):
+            if s < step and self.record(s) is not None:
+                return s
+        return None
+
+    # ---- the save in progress: what no slot choice may overwrite ---------------------------
+    def begin_save(self, step: int, global_step: int | None) -> None:
+        """Set the step being saved and the newest step known committed on every node.
+
+        ``global_step`` (G) is never overwritten or evicted by this save: until every node
+        has committed a newer step, it may be the only step restorable everywhere.
+        :meth:`choose_slot` (also called for peer replicas) honours both.
+        """
+        self._saving = (step, global_step)
+
+    # ---- slots ---------------------------------------------------------------------------
+    def slots_in_use(self, rank: int, keep: int) -> dict[int, int]:
+        """slot -> step for ``rank``'s slots referenced by the newest ``keep`` records."""
+        used: dict[int, int] = {}
+        for step in self.steps()[-keep:]:
+            rec = self.record(step)
+            if rec is None:
+                continue
+            s = rec.slot_of(rank)
+            if s is not None:
+                used[s.slot] = step
+        return used
+
+    def choose_slot(self, rank: int, keep: int, step: int | None = None, global_step: int | None = None) -> int:
+        """A slot of ``rank`` (of the ring of ``keep + 1``) to write the step being saved into.
+
+        Never the slot of ``global_step`` (G, the newest step known committed on every node),
+        nor of the newest ``keep - 1`` steps after G and below ``step``: those are what stays
+        after this save commits. Among the other slots it prefers a free one, then one of a
+        step older than G, then one of a step between G and ``step`` (committed here but not
+        known everywhere), then one of a step at or after ``step`` (another timeline, or a
+        save of this step that this save replaces). ``step``/``global_step`` default to what
+        :meth:`begin_save` set. Older records that still point at the chosen slot are deleted
+        first, so no record can ever describe bytes that are being overwritten.
+        """
+        if step is None and self._saving is not None:
+            step, global_step = self._saving
+        records = {s: r for s in self.steps() if (r := self.record(s)) is not None}
+        below = [s for s in records if step is None or s < step]
+        protected: set[int] = set()
+        if global_step is not None and global_step in records:
+            protected.add(global_step)
+        after_g = [s for s in below if global_step is None or s > global_step]
+        protected.update(sorted(after_g)[-(keep - 1):] if keep > 1 else [])
+        if step is None:  # no save context: the newest ``keep`` steps, as before
+            protected = set(sorted(records)[-keep:])
+        holding: dict[int, list[int]] = {}
+        for s, rec in records.items():
+            slot = rec.slot_of(rank)
+            if slot is not None:
+                holding.setdefault(slot.slot, []).append(s)
+
+        def cost(idx: int) -> tuple[int, int]:
+            steps = holding.get(idx, [])
+            if not steps:
+                return (0, 0)
+            if any(s in protected for s in steps):
+                return (9, 0)
+            newest = max(steps)
+            if global_step is not None and newest < global_step:
+                return (1, newest)
+            if step is None or newest < step:
+                return (2, newest)
+            return (3, newest)
+
+        slot = min(range(keep + 1), key=lambda i: (cost(i), i))
+        if cost(slot)[0] == 9:  # cannot happen: at most ``keep`` of keep + 1 slots are protected
+            raise AssertionError(f"rank {rank}: every slot holds a protected step {sorted(protected)}")
+        lost = sorted(s for s in holding.get(slot, []))
+        if cost(slot)[0] == 3 and step is not None and _not_abandoned(self, [s for s in lost if s > step]):
+            log.warning(
+                "rank %s: reusing the slot of steps %s (newer than step %s, never restored in this launch) "
+                "for lack of a free slot: those steps are gone from this node.", rank, lost, step,
+            )
+        for s in lost:
+            self.delete_record(s)
+        return slot
+
+    def slot_path(self, rank: int, slot: int) -> Path:
+        return self.layout.slot_path(rank, slot)
+
+    # ---- retention -----------------------------------------------------------------------
+    def retain(self, keep: int, newest: int, global_step: int | None = None, launch_id: str | None = None) -> list[int]:
+        """Evict records after ``newest`` was committed on this node; returns the evicted steps.
+
+        Kept: ``newest``, the newest ``keep`` steps up to it, and ``global_step`` (G, the
+        newest step known committed on every node: until every node committed a newer one,
+        it may be the only step restorable everywhere). Steps *after* ``newest`` are deleted
+        only when a restore in launch ``launch_id`` abandoned them (:meth:`note_restore`):
+        the job went back to an older step and saves a new timeline. Otherwise they are kept
+        (another launch's steps are never deleted just because this one saves older steps).
+        """
+        evicted: list[int] = []
+        steps = self.steps()
+        abandoned = self.abandoned_steps(launch_id) if launch_id is not None else set()
+        for step in steps:
+            # An abandoned step is dropped wherever it sits (even below ``newest``: a restart must
+            # never fall back into the abandoned timeline), unless this launch saved it anew.
+            if step in abandoned and step != newest and step != global_step:
+                rec = self.record(step)
+                if (rec is None or rec.launch_id != launch_id) and self.delete_record(step):
+                    evicted.append(step)
+        steps = [s for s in steps if s not in evicted]
+        newer = [s for s in steps if s > newest]
+        if newer:
+            _warn_once(
+                f"newer:{self.layout.job_dir}:{newer}",
+                "job %r in %s holds steps %s, newer than step %s just saved, which no restore in this launch "
+                "abandoned: they are kept, and a restart restores the newest restorable step. If they belong to "
+                "another run, give each run its own job_id (or remove them: gemini-dcp gc --remove-job).",
+                self.job_id, self.root, newer, newest,
+            )
+        remaining = [s for s in steps if s <= newest]
+        for step in remaining[:-keep] if keep < len(remaining) else []:
+            if step != newest and step != global_step and self.delete_record(step):
+                evicted.append(step)
+        return evicted
+
+    # ---- restores that abandon newer steps -----------------------------------------------
+    def note_restore(self, step: int, launch: LaunchInfo) -> None:
+        """Record that launch ``launch`` restored ``step`` from this job (a marker in the job dir).
+
+        The steps newer than ``step`` held on this node at that moment are *abandoned*: the
+        job continues from ``step`` on a new timeline, and this launch's first save deletes
+        them (:meth:`retain`). Without such a marker newer steps are never deleted.
+        Called by the reader on every rank; idempotent.
+        """
+        newer = [s for s in self.steps() if s > step]
+        data = {"step": int(step), "launch_id": launch.launch_id, "launch": launch.description, "abandoned": newer}
+        blob = json.dumps(data, sort_keys=True).encode()
+        path = self.layout.job_dir / RESTORE_MARKER
+        try:
+            if read_private_bytes(path) == blob:
+                return
+        except (OSError, GeminiError):  # absent, or not ours / a link: replaced by our own below
+            pass
+        atomic_write_bytes(path, blob)
+
+    def record_restore(self, step: int) -> None:
+        """:meth:`note_restore` for this process's launch; a failure is logged, never raised
+        (the restore goes on; newer steps are then simply kept)."""
+        from ..core.launch import current_launch  # noqa: PLC0415
+
+        try:
+            self.note_restore(step, current_launch())
+        except Exception as exc:  # noqa: BLE001 - a marker must not fail a load
+            log.warning("could not note the restore of step %s in %s: %s", step, self.layout.job_dir, exc)
+
+    def abandoned_steps(self, launch_id: str) -> set[int]:
+        """Steps a restore in ``launch_id`` abandoned (empty without such a restore)."""
+        path = self.layout.job_dir / RESTORE_MARKER
+        try:
+            data = json.loads(read_private_bytes(path))
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError, GeminiError) as exc:
+            _warn_once(str(path), "ignoring unreadable restore marker %s: %s", path, exc)
+            return set()
+        if not isinstance(data, dict) or data.get("launch_id") != launch_id:
+            return set()
+        return {int(s) for s in data.get("abandoned", []) if isinstance(s, int)}
+
+    def usage_bytes(self) -> int:
+        total = 0
+        for rank in self.layout.ranks_present():
+            for path in self.layout.slot_files(rank).values():
+                try:
+                    total += path.stat().st_blocks * 512
+                except FileNotFoundError:
+                    continue
+        return total
+
+    def remove_job(self) -> None:
+        """Delete every file of this job on this node (a finished job)."""
+        shutil.rmtree(self.layout.job_dir, ignore_errors=False)
+
+    def other_jobs(self) -> list[str]:
+        return [j for j in list_jobs(self.root) if j != self.job_id]
+
+
+def _not_abandoned(tier: LocalTier, steps: list[int]) -> list[int]:
+    """Those of ``steps`` that no restore in this launch abandoned."""
+    if not steps:
+        return []
+    from ..core.launch import current_launch  # noqa: PLC0415
+
+    gone = tier.abandoned_steps(current_launch().launch_id)
+    return [s for s in steps if s not in gone]
+
+
+# ---- one live launch per job and root ---------------------------------------------------------
+class _HeldLock:
+    """This process's shared lock on its launch file of one job dir, held while a writer lives."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.fd, self.users = path, fd, 0
+
+
+_held: dict[Path, _HeldLock] = {}
+_held_guard = threading.Lock()
+# Writers that died: their job dirs, one entry per writer. A writer's finalizer may run inside a
+# garbage collection triggered anywhere, even inside hold_launch_lock with the guard held (same
+# thread): it only queues its release, applied by whoever holds or next takes the guard.
+_releases: list[Path] = []
+
+
+def _launch_file_text(launch: LaunchInfo) -> bytes:
+    return json.dumps(
+        {"launch_id": launch.launch_id, "description": launch.description, "host": launch.host, "pid": launch.pid},
+        sort_keys=True,
+    ).encode()
+
+
+def _open_lock_file(path: Path, create: bool) -> int:
+    """A launch lock file, opened read-write through the checked path (ours, regular, never a link)."""
+    return open_private(path, os.O_RDWR | (os.O_CREAT if create else 0))
+
+
+def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None:
+    """Hold this launch's lock file of ``tier``'s job while ``owner`` (a writer) lives; refuse a
+    second live launch of the same job on the same root.
+
+    Every writer process of a launch holds ``<job_dir>/launches/<launch_id>.lock`` with a shared
+    POSIX record lock; the kernel drops it when the process exits (however it dies), so a dead
+    launch never blocks: its file is removed. Another launch's file that is still locked belongs
+    to a live process: :class:`JobConflictError` names it. Called from every rank (local work only).
+
+    POSIX locks (``lockf``), not ``flock``: a child forked without exec (a DataLoader worker) does
+    not inherit them, so an orphaned child of a crashed worker cannot block the restarted launch.
+    """
+    job_dir = tier.layout.job_dir
+    with _held_guard:
+        _apply_releases()
+        held = _held.get(job_dir)
+        if held is None:
+            ldir = ensure_private_dir(job_dir / "launches")
+            path = ldir / f"{launch.launch_id}.lock"
+            fd = _lock_own_file(path, launch)
+            try:
+                _refuse_live_launches(tier, ldir, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            held = _held[job_dir] = _HeldLock(path, fd)
+        held.users += 1
+        weakref.finalize(owner, _release_launch_lock, job_dir)
+        _apply_releases()
+
+
+def _lock_own_file(path: Path, launch: LaunchInfo) -> int:
+    """Open (create) and share-lock this launch's file; retried if a prober of another launch
+    removed it between our open and our lock (it then looked like a dead launch's file)."""
+    for _ in range(20):
+        fd = _open_lock_file(path, create=True)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH)
+            try:
+                same = os.lstat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                if os.fstat(fd).st_size == 0:
+                    os.pwrite(fd, _launch_file_text(launch), 0)
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise JobConflictError(f"could not hold {path}: it keeps being removed. Is another launch of this job starting?")
+
+
+def _release_launch_lock(job_dir: Path) -> None:
+    """A writer's finalizer: never blocks (see ``_releases``)."""
+    _releases.append(job_dir)
+    if _held_guard.acquire(blocking=False):
+        try:
+            _apply_releases()
+        finally:
+            _held_guard.release()
+
+
+def _apply_releases() -> None:
+    """Apply queued releases (the guard is held)."""
+    while _releases:
+        job_dir = _releases.pop()
+        held = _held.get(job_dir)
+        if held is None:
+            continue
+        held.users -= 1
+        if held.users <= 0:
+            del _held[job_dir]
+            try:
+                os.close(held.fd)  # drops the lock: this launch no longer blocks another
+            except OSError:
+                pass
+
+
+def _refuse_live_launches(tier: LocalTier, ldir: Path, mine: Path) -> None:
+    try:
+        names = os.listdir(ldir)
+    except FileNotFoundError:
+        return
+    for name in sorted(names):
+        path = ldir / name
+        if path == mine or not name.endswith(".lock"):
+            continue
+        try:
+            fd = _open_lock_file(path, create=False)
+        except FileNotFoundError:
+            continue  # removed meanwhile by another prober
+        except OSError as exc:
+            _warn_once(str(path), "cannot check launch file %s: %s", path, exc)
+            continue
+        try:
+            verdict = _probe(path, fd)
+            if verdict == "gone":
+                continue  # a sibling rank's probe found it dead and removed it
+            if verdict == "alive":
+                try:
+                    info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+                except ValueError:
+                    info = {}
+                raise JobConflictError(
+                    f"job {tier.job_id!r} in tier root {tier.root} is in use by another live launch: "
+                    f"{info.get('description', '?')} (host {info.get('host', '?')}, pid {info.get('pid', '?')}). "
+                    "Two runs sharing a job id would delete and restore each other's steps. Give this run its own "
+                    "job_id (GeminiStorageWriter(job_id=...), or torchrun --rdzv-id), or stop the other run first."
+                ) from None
+            remove_quietly(path)  # locked by nobody: its launch is dead (a restarted or finished run)
+        finally:
+            os.close(fd)
+
+
+PROBE_PATIENCE_S = 2.0  # how long a lock held on another launch's file may be a sibling's probe
+
+
+def _probe(path: Path, fd: int) -> str:
+    """"dead" (we now hold it exclusively), "gone" (removed meanwhile) or "alive".
+
+    A failed exclusive lock is not proof of life: a sibling rank of the restarted launch may be
+    probing the same dead launch's file this very moment (it holds the lock exclusively, then
+    unlinks the file). A live launch holds its shared lock for as long as it runs, so the lock
+    stays taken and the file stays in place for the whole ``PROBE_PATIENCE_S``; a probe does not.
+    """
+    deadline = time.monotonic() + PROBE_PATIENCE_S
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        else:
+            try:
+                if os.lstat(path).st_ino != os.fstat(fd).st_ino:
+                    return "gone"  # removed (and maybe made anew by its launch: then it is looked at next time)
+            except FileNotFoundError:
+                return "gone"
+            return "dead"
+        try:
+            if os.lstat(path).st_ino != os.fstat(fd).st_ino:
+                return "gone"
+        except FileNotFoundError:
+            return "gone"
+        if time.monotonic() >= deadline:
+            return "alive"
+        time.sleep(0.02)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    """What changes when a record file is replaced (by rename: a new inode) or rewritten."""
+    st = os.lstat(path)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _env_root_set() -> bool:
+    from ..core.config import ENV_ROOT
+
+    return bool(os.environ.get(ENV_ROOT))
+
+
+__all__ = ["LocalTier", "TierRootError"]

@@ -1,0 +1,143 @@
+"""Export a step's model weights as consolidated safetensors (HuggingFace layout).
+
+    from gemini_dcp.persistent.export import export_safetensors
+    path = export_safetensors(1200, "out/", job_id="run1", persistent="s3://bucket/ckpt")
+
+Tensors are read from any tier reachable from this host — this node's memory
+records (own and replica slots), else the persistent tier — verified against
+their saved checksums, and sharded tensors (DTensor / ShardedTensor / FSDP
+chunks) are reassembled from their chunks using the DCP metadata
+(``TensorStorageMetadata.size`` and each chunk's offsets). The output is
+``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards plus
+``model.safetensors.index.json`` when larger than ``max_shard_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from ..errors import ConfigError, ShardUnavailableError
+from .store import PersistentTier
+from .stock_format import StepSource, open_step
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def export_safetensors(
+    step: int | None,
+    out_dir: str | os.PathLike[str],
+    *,
+    root: str | os.PathLike[str] | None = None,
+    job_id: str | None = None,
+    persistent: str | PersistentTier | None = None,
+    prefix: str = "model.",
+    max_shard_bytes: int = 5 << 30,
+) -> Path:
+    """Write the tensors of ``step`` (None: the newest) whose names start with ``prefix``.
+
+    Names in the output drop ``prefix`` (``model.layers.0.w`` → ``layers.0.w``
+    with the default); ``prefix=""`` exports every tensor of the step.
+    Returns the path of ``model.safetensors`` or of the index json when sharded.
+    Raises ShardUnavailableError if a chunk of a selected tensor is readable
+    from no tier on this host, ConfigError if nothing matches ``prefix``.
+    """
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    if max_shard_bytes < 1:
+        raise ConfigError(f"max_shard_bytes={max_shard_bytes!r}: give a positive size.")
+    src = open_step(step, root=root, job_id=job_id, persistent=persistent)
+    sdm = src.metadata.state_dict_metadata
+    selected = [(fqn, md) for fqn, md in sdm.items() if isinstance(md, TensorStorageMetadata) and fqn.startswith(prefix)]
+    if not selected:
+        tops = sorted({f.split(".", 1)[0] + "." for f, m in sdm.items() if isinstance(m, TensorStorageMetadata)})
+        raise ConfigError(
+            f"step {src.step}: no tensor name starts with prefix={prefix!r}; tensor prefixes present: {tops}. "
+            "Pass one of them (or prefix='' for every tensor)."
+        )
+    names = {fqn: fqn[len(prefix):] for fqn, _ in selected}
+    if any(not n for n in names.values()):
+        raise ConfigError(f"prefix={prefix!r} is a whole tensor name; use a shorter prefix.")
+    _check_available(src, selected)
+
+    shards: list[list[tuple[str, TensorStorageMetadata]]] = [[]]
+    size = 0
+    for fqn, md in selected:
+        nbytes = _nbytes(md)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((fqn, md))
+        size += nbytes
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / SINGLE, out / INDEX, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    meta = {"format": "pt", "gemini_dcp_step": str(src.step), "gemini_dcp_job": src.job_id}
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards, 1):
+        fname = SINGLE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors = {names[fqn]: _assemble(src, fqn, md) for fqn, md in shard}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        tmp = out / f".{fname}.tmp"
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, out / fname)
+        weight_map.update({k: fname for k in tensors})
+        del tensors
+    if n == 1:
+        return out / SINGLE
+    index = {"metadata": {"total_size": total, **meta}, "weight_map": dict(sorted(weight_map.items()))}
+    tmp = out / f".{INDEX}.tmp"
+    tmp.write_text(json.dumps(index, indent=2))
+    os.replace(tmp, out / INDEX)
+    return out / INDEX
+
+
+def _nbytes(md: TensorStorageMetadata) -> int:
+    n = 1
+    for d in md.size:
+        n *= d
+    return n * torch.empty(0, dtype=md.properties.dtype).element_size()
+
+
+def _check_available(src: StepSource, selected: list[tuple[str, TensorStorageMetadata]]) -> None:
+    by_index = {it.index: it for it in src.items}
+    missing = []
+    for fqn, md in selected:
+        for chunk in md.chunks:
+            it = by_index.get(MetadataIndex(fqn, chunk.offsets))
+            if it is None or it.index not in src.where:
+                missing.append(f"{fqn}{list(chunk.offsets)}" + (f"@rank{it.rank}" if it is not None else ""))
+    if missing:
+        raise ShardUnavailableError(
+            f"step {src.step}: {len(missing)} chunk(s) are readable from no tier on this host: {missing[:20]}"
+            f"{' ...' if len(missing) > 20 else ''}. Export on a node that holds them, or pass persistent=<url> "
+            "if the step was drained."
+        )
+
+
+def _assemble(src: StepSource, fqn: str, md: TensorStorageMetadata) -> torch.Tensor:
+    """The full tensor ``fqn``, built from its stored chunks."""
+    by_index = {it.index: it for it in src.items}
+    full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    covered = 0
+    for chunk in md.chunks:
+        item = by_index[MetadataIndex(fqn, chunk.offsets)]
+        t = src.read(item).reshape(tuple(chunk.sizes))
+        dst = full
+        for dim, (off, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            dst = dst.narrow(dim, off, length)
+        dst.copy_(t)
+        covered += t.numel()
+    if covered != full.numel():
+        raise ShardUnavailableError(
+            f"{fqn}: its chunks cover {covered} of {full.numel()} elements in the checkpoint metadata; cannot consolidate."
+        )
+    return full

@@ -1,0 +1,712 @@
+"""Zero-stall snapshots: checkpoint every step while the next step trains.
+
+Model states change only at the optimizer step, so the bytes of step t can be
+copied into the memory tier *during the forward and backward passes of step
+t+1*, straight from the live tensors (no staging copy, no second copy of the
+model in host memory); only the next ``optimizer.step()`` must wait until this
+rank's bytes are in the tier. That is what :class:`AsyncCheckpointer` does::
+
+    ckpt = AsyncCheckpointer(GeminiStorageWriter(job_id="run1"), optimizer=opt, model=model)
+    for step in range(start, steps):
+        loss = model(batch).sum(); loss.backward()
+        opt.step()                # waits (only) for the previous snapshot's local copy
+        opt.zero_grad()
+        ckpt.save(get_state_dict_for(model, opt), step)   # returns in well under 5 ms
+    ckpt.close()                  # waits for the last commit, raises any error
+
+``save()`` records the request and returns; a background thread runs
+``dcp.save(..., process_group=<the dedicated gloo control group>)`` — never the
+training group, so checkpoint collectives cannot interleave with or deadlock
+against training collectives. The writer calls ``on_local_copy_done`` as soon
+as this rank's bytes are copied and checksummed, before the commit
+collectives and the peer replication; that releases the guard, an optimizer
+step pre-hook installed for the user (``wait_copied()`` is the same guard
+for loops without a ``torch.optim.Optimizer``). The commit (every rank's
+write results gathered, the step record renamed into place) and the peer
+copies finish later in the background; ``wait()`` waits for them.
+
+The copy is paced by :mod:`gemini_dcp.snapshot.interleave`: the first iterations are
+profiled (training collectives timed between optimizer steps), and the copy's
+chunks are scheduled into the idle spans of the iteration; without a profile
+they are copied as fast as possible. When the guard starts waiting, pacing
+stops and the rest is copied at full speed.
+
+What the guard protects, and what it cannot:
+
+* Tensors modified by ``optimizer.step()`` (parameters, optimizer state) are
+  copied as they are at the ``save()`` call.
+* Tensors modified *outside* the optimizer step would be copied in whatever
+  state they are in when their chunk is copied. Buffers updated in the
+  forward pass (BatchNorm running statistics) are the common case: pass
+  ``model=`` and the module's buffers are cloned at ``save()`` time (they are
+  small). Anything else that writes checkpointed tensors between steps (EMA
+  weights, manual ``param.data`` edits) must call ``wait_copied()`` first.
+* Containers (dicts, lists) are copied at ``save()`` time, so mutating the
+  state-dict structure afterwards is harmless; Python scalars are immutable.
+* ``Stateful`` objects at the top level are turned into state dicts at the
+  ``save()`` call, in the calling thread.
+
+Errors of a background save are raised by the next ``save()``, ``wait()``,
+``wait_copied()`` or ``close()`` (as :class:`AsyncCheckpointError` chained to
+the original), never swallowed; every rank fails the same step together,
+because the writer exchanges failures before committing.
+
+``dcp.async_save`` works too, with :class:`AsyncGeminiStorageWriter` acting as
+DCP's ``AsyncStager`` (its staging is the zero-copy structural snapshot above,
+and the guard replaces DCP's staging future); see its docstring for the two
+rules DCP leaves to the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Literal
+
+import torch
+
+from ..core.compat import copy_checkpointable_fields
+from ..errors import ConfigError, GeminiError
+from .interleave import (
+    DEFAULT_ALPHA,
+    DEFAULT_MAX_CHUNK,
+    DEFAULT_MAX_CV,
+    DEFAULT_MIN_GAP_S,
+    CollectiveProfiler,
+    Pacer,
+    Where,
+    choose_chunk_bytes,
+)
+from .replay import PlanReplay
+from ..dcp.writer import GeminiStorageWriter
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AsyncCheckpointer",
+    "AsyncCheckpointError",
+    "AsyncGeminiStorageWriter",
+    "SnapshotHandle",
+    "checkpoint_group",
+    "snapshot_structure",
+]
+
+DEFAULT_BANDWIDTH = 4e9  # bytes/s; replaced by the measured copy rate after the first chunks
+DEFAULT_NET_BANDWIDTH = 1e9  # bytes/s of the peer replication; replaced by its measured rate likewise
+
+
+class AsyncCheckpointError(GeminiError):
+    """A background checkpoint failed; ``__cause__`` is the original error."""
+
+
+def checkpoint_group(process_group: Any = None, timeout_s: float = 300.0) -> Any:
+    """The dedicated gloo control group for the ranks of ``process_group`` (default WORLD).
+
+    Collective on first use (``new_group``): call it on every rank, from the
+    training thread, before the first async save. Returns None without an
+    initialized process group or with a single rank.
+    """
+    from ..transport.comm import get_comm  # noqa: PLC0415
+
+    return get_comm(timeout_s, process_group).group
+
+
+# ---- the structural snapshot ---------------------------------------------------------------
+def _storage_key(t: torch.Tensor) -> int | None:
+    # No torch op here (each one releases and re-takes the GIL): DTensor's local tensor by attribute.
+    local = getattr(t, "_local_tensor", t)
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    if hasattr(t, "to_local") and hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        local = t.to_local().detach().clone()
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    # A CheckpointableTensor's shard layout is in its attributes, which clone() does not carry.
+    return copy_checkpointable_fields(t, t.detach().clone())
+
+
+def snapshot_structure(
+    obj: Any, clone_storages: set[int] | frozenset[int] = frozenset(), devices: set[torch.device] | None = None
+) -> Any:
+    """Copy the containers of a state dict, keep tensors by reference (zero copy),
+    clone the tensors whose storage is in ``clone_storages``; top-level ``Stateful``
+    values become their ``state_dict()``. The tensors' devices are added to ``devices``."""
+    from torch.distributed.checkpoint.stateful import Stateful  # noqa: PLC0415
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            if devices is not None:
+                devices.add(getattr(o, "_local_tensor", o).device)
+            if clone_storages and _storage_key(o) in clone_storages:
+                return _clone(o)
+            return o
+        if isinstance(o, dict):
+            return type(o)((k, walk(v)) for k, v in o.items()) if type(o) is not dict else {k: walk(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [walk(v) for v in o]
+        if isinstance(o, tuple) and not hasattr(o, "_fields"):
+            return tuple(walk(v) for v in o)
+        return o
+
+    if not isinstance(obj, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(obj).__name__}")
+    out = {}
+    for k, v in obj.items():
+        out[k] = walk(v.state_dict() if isinstance(v, Stateful) else v)
+    return out
+
+
+def _buffer_storages(model: Any) -> set[int]:
+    keys: set[int] = set()
+    if model is None:
+        return keys
+    models = model if isinstance(model, (list, tuple)) else [model]
+    for m in models:
+        for b in m.buffers():
+            k = _storage_key(b)
+            if k is not None and k != 0:
+                keys.add(k)
+    return keys
+
+
+# ---- handles ---------------------------------------------------------------------------------
+class SnapshotHandle:
+    """One asynchronous save. ``wait_copied()``: this rank's bytes are in the tier;
+    ``wait()``: the step is committed on every node (returns DCP's Metadata)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.copied = threading.Event()
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+        self.metadata: Any = None
+        self.skipped = False
+        self.t_submit = time.perf_counter()
+        self.blocked_s: float = 0.0  # time save() held the caller
+        self.started_s: float | None = None  # submit -> background save started
+        self.copy_s: float | None = None  # background start -> local copy done
+        self.total_s: float | None = None  # submit -> committed
+        self.guard_wait_s: float = 0.0  # time the training thread waited for this copy
+        self.cpu_s: float | None = None  # CPU time of the background save thread
+        self.pacer_stats: dict[str, Any] | None = None
+        self.replication_pacer_stats: dict[str, Any] | None = None
+        self._surfaced = False
+        self._pacer: Pacer | None = None
+        self._replication_pacer: Pacer | None = None
+        self._hurry = False  # someone is blocked on this save's copy: do not pace it
+        self._hurry_replication = False  # someone is blocked on its commit: do not pace anything
+
+    def hurry(self, *, replication: bool = True) -> None:
+        """Copy (and, with ``replication``, send to peers) the rest at full speed.
+
+        Flags are set before the pacers are read; the worker checks them after setting a pacer.
+        """
+        self._hurry = True
+        if replication:
+            self._hurry_replication = True
+        for p in (self._pacer, self._replication_pacer if replication else None):
+            if p is not None:
+                p.hurry()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def _raise(self) -> None:
+        if self.error is not None and not self._surfaced:
+            self._surfaced = True
+            raise AsyncCheckpointError(
+                f"asynchronous checkpoint of step {self.step} failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error
+
+    def wait_copied(self, timeout: float | None = None, *, surface: bool = True) -> None:
+        if not self.copied.is_set():
+            self.hurry(replication=False)
+            t = time.perf_counter()
+            ok = self.copied.wait(timeout)
+            self.guard_wait_s += time.perf_counter() - t
+            if not ok:
+                raise AsyncCheckpointError(
+                    f"step {self.step}: the local copy did not finish within {timeout} s "
+                    "(a rank stopped checkpointing, or the save failed before its copy started)"
+                )
+        if surface and self.finished.is_set():
+            self._raise()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self.finished.wait(timeout):
+            raise AsyncCheckpointError(f"step {self.step}: the checkpoint did not commit within {timeout} s")
+        self._raise()
+        return self.metadata
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "skipped": self.skipped,
+            "blocked_s": self.blocked_s,
+            "started_s": self.started_s,
+            "copy_s": self.copy_s,
+            "total_s": self.total_s,
+            "guard_wait_s": self.guard_wait_s,
+            "cpu_s": self.cpu_s,
+            "pacer": self.pacer_stats,
+            "replication_pacer": self.replication_pacer_stats,
+            "error": None if self.error is None else repr(self.error),
+        }
+
+
+# ---- the checkpointer ------------------------------------------------------------------------
+@dataclasses.dataclass
+class InterleaveOptions:
+    """Knobs of the traffic interleaving (see :mod:`gemini_dcp.snapshot.interleave`)."""
+
+    enabled: bool = True
+    warmup: int = 3
+    iterations: int = 20
+    where: Where = "between"
+    alpha: float = DEFAULT_ALPHA
+    min_gap_s: float = DEFAULT_MIN_GAP_S
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK
+    max_cv: float = DEFAULT_MAX_CV
+    bandwidth: float | None = None  # bytes/s of the copy; measured when None
+
+
+_STOP = object()
+
+
+def _check_options(interleave: Any, max_pending: Any, on_busy: Any, timeout_s: Any) -> None:
+    """Refuse bad AsyncCheckpointer arguments with a ConfigError, before anything is created."""
+    if not isinstance(interleave, (bool, InterleaveOptions)):
+        raise ConfigError(f"interleave={interleave!r}: give True, False or an InterleaveOptions.")
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+        raise ConfigError(f"max_pending={max_pending!r}: the snapshots that may wait at once, an int >= 1.")
+    if on_busy not in ("block", "skip"):
+        raise ConfigError(f"on_busy={on_busy!r}: choose 'block' (wait for the previous save) or 'skip'.")
+    if timeout_s is not None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ConfigError(f"timeout_s={timeout_s!r}: give a finite positive number of seconds, or None (the writer's).")
+
+
+class AsyncCheckpointer:
+    """Checkpoint every step into GEMINI memory tiers without stalling training.
+
+    Args:
+        writer: a :class:`GeminiStorageWriter` (reused for every save: its slot
+            files stay mapped), or a zero-argument factory of one, or None to
+            build one from ``writer_kwargs``.
+        optimizer: optimizer(s) to guard: a step pre-hook waits for the
+            outstanding local copy, a post-hook marks iteration starts for
+            interleaving. Without one, call ``wait_copied()`` before
+            modifying checkpointed tensors.
+        model: module(s) whose buffers are cloned at ``save()`` (they may change
+            in the forward pass).
+        process_group: ranks that checkpoint together (default WORLD); the
+            checkpoint runs on a dedicated gloo group of these ranks.
+        interleave: ``True``/``False`` or :class:`InterleaveOptions`; profiling
+            needs ``optimizer``.
+        max_pending: saves that may wait behind the running one.
+        on_busy: when ``max_pending`` saves already wait: ``"block"`` (default)
+            waits for room; ``"skip"`` returns a handle marked ``skipped``.
+        timeout_s: guard and close timeout (default: the writer's ``timeout_s``).
+        planner: a DCP SavePlanner to plan every save with ``dcp.save``. Default
+            (None): :class:`gemini_dcp.snapshot.replay.PlanReplay` — the first save
+            (and any save whose state-dict structure changed) runs ``dcp.save``
+            with ``DefaultSavePlanner``; later saves replay its plan, skipping
+            DCP's planning collectives (about half the background CPU per save).
+    """
+
+    def __init__(
+        self,
+        writer: GeminiStorageWriter | Callable[[], GeminiStorageWriter] | None = None,
+        *,
+        optimizer: Any = None,
+        model: Any = None,
+        process_group: Any = None,
+        interleave: bool | InterleaveOptions = True,
+        max_pending: int = 1,
+        on_busy: Literal["block", "skip"] = "block",
+        timeout_s: float | None = None,
+        planner: Any = None,
+        **writer_kwargs: Any,
+    ) -> None:
+        _check_options(interleave, max_pending, on_busy, timeout_s)
+        if writer is None:
+            writer = GeminiStorageWriter(process_group=process_group, **writer_kwargs)
+        elif writer_kwargs:
+            raise ConfigError(
+                f"writer options {sorted(writer_kwargs)} given with a writer: pass them either to the "
+                "GeminiStorageWriter or as keyword arguments of AsyncCheckpointer, not both."
+            )
+        elif not isinstance(writer, GeminiStorageWriter):
+            if not callable(writer):
+                raise ConfigError(
+                    f"writer={writer!r}: give a GeminiStorageWriter, a zero-argument factory of one, or None."
+                )
+            writer = writer()
+            if not isinstance(writer, GeminiStorageWriter):
+                raise ConfigError(f"the writer factory returned {type(writer).__name__}, not a GeminiStorageWriter.")
+        if process_group is not None and writer.process_group is None:
+            writer.process_group = process_group
+        self.writer = writer
+        self.timeout_s = float(timeout_s if timeout_s is not None else writer.options.timeout_s)
+        # Collective: create the control group now, from the training thread, on every rank.
+        from ..transport.comm import get_comm  # noqa: PLC0415
+
+        comm = get_comm(writer.options.timeout_s, writer.process_group)
+        self.group = comm.group
+        self._no_dist = not comm.distributed
+        self.on_busy = on_busy
+        self.opts = interleave if isinstance(interleave, InterleaveOptions) else InterleaveOptions(enabled=bool(interleave))
+        self._bandwidth = self.opts.bandwidth or DEFAULT_BANDWIDTH
+        self._net_bandwidth = DEFAULT_NET_BANDWIDTH
+        self.pacing = True  # False: copy as fast as possible even with a profile (A/B runs)
+        self._clone_storages = _buffer_storages(model)
+        self._model = model
+        self._optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+        self._hooks: list[Any] = []
+        self._stream: Any = None
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.profiler: CollectiveProfiler | None = None
+        if self.opts.enabled and self._optimizers:
+            self.profiler = CollectiveProfiler(
+                warmup=self.opts.warmup,
+                iterations=self.opts.iterations,
+                where=self.opts.where,
+                min_gap_s=self.opts.min_gap_s,
+                max_cv=self.opts.max_cv,
+                exclude_groups=[self.group],
+            )
+            self.profiler.install(self._optimizers[0])
+        for opt in self._optimizers:
+            self._hooks.append(opt.register_step_pre_hook(self._pre_step))
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, max_pending))
+        self._outstanding: list[SnapshotHandle] = []
+        self._lock = threading.Lock()
+        self.history: list[SnapshotHandle] = []
+        self.keep_history = 10_000
+        self._closed = False
+        self.planner = planner
+        self.replay = PlanReplay(writer, self.group, no_dist=self._no_dist) if planner is None else None
+        self._thread = threading.Thread(target=self._run, name="gemini-snapshot", daemon=True)
+        self._thread.start()
+
+    # -- hooks --
+    def _pre_step(self, *_: Any) -> None:
+        # The guard: wait for the local copy, but let a failed save surface at the next
+        # save()/wait() rather than inside optimizer.step().
+        with self._lock:
+            outstanding = list(self._outstanding)
+        pending = [h for h in outstanding if not h.copied.is_set()]
+        if pending:
+            # Training waits for a copy: an earlier save's replication ahead of it goes at full speed.
+            for h in outstanding:
+                if h.copied.is_set() and not h.finished.is_set():
+                    h.hurry()
+        for h in pending:
+            h.wait_copied(self.timeout_s, surface=False)
+
+    # -- API --
+    def save(self, state_dict: dict[str, Any], step: int) -> SnapshotHandle:
+        """Snapshot ``state_dict`` as ``step``; returns at once (see the module docstring)."""
+        t0 = time.perf_counter()
+        if self._closed:
+            raise AsyncCheckpointError("save() after close()")
+        self._raise_pending()
+        from ..core.config import parse_step  # noqa: PLC0415
+
+        step = parse_step(step)
+        handle = SnapshotHandle(step)
+        devices: set[torch.device] = set()
+        sd = snapshot_structure(state_dict, self._clone_storages, devices)
+        ready = None
+        if any(d.type == "cuda" for d in devices):
+            # The copy runs on a side stream of the background thread: order it after the
+            # work queued so far (the optimizer step that produced this state).
+            ready = torch.cuda.Event()
+            ready.record()
+        job = (handle, sd, ready)
+        with self._lock:
+            self._outstanding.append(handle)
+            self.history.append(handle)
+            if len(self.history) > self.keep_history:
+                del self.history[: len(self.history) - self.keep_history]
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            if self.on_busy == "skip":
+                handle.skipped = True
+                self._finish(handle)
+                handle.blocked_s = time.perf_counter() - t0
+                return handle
+            with self._lock:  # the caller is blocked: no reason to pace the saves ahead of it
+                ahead = [h for h in self._outstanding if h is not handle]
+            for h in ahead:
+                h.hurry()
+            self._queue.put(job)
+        handle.blocked_s = time.perf_counter() - t0
+        return handle
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        """Block until this rank's bytes of every outstanding save are in the tier (the guard)."""
+        with self._lock:
+            pending = [h for h in self._outstanding if not h.copied.is_set()]
+        for h in pending:
+            h.wait_copied(self.timeout_s if timeout is None else timeout)
+        self._raise_pending()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every outstanding save is committed; raise the first unreported error."""
+        with self._lock:
+            pending = list(self._outstanding)
+        for h in pending:  # the caller is blocked: no reason to pace the copies any more
+            h.hurry()
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for h in pending:
+            h.finished.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        self._raise_pending()
+        for h in pending:
+            if not h.finished.is_set():
+                raise AsyncCheckpointError(f"step {h.step}: the checkpoint did not commit within {timeout} s")
+
+    def close(self) -> None:
+        """Wait for all saves, stop the thread, remove the hooks; raises a pending error."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait(self.timeout_s)
+        finally:
+            self._queue.put(_STOP)
+            self._thread.join(timeout=self.timeout_s)
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            if self.profiler is not None:
+                self.profiler.remove()
+            self.writer.on_local_copy_done = None
+            self.writer.pace = None
+            self.writer.replication_pace = None
+
+    def __enter__(self) -> "AsyncCheckpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def last_committed_step(self) -> int | None:
+        with self._lock:
+            done = [h.step for h in self.history if h.finished.is_set() and h.error is None and not h.skipped]
+        return max(done) if done else None
+
+    def stats(self) -> dict[str, Any]:
+        hs = [h for h in self.history if h.finished.is_set() and not h.skipped]
+        out: dict[str, Any] = {"saves": len(hs), "bandwidth": self._bandwidth, "replication_bandwidth": self._net_bandwidth}
+        if self.profiler is not None:
+            out["profile"] = self.profiler.summary()
+        if self.replay is not None:
+            out["plans"] = {"planned": self.replay.planned, "replayed": self.replay.replayed}
+        return out
+
+    # -- internals --
+    def _raise_pending(self) -> None:
+        """Forget finished saves; raise the first failure not reported yet (log the others)."""
+        with self._lock:
+            failed = [h for h in self._outstanding if h.finished.is_set() and h.error is not None and not h._surfaced]
+            self._outstanding = [h for h in self._outstanding if not h.finished.is_set()]
+        for h in failed[1:]:
+            h._surfaced = True
+            log.error("asynchronous checkpoint of step %s also failed: %r", h.step, h.error)
+        if failed:
+            failed[0]._raise()
+
+    def _finish(self, handle: SnapshotHandle) -> None:
+        handle.copied.set()
+        handle.finished.set()
+
+    def _gap_pacer(self, bandwidth: float, *, one_iteration: bool = False) -> Pacer | None:
+        """A pacer into the profiled gaps at ``bandwidth``; None without a profile (or pacing off)."""
+        prof = self.profiler
+        gaps = prof.gaps() if self.pacing and prof is not None and prof.done.is_set() else None
+        if not gaps or prof is None:
+            return None
+        alpha = self.opts.alpha
+        chunk = choose_chunk_bytes(gaps.values(), bandwidth, alpha, max_chunk_bytes=self.opts.max_chunk_bytes)
+        return Pacer(gaps, prof.timeline, where=self.opts.where, bandwidth=bandwidth, alpha=alpha, chunk_bytes=chunk,
+                     one_iteration=one_iteration)
+
+    def _make_pacer(self) -> Pacer | None:
+        # No profile (yet): as fast as possible; the pacer only measures the copy rate.
+        return self._gap_pacer(self._bandwidth) or Pacer(bandwidth=self._bandwidth, chunk_bytes=self.opts.max_chunk_bytes)
+
+    def _make_replication_pacer(self) -> Pacer | None:
+        """The pacer of the peer replication: only with replicas and a profile (else one message,
+        unpaced). Its gaps are the same; its rate is the network's; it uses the gaps of one
+        iteration only, since no guard bounds the replication."""
+        if self.writer.options.replicas <= 1 or self._no_dist:
+            return None
+        return self._gap_pacer(self._net_bandwidth, one_iteration=True)
+
+    def _copy_stream(self, ready: Any) -> Any:
+        """CUDA state: copy on a dedicated lowest-priority stream that waits for ``ready``
+        (training kernels on other streams are not serialized behind the D2H copies)."""
+        if ready is None:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            torch.cuda.set_device(self._device)
+            self._stream = torch.cuda.Stream(device=self._device, priority=0)  # 0 = lowest priority
+        self._stream.wait_event(ready)
+        return torch.cuda.stream(self._stream)
+
+    def _run(self) -> None:
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            handle, sd, ready = job
+            t_start = time.perf_counter()
+            c_start = time.thread_time()
+            handle.started_s = t_start - handle.t_submit
+            pacer = self._make_pacer()
+            rpacer = self._make_replication_pacer()
+            handle._pacer, handle._replication_pacer = pacer, rpacer
+            if handle._hurry and pacer is not None:
+                pacer.hurry()
+            if handle._hurry_replication and rpacer is not None:
+                rpacer.hurry()
+
+            def copied(_step: int, h: SnapshotHandle = handle) -> None:
+                h.copy_s = time.perf_counter() - t_start
+                h.copied.set()
+
+            self.writer.on_local_copy_done = copied
+            self.writer.pace = pacer
+            self.writer.replication_pace = rpacer
+            try:
+                with self._copy_stream(ready):
+                    if self.replay is not None:
+                        handle.metadata = self.replay.save(sd, handle.step)
+                    else:
+                        handle.metadata = dcp.save(
+                            sd,
+                            storage_writer=self.writer,
+                            checkpoint_id=handle.step,
+                            planner=self.planner,
+                            process_group=self.group,
+                            no_dist=self._no_dist,
+                        )
+            except BaseException as exc:  # surfaced by the next save / wait / close
+                handle.error = exc
+                log.debug("async save of step %s failed", handle.step, exc_info=True)
+            finally:
+                self.writer.pace = None
+                self.writer.replication_pace = None
+                self.writer.on_local_copy_done = None
+                if rpacer is not None:
+                    handle.replication_pacer_stats = rpacer.stats.as_dict()
+                    if rpacer.stats.chunks >= 4 and not rpacer.hurried:
+                        self._net_bandwidth = rpacer.bandwidth
+                if pacer is not None:
+                    handle.pacer_stats = pacer.stats.as_dict()
+                    if pacer.stats.chunks >= 4 and not pacer.hurried:
+                        self._bandwidth = pacer.bandwidth
+                handle._pacer = handle._replication_pacer = None
+                handle.total_s = time.perf_counter() - handle.t_submit
+                handle.cpu_s = time.thread_time() - c_start
+                del sd
+                self._finish(handle)
+
+
+# ---- dcp.async_save ------------------------------------------------------------------------
+class AsyncGeminiStorageWriter(GeminiStorageWriter):
+    """A GeminiStorageWriter that is also DCP's ``AsyncStager``, for ``dcp.async_save``::
+
+        writer = AsyncGeminiStorageWriter(job_id="run1", model=model)
+        writer.install_guard(opt)                     # optimizer.step() waits for the local copy
+        fut = None
+        for step in ...:
+            ...; opt.step()
+            if fut is not None:
+                fut.result()                          # rule 2
+            fut = writer.track(dcp.async_save(sd, storage_writer=writer, checkpoint_id=step,
+                                              process_group=writer.checkpoint_group))   # rule 1
+
+    ``stage()`` is the zero-copy structural snapshot (no tensor is copied; the
+    guard keeps the optimizer from changing them until this rank's bytes are in
+    the tier), so ``async_save`` returns in about a millisecond. Two rules are
+    the caller's, because DCP gives the stager no say over them:
+
+    1. pass ``process_group=writer.checkpoint_group``: DCP otherwise runs its
+       planning collectives on WORLD from its background thread, concurrently
+       with training collectives on the same group (a hang or mixed-up data);
+    2. wait for the previous ``async_save`` future before the next call: DCP
+       starts a new thread per call, and two saves on one writer and one group
+       at the same time would interleave their collectives.
+
+    ``track(future)`` lets the guard give up when the save fails before its copy
+    (DCP's planning collectives), instead of waiting for ``timeout_s``; the
+    error itself is in the future, as with any ``async_save``.
+    :class:`AsyncCheckpointer` follows both rules for you, paces the copy
+    (interleaving) and surfaces errors itself.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(self, *args: Any, model: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clone_storages = _buffer_storages(model)
+        self._handle: SnapshotHandle | None = None
+        self.checkpoint_group = checkpoint_group(self.process_group, self.options.timeout_s)
+        self.on_local_copy_done = self._copied
+        self._guard_hooks: list[Any] = []
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Zero-copy staging: copy the containers, keep the tensors, arm the guard."""
+        self._handle = SnapshotHandle(-1)
+        return snapshot_structure(state_dict, self._clone_storages)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: staging is the structural snapshot; use ``wait_copied()``."""
+
+    def close(self) -> None:
+        for h in self._guard_hooks:
+            h.remove()
+        self._guard_hooks.clear()
+
+    def install_guard(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` wait for the outstanding local copy."""
+        self._guard_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_copied()))
+
+    def track(self, future: Any) -> Any:
+        """Release the guard if ``future`` (from ``dcp.async_save``) ends before the copy did."""
+        h = self._handle
+        if h is not None and hasattr(future, "add_done_callback"):
+            future.add_done_callback(lambda _f: h.copied.set())
+        return future
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        """Block until this rank's bytes of the last staged save are in the tier."""
+        h = self._handle
+        if h is not None:
+            h.wait_copied(self.options.timeout_s if timeout is None else timeout, surface=False)
+
+    def _copied(self, step: int) -> None:
+        h = self._handle
+        if h is not None:
+            h.step = step
+            h.copied.set()
