@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, LoadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ..core.checksum import checksum
+from ..core.chunk_sink import describe_item
 from ..core.compat import failed_metadata, global_shape, raise_if_failed
 from ..transport.comm import Comm, get_comm
 from ..core.config import check_timeout, parse_step, resolve_node_id
@@ -486,7 +487,7 @@ class GeminiStorageReader(StorageReader):
                 counts["local"] += ref.length
             else:
                 failed[key] = "checksum"
-                log.warning("local copy of %s is corrupt; fetching another copy", _describe(items[0], ref, self._record.step))
+                log.warning("local copy of %s is corrupt; fetching another copy", describe_item(items[0], ref, self._record.step))
         return fetch_remote(self, comm, planner, by_key, routes, failed, counts, refs, first)
 
     def _stage(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor) -> bool:
@@ -531,7 +532,7 @@ class GeminiStorageReader(StorageReader):
             shape = _chunk_size(md, item.storage_index)
         if not isinstance(tdtype, torch.dtype) or shape is None:
             raise IncompatibleCheckpointError(
-                f"{_describe(item, ref, self._decision.step if self._decision else -1)}: the record does not say "
+                f"{describe_item(item, ref, self._decision.step if self._decision else -1)}: the record does not say "
                 f"what dtype/shape the chunk was saved with (dtype {dtype!r}, shape {shape!r}); it cannot be "
                 "restored by this gemini_dcp. Load it with the release that saved it, or load another step."
             )
@@ -541,7 +542,7 @@ class GeminiStorageReader(StorageReader):
             numel *= d
         if numel * elem != buf.numel():
             raise IncompatibleCheckpointError(
-                f"{_describe(item, ref, self._decision.step if self._decision else -1)}: {buf.numel()} stored bytes "
+                f"{describe_item(item, ref, self._decision.step if self._decision else -1)}: {buf.numel()} stored bytes "
                 f"do not hold a {tdtype} chunk of shape {tuple(shape)}; the record is inconsistent. Load another step."
             )
         if numel == 0:
@@ -695,16 +696,3 @@ def _chunk_size(md: Any, index: MetadataIndex) -> tuple[int, ...] | None:
         if tuple(chunk.offsets) == tuple(index.offset or ()):
             return tuple(chunk.sizes)
     return None
-
-
-def _describe(item: ReadItem, ref: ShardRef, step: int) -> str:
-    idx = item.storage_index
-    return f"shard {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step}, saved by rank {ref.rank}"
-
-
-def corrupt_error(item: ReadItem, ref: ShardRef, step: int, sources: str) -> ChecksumMismatchError:
-    return ChecksumMismatchError(
-        f"{_describe(item, ref, step)} failed its {ref.algo} checksum in every copy tried ({sources}); "
-        "the checkpoint bytes were corrupted in memory. Nothing was copied into the state dict. "
-        "Load an older step (checkpoint_id=...) or the persistent tier."
-    )

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from ..core.checksum import checksum
+from ..core.chunk_sink import corrupt_error
 from ..transport.comm import Comm, RESTART_HINT, _transport_errors, mark_broken
 from ..errors import GeminiError, PeerError, RestartRequiredError, ShardUnavailableError
 from ..core.faults import fault_point
@@ -541,7 +542,6 @@ def _raise_unservable(
     refs: Mapping["ItemKey", ShardRef],
     failed: dict["ItemKey", str],
 ) -> None:
-    from ..dcp.reader import corrupt_error  # noqa: PLC0415
 
     step = reader._decision.step if reader._decision else -1
     corrupt = [k for k, why in failed.items() if why != "missing"]
