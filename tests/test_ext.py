@@ -51,7 +51,7 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     if request.param == "ext":
         request.getfixturevalue("built")
     else:
-        monkeypatch.setattr(ext, "load", lambda verbose=False: False)
+        monkeypatch.setattr(ext.loader, "load", lambda verbose=False: False)
     return request.param
 
 
@@ -240,7 +240,7 @@ def test_xsum64_cpu_kernel_matches_reference(built: bool) -> None:
             assert ext.gpu_checksum(t) == ext.xsum64_reference(t), (n, off)
     f = torch.randn(1001, 3)
     assert ext.gpu_checksum(f) == ext.xsum64_reference(f)
-    assert ext.gpu_checksum(f) == ext.xsum64_reference(ext._byte_view(f))
+    assert ext.gpu_checksum(f) == ext.xsum64_reference(ext.cuda.byte_view(f))
     # A big buffer exercises the multi-threaded CPU kernel (> 16 MiB) and the blocked reference.
     t = _rand((18 << 20) + 5, 11)
     assert ext.gpu_checksum(t) == ext.xsum64_reference(t, block_words=1 << 18)
@@ -265,7 +265,7 @@ def test_xsum64_reference_known_answers_and_sensitivity() -> None:
 
 
 def test_gpu_checksum_fallback_is_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ext, "load", lambda verbose=False: False)
+    monkeypatch.setattr(ext.loader, "load", lambda verbose=False: False)
     t = _rand(12_345, 12)
     assert ext.gpu_checksum(t) == ext.xsum64_reference(t)
 
@@ -325,7 +325,7 @@ def test_required_build_failure_raises(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("GEMINI_DCP_EXT", "1")
     monkeypatch.setenv("GEMINI_DCP_CUDA_EXT", "0")
     monkeypatch.setenv("GEMINI_DCP_EXT_CACHE", str(tmp_path / "cache"))
-    loader = ext._Loader(_broken_sources(tmp_path))
+    loader = ext.loader.Loader(_broken_sources(tmp_path))
     with pytest.raises(ext.ExtensionBuildError, match="deliberately broken|failed"):
         loader.load()
     # Required: every later call raises again instead of silently falling back.
@@ -334,7 +334,7 @@ def test_required_build_failure_raises(tmp_path: Path, monkeypatch: pytest.Monke
     assert not loader.has_ext
     # auto: the same failure only falls back.
     monkeypatch.setenv("GEMINI_DCP_EXT", "auto")
-    loader2 = ext._Loader(tmp_path / "csrc")
+    loader2 = ext.loader.Loader(tmp_path / "csrc")
     assert loader2.load() is False
     assert "build failed" in loader2.how
 
@@ -342,10 +342,10 @@ def test_required_build_failure_raises(tmp_path: Path, monkeypatch: pytest.Monke
 def test_missing_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GEMINI_DCP_EXT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("GEMINI_DCP_EXT", "auto")
-    assert ext._Loader(tmp_path / "no-csrc").load() is False
+    assert ext.loader.Loader(tmp_path / "no-csrc").load() is False
     monkeypatch.setenv("GEMINI_DCP_EXT", "1")
     with pytest.raises(ext.ExtensionBuildError, match="sources not found"):
-        ext._Loader(tmp_path / "no-csrc").load()
+        ext.loader.Loader(tmp_path / "no-csrc").load()
 
 
 def test_cuda_required_without_cuda_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -355,25 +355,25 @@ def test_cuda_required_without_cuda_raises(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("GEMINI_DCP_CUDA_EXT", "1")
     monkeypatch.setenv("GEMINI_DCP_EXT_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ext.ExtensionBuildError, match="GEMINI_DCP_CUDA_EXT=1"):
-        ext._Loader(ext.CSRC_DIR).load()
+        ext.loader.Loader(ext.CSRC_DIR).load()
 
 
 def test_invalid_env_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GEMINI_DCP_EXT", "maybe")
     with pytest.raises(ConfigError, match="GEMINI_DCP_EXT"):
-        ext._Loader(ext.CSRC_DIR).load()
+        ext.loader.Loader(ext.CSRC_DIR).load()
 
 
 def test_build_dir_names_torch_version_and_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GEMINI_DCP_EXT_CACHE", str(tmp_path))
-    loader = ext._Loader(ext.CSRC_DIR)
+    loader = ext.loader.Loader(ext.CSRC_DIR)
     d_cpu = loader.build_dir(False)
     assert d_cpu.parent == tmp_path and d_cpu.name.startswith(torch.__version__ + "-")
     assert loader.build_dir(False) == d_cpu
     copy = tmp_path / "src2"
     copy.mkdir()
     (copy / "gemini_ops.cpp").write_text((ext.CSRC_DIR / "gemini_ops.cpp").read_text() + "\n// changed\n")
-    assert ext._Loader(copy).build_dir(False) != d_cpu  # a source change means a new build
+    assert ext.loader.Loader(copy).build_dir(False) != d_cpu  # a source change means a new build
 
 
 def test_file_lock_serializes(tmp_path: Path) -> None:
@@ -383,12 +383,12 @@ def test_file_lock_serializes(tmp_path: Path) -> None:
 
     def other() -> None:
         held.wait(5)
-        with ext._file_lock(lock):
+        with ext.loader._file_lock(lock):
             order.append("other")
 
     th = threading.Thread(target=other)
     th.start()
-    with ext._file_lock(lock):
+    with ext.loader._file_lock(lock):
         held.set()
         time.sleep(0.3)
         order.append("first")

@@ -57,7 +57,7 @@ def shm_tensor(request: pytest.FixtureRequest) -> Iterator[torch.Tensor]:
 def test_cuda_ops_built_when_nvcc_present(loaded: bool) -> None:
     if os.environ.get("GEMINI_DCP_CUDA_EXT", "auto") == "0" or os.environ.get("GEMINI_DCP_EXT") == "0":
         pytest.skip("CUDA ops disabled by env")
-    if ext._find_nvcc() is None:
+    if ext.loader.find_nvcc() is None:
         pytest.skip("no nvcc: the CUDA ops cannot be built here")
     assert loaded, ext.status()
     assert "CUDA ops" in ext.status()
@@ -113,7 +113,7 @@ def test_copy_d2h_is_ordered_after_the_producer(loaded: bool) -> None:
 
 
 def test_copy_d2h_fallback_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ext, "load", lambda verbose=False: False)
+    monkeypatch.setattr(ext.loader, "load", lambda verbose=False: False)
     src = torch.randint(0, 256, ((8 << 20) + 3,), dtype=torch.uint8, device="cuda")
     dst = torch.empty(src.numel(), dtype=torch.uint8)
     ext.host_register(dst)  # fallback: cudart().cudaHostRegister

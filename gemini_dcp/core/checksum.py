@@ -19,11 +19,14 @@ destination here on purpose.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import crc32c as _crc32c_pkg
 import torch
 import xxhash
+
+from ..ext import cpu as ext_cpu
+from ..ext import loader as ext_loader
 
 # 1 MiB: with 4 MiB blocks two ranks' blocks (8 MiB) fill this machine's 8 MiB L3 and the
 # hash re-reads each block from DRAM (copy+xxh3 costs copy + hash: no fusion gain). Two
@@ -39,10 +42,8 @@ def _u8_buffer(t: torch.Tensor) -> memoryview:
 
 
 def _crc32c_update(value: int, buf: torch.Tensor) -> int:
-    from .. import ext
-
-    if ext.load():
-        return ext.crc32c(buf, value)
+    if ext_loader.load():
+        return ext_cpu.crc32c(buf, value)
     return _crc32c_pkg.crc32c(_u8_buffer(buf), value)
 
 
@@ -70,9 +71,7 @@ def resolve_algo(algo: str) -> str:
     """The algorithm ``"auto"`` stands for on this machine (builds/loads the extension once)."""
     if algo != "auto":
         return algo
-    from .. import ext
-
-    return "crc32c" if ext.load() else "xxh3"
+    return "crc32c" if ext_loader.load() else "xxh3"
 
 
 def checksum(buf: torch.Tensor, algo: str) -> int:
@@ -111,11 +110,9 @@ def copy_and_checksum(
     n = src.numel()
     if n != dst.numel():
         raise ValueError(f"copy_and_checksum: size mismatch {src.numel()} vs {dst.numel()}")
-    from .. import ext
-
-    fused = algo == "crc32c" and ext.load()
+    fused = algo == "crc32c" and ext_loader.load()
     if fused and pace is None:
-        return ext.copy_with_crc32c(dst, src)
+        return ext_cpu.copy_with_crc32c(dst, src)
     h = None if fused else _Hasher(algo)
     value = 0  # the running CRC of the fused path (the extension carries it across blocks)
     for start in range(0, n, block):
@@ -125,7 +122,7 @@ def copy_and_checksum(
             pace(m)
         d, s = dst[start : start + m], src[start : start + m]
         if h is None:
-            value = ext.copy_with_crc32c(d, s, 1, value)
+            value = ext_cpu.copy_with_crc32c(d, s, 1, value)
         else:
             d.copy_(s)
             h.update(d)
