@@ -42,12 +42,13 @@ fi
 HERE=$(pwd -P)
 FROM=$(cd / && "$PY" -c 'import gemini_dcp, os; print(os.path.dirname(os.path.dirname(os.path.realpath(gemini_dcp.__file__))))' 2>/dev/null || true)
 # Also when pyproject.toml's torch range changed since the install (the metadata doctor reads would be stale).
-if [ "$FROM" != "$HERE" ] || ! have pytest-timeout || ! have moto || support stale; then
+# (ruff and mypy, run by scripts/test.sh, come with the test extra.)
+if [ "$FROM" != "$HERE" ] || ! have pytest-timeout || ! have moto || ! have ruff || ! have mypy || support stale; then
   pipi -e ".[test]"
 fi
-# Build the C++ extension now (cached per machine) rather than in the first save of a job;
+# Build the C++ extension ahead of time (cached per machine) rather than in the first save of a job;
 # GEMINI_DCP_EXT=0 skips it (pure-torch fallbacks), GEMINI_DCP_CUDA_EXT=0|1 skips/forces the CUDA ops.
 if [ "${GEMINI_DCP_EXT:-auto}" != "0" ]; then
-  (cd / && "$PY" -c 'from gemini_dcp import ext; ext.load(); print("gemini_dcp.ext:", ext.status())')
+  (cd / && "$PY" -m gemini_dcp.ext.build --best-effort --quiet)
 fi
 "$PY" -c 'import gemini_dcp, torch; print(f"gemini_dcp {gemini_dcp.__version__} on torch {torch.__version__}")'

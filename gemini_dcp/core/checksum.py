@@ -25,8 +25,7 @@ import crc32c as _crc32c_pkg
 import torch
 import xxhash
 
-from ..ext import cpu as ext_cpu
-from ..ext import loader as ext_loader
+from ..ext import cpu as ext_cpu, loader as ext_loader
 
 # 1 MiB: with 4 MiB blocks two ranks' blocks (8 MiB) fill this machine's 8 MiB L3 and the
 # hash re-reads each block from DRAM (copy+xxh3 costs copy + hash: no fusion gain). Two
@@ -38,7 +37,7 @@ BLOCK_BYTES = 1 << 20
 
 def _u8_buffer(t: torch.Tensor) -> memoryview:
     """A zero-copy memoryview of a contiguous 1-D uint8 CPU tensor."""
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")
 
 
 def _crc32c_update(value: int, buf: torch.Tensor) -> int:

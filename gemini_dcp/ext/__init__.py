@@ -32,7 +32,6 @@ from .cuda import (
     xsum64_reference,
 )
 from .loader import CSRC_DIR, ExtensionBuildError, cache_root, info, load, status
-from .loader import LOADER as _LOADER  # the process's loader (gemini_dcp.ops.doctor reads it)
 
 __all__ = [
     "CSRC_DIR",
@@ -58,6 +57,7 @@ __all__ = [
     "xsum64_reference",
 ]
 
+_LOADER = loader.LOADER  # the process's loader (gemini_dcp.ops.doctor reads it)
 HAS_EXT: bool  # whether the CPU ops are loaded (loads on first access)
 HAS_CUDA_EXT: bool  # whether the CUDA ops are loaded (loads on first access)
 

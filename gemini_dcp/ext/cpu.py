@@ -60,7 +60,7 @@ def _check_threads(num_threads: int) -> None:
 
 def _pkg_crc32c(buf: torch.Tensor, value: int) -> int:
     """The fallback CRC: the ``crc32c`` package over a zero-copy view of ``buf``."""
-    return int(_crc32c_pkg.crc32c(memoryview(buf.numpy()).cast("B"), value))
+    return int(_crc32c_pkg.crc32c(buf.numpy().data.cast("B"), value))
 
 
 # ------------------------------------------------------------------------------------- CPU ops

@@ -150,9 +150,8 @@ def copy_d2h_chunked(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int = 64
             handle = int(torch.ops.gemini_dcp.copy_d2h_chunked(dst, src, chunk_bytes))
         except RuntimeError as exc:
             raise DeviceCopyError(f"copy_d2h_chunked failed: {exc}") from exc
-        stream = torch.cuda.ExternalStream(handle, device=src.device)
         event = torch.cuda.Event()
-        event.record(stream)
+        event.record(torch.cuda.ExternalStream(handle, device=src.device))
         return event
     stream = _side_stream(src.device)
     stream.wait_stream(torch.cuda.current_stream(src.device))
