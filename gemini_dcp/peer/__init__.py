@@ -10,12 +10,12 @@ Names of the former flat module ``gemini_dcp.peer`` (``gemini_dcp.peer.replicate
 like) resolve on first use, through :mod:`gemini_dcp.peer.replication`.
 """
 
+import importlib
 from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    import importlib  # noqa: PLC0415 - keeps the package face light (no torch until a name is used)
-
+    """An old name of the flat module (imports torch on first use; the face itself does not)."""
     module = importlib.import_module(f"{__name__}.replication")
     try:
         return getattr(module, name)

@@ -84,14 +84,14 @@ def node_order(comm: Comm, reports: Sequence[SlotReport], previous: list[str] | 
     ``previous`` is the order of this writer's last save; without one, rank 0 takes the nodes of
     the newest step on its node (a restarted job keeps its positions).
     """
-    order: list[str] | None = None
+    order: list[str] = []  # decided on rank 0 only
     if comm.rank == 0:
         if previous is None:
             steps = tier.steps()
             rec = tier.record(steps[-1]) if steps else None
             previous = list(rec.nodes) if rec is not None else None
         order = choose_order(previous, reports)
-    return comm.broadcast_object(order, src=0)  # type: ignore[return-value]
+    return comm.broadcast_object(order, src=0)
 
 
 def replicate(

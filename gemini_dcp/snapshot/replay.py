@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
@@ -200,8 +201,6 @@ class PlanReplay:
         return self._plan_and_save(state_dict, step)
 
     def _plan_and_save(self, state_dict: dict[str, Any], step: int) -> Metadata:
-        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-
         self._recorded = None  # a failed save below leaves nothing to replay
         planner = RecordingSavePlanner()
         meta = dcp.save(

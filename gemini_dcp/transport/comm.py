@@ -35,6 +35,7 @@ transfers and the small integer all-reduce are the transport's
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -255,8 +256,6 @@ class Comm:
     def _store_exchange(self, topic: str, obj: Any, timeout: float, state: dict[str, str]) -> list[Any] | None:
         """The store protocol of :meth:`agree_via_store` (runs on its helper thread; ``state['phase']``
         names the step under way, for the give-up message). Returns the values, or None for "abort"."""
-        import json  # noqa: PLC0415
-
         store = dist.distributed_c10d._get_default_store()
         prefix = f"gemini_dcp/agree/{'-'.join(map(str, self.ranks))}/{topic}/"
         decision_key = prefix + "decision"
