@@ -335,7 +335,7 @@ def test_writer_timeout_honoured_after_longer_one(stall_results: list[dict[str, 
 
 
 def _degrade_scenario(rank: int, world_size: int, root: str, stall_s: float) -> dict[str, Any]:
-    import gemini_dcp.peer.replication as peer
+    import gemini_dcp.peer.push as peer
 
     sd = {f"w{rank}": torch.full((64, 8), float(rank)), "step": 0}
     w = GeminiStorageWriter(root=root, job_id="degrade", replicas=2, timeout_s=3, on_peer_failure="degrade")

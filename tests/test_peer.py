@@ -161,7 +161,7 @@ def test_corrupt_local_copy_falls_back_to_peer(node_roots) -> None:
 
 
 def _corrupt_replica(rank: int, world_size: int, root: str, *, job: str, mode: str) -> str:
-    import gemini_dcp.peer.replication as peer
+    import gemini_dcp.peer.push as peer
 
     if rank == 1:
         peer._verify_items = lambda slot, results: ["model.w"]  # the bytes that arrived are bad

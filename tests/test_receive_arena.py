@@ -1,4 +1,4 @@
-"""ReceiveArena (gemini_dcp.peer.replication): the peer-restore receive buffers in one pre-faulted mapping."""
+"""ReceiveArena (gemini_dcp.peer.arena): the peer-restore receive buffers in one pre-faulted mapping."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import weakref
 
 import torch
 
-from gemini_dcp.peer import replication as peer
-from gemini_dcp.peer.replication import ReceiveArena
+from gemini_dcp.peer import arena as peer
+from gemini_dcp.peer.arena import ReceiveArena
 
 
 def test_views_are_separate_page_aligned_and_writable() -> None:

@@ -33,7 +33,7 @@ import time
 import traceback
 from torch.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -58,9 +58,9 @@ from ..local.tier import LocalTier
 from ..local.records import ShardRef, StepRecord
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..local.slots import ReadOnlySlot
-
-if TYPE_CHECKING:
-    from ..peer.replication import ReceiveArena, Tally
+from ..peer.arena import ReceiveArena
+from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
+from ..transport.p2p import transport_for
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +298,6 @@ class GeminiStorageReader(StorageReader):
         """Coordinator: pick a peer source for every chunk a rank's node does not hold."""
         if self._decision is None or self._record is None or not self._decision.node_ranks:
             return plans
-        from ..peer.replication import assign_sources  # noqa: PLC0415
-
         needs = [sorted({self._key(it) for it in p.items}) for p in plans]
         routes = assign_sources(needs, self._decision, self._record, set())
         return [dataclasses.replace(p, storage_data=routes[r]) for r, p in enumerate(plans)]
@@ -315,7 +313,6 @@ class GeminiStorageReader(StorageReader):
         comm = self._comm()
         counts = dict.fromkeys(TIERS, 0)
         error: BaseException | None = None
-        from ..peer.replication import Tally  # noqa: PLC0415
 
         self._staged, self._dests, self._stage_error = [], {}, None
         # The key/shape check runs here too when set_up_storage_reader could not see the
@@ -469,12 +466,17 @@ class GeminiStorageReader(StorageReader):
         routes = plan.storage_data if isinstance(plan.storage_data, dict) else {}
         remote: set[ItemKey] = set(routes.get("recv", {}))
         failed: dict[ItemKey, str] = {}
-        from ..peer.replication import fetch_remote, refs_by_key, start_transfer  # noqa: PLC0415
-
         # Post the peer sends and receives first: gloo moves them while this rank
         # verifies its own chunks below (a serving rank feeds its requesters at once).
-        refs = refs_by_key(self._record)
-        first = start_transfer(self, comm, routes, by_key, planner, refs)
+        assert self._decision is not None
+        staging = Staging(
+            decision=self._decision, record=self._record, refs=refs_by_key(self._record), node_id=self.node_id,
+            local_bytes=self._local_bytes, stage=self._stage, keep_arena=self._arenas.append, rank_ok=lambda: self._rank_ok,
+            from_persistent=None if self.persistent is None
+            else (lambda items: self._stage_from_persistent(LoadPlan(items), planner)),
+        )
+        transport = transport_for(comm)
+        first = start_transfer(staging, transport, routes)
         for key, items in by_key.items():
             if key in remote:
                 continue
@@ -488,7 +490,7 @@ class GeminiStorageReader(StorageReader):
             else:
                 failed[key] = "checksum"
                 log.warning("local copy of %s is corrupt; fetching another copy", describe_item(items[0], ref, self._record.step))
-        return fetch_remote(self, comm, planner, by_key, routes, failed, counts, refs, first)
+        return fetch_remote(staging, comm, transport, by_key, routes, failed, counts, first)
 
     def _stage(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor) -> bool:
         """Verify ``buf`` (the stored bytes of one chunk) against ``ref``; if it matches, stage it

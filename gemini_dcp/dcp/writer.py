@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ..core.checksum import BLOCK_BYTES, as_bytes, checksum, copy_and_checksum, resolve_algo
 from ..transport.comm import Comm, get_comm
+from ..transport.p2p import transport_for
+from ..peer.push import replicate
 from ..core.config import TierOptions, parse_step, resolve_node_id
 from ..errors import ConfigError, InvalidStepError, TierFullError
 from ..core.faults import fault_point
@@ -479,10 +481,12 @@ class GeminiStorageWriter(StorageWriter):
         if self.options.replicas > 1:
             self._warn_replicas_capped(len({rep.node_id for rep in reports}))
         if self.options.replicas > 1 and comm.distributed:
-            from ..peer.replication import replicate  # noqa: PLC0415
-
             expand = (lambda rep: _expand(rep, layouts)) if overlay is not None else None
-            replica_slots, self.last_replication = replicate(self, comm, step, reports, expand=expand)
+            replica_slots, self.last_replication, self._node_order = replicate(
+                comm, transport_for(comm), step, reports, options=self.options, tier=self.tier, slot=self.slot,
+                budget_check=self.budget_check, previous_order=getattr(self, "_node_order", None),
+                pace=self.replication_pace, expand=expand,
+            )
             # Only the replica slots are new: every rank already has every report.
             gathered = comm.all_gather_object(replica_slots)
             reports = [dataclasses.replace(rep, replica_slots=rs) for rep, rs in zip(reports, gathered)]
@@ -509,13 +513,7 @@ class GeminiStorageWriter(StorageWriter):
         """
         vals = self.prewrite_values(step)
         if comm.distributed:
-            t = torch.tensor(vals, dtype=torch.int64)
-            runner = getattr(comm, "run", None)
-            if runner is not None:
-                runner("all_reduce", torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MIN, group=comm.group)
-            else:
-                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=comm.group)
-            vals = [int(v) for v in t.tolist()]
+            vals = transport_for(comm).all_reduce_ints(vals, "min")
         self._apply_agreement(step, vals)
 
     def prewrite_values(self, step: int) -> list[int]:
@@ -671,6 +669,14 @@ class GeminiStorageWriter(StorageWriter):
             from ..errors import PeerError  # noqa: PLC0415
 
             raise PeerError(f"ranks {failed} failed while {what}; the step was not committed (see their errors).")
+
+    def slot(self, rank: int, idx: int) -> SlotFile:
+        """This node's slot ``idx`` of ``rank`` (opened on first use)."""
+        return self._slot(rank, idx)
+
+    def budget_check(self, delta: int) -> None:
+        """Raise TierFullError when growing this job's tier by ``delta`` bytes would break ``capacity_bytes``."""
+        self._budget_check(delta)
 
     def _slot(self, rank: int, idx: int) -> SlotFile:
         key = (rank, idx)

@@ -17,7 +17,8 @@ through ``dcp.save`` with a planner that records the plans, then replays:
    (:func:`structure_key`: FQNs, shapes, dtypes, placements, meshes) with the
    recorded one, or, when the key differs or cannot be built, its full local
    plan with the recorded plan (local work, no collective);
-2. one all-reduce of three integers on the checkpoint control group decides
+2. one all-reduce of a few integers on the checkpoint control group (through
+   its transport, :mod:`gemini_dcp.transport.p2p`) decides
    for all ranks together: replay only if every rank's plan is unchanged and
    every rank holds the plans of the same recorded save, else every rank runs
    ``dcp.save`` (ranks never split between the two protocols);
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
@@ -48,6 +50,8 @@ from torch.distributed.tensor import DTensor
 from ..core.compat import HAS_CHECKPOINTABLE_TENSOR, checkpointable_fields
 from ..local.records import ShardRef
 from ..dcp.writer import GeminiStorageWriter
+from ..transport.comm import Comm
+from ..transport.p2p import Transport, transport_for
 
 __all__ = ["PlanReplay", "RecordingSavePlanner", "same_plan", "structure_key"]
 
@@ -158,6 +162,7 @@ class PlanReplay:
         self.group = group
         self.no_dist = no_dist
         self._recorded: _Recorded | None = None
+        self._transport: Transport | None = None  # over ``group``, made at the first agreement
         self.replayed = 0  # saves that skipped planning
         self.planned = 0  # saves that went through dcp.save
 
@@ -196,8 +201,6 @@ class PlanReplay:
         return self._plan_and_save(state_dict, step)
 
     def _plan_and_save(self, state_dict: dict[str, Any], step: int) -> Metadata:
-        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-
         self._recorded = None  # a failed save below leaves nothing to replay
         planner = RecordingSavePlanner()
         meta = dcp.save(
@@ -224,9 +227,10 @@ class PlanReplay:
         and replaced in place by the result."""
         if self.no_dist or self.group is None:
             return hit
+        if self._transport is None:
+            self._transport = transport_for(Comm(self.group))
         extra = list(pre) if pre is not None else []
-        flags = torch.tensor([int(hit), generation, -generation, *extra], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
+        flags = self._transport.all_reduce_ints([int(hit), generation, -generation, *extra], "min")
         if pre is not None:
-            pre[:] = [int(v) for v in flags[3:].tolist()]
-        return bool(flags[0] == 1) and int(flags[1]) == -int(flags[2])
+            pre[:] = flags[3:]
+        return flags[0] == 1 and flags[1] == -flags[2]

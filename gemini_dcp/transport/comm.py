@@ -26,10 +26,16 @@ and wait that group's timeout (``init_process_group(timeout=...)``, or pass
 ``process_group=`` a gloo group with a short timeout). See docs/failure-semantics.md.
 
 Without an initialized process group everything degrades to a single process.
+
+This module holds the group cache, the object collectives (gather, broadcast, the
+store agreement) and the broken-control-plane state; the point-to-point byte
+transfers and the small integer all-reduce are the transport's
+(:mod:`gemini_dcp.transport.p2p`), the only other module that calls ``torch.distributed``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -78,6 +84,12 @@ def mark_broken(reason: str) -> None:
         if _BROKEN is None:
             _BROKEN = reason
             log.error("checkpoint control group broken: %s", reason)
+
+
+def restart_required(reason: str) -> RestartRequiredError:
+    """Mark the control plane broken for ``reason`` and return the error to raise (reason + what to do)."""
+    mark_broken(reason)
+    return RestartRequiredError(f"{reason}. {RESTART_HINT}")
 
 
 def check_usable() -> None:
@@ -135,9 +147,7 @@ class Comm:
         try:
             return fn(*args, **kwargs)
         except _transport_errors() as exc:
-            reason = self.failure(what, exc, time.monotonic() - t0, peer=peer)
-            mark_broken(reason)
-            raise RestartRequiredError(f"{reason}. {RESTART_HINT}") from exc
+            raise restart_required(self.failure(what, exc, time.monotonic() - t0, peer=peer)) from exc
 
     def all_gather_object(self, obj: T) -> list[T]:
         """Collective over the control group: every rank's ``obj``, in group rank order."""
@@ -246,8 +256,6 @@ class Comm:
     def _store_exchange(self, topic: str, obj: Any, timeout: float, state: dict[str, str]) -> list[Any] | None:
         """The store protocol of :meth:`agree_via_store` (runs on its helper thread; ``state['phase']``
         names the step under way, for the give-up message). Returns the values, or None for "abort"."""
-        import json  # noqa: PLC0415
-
         store = dist.distributed_c10d._get_default_store()
         prefix = f"gemini_dcp/agree/{'-'.join(map(str, self.ranks))}/{topic}/"
         decision_key = prefix + "decision"
@@ -308,8 +316,7 @@ class Comm:
                              AGREE_DEADLINE_FACTOR * timeout)
         except _transport_errors() as exc:
             why = self.failure(f"replacing the control group after: {reason};", exc, time.monotonic() - t0)
-            mark_broken(why)
-            raise RestartRequiredError(f"{why}. {RESTART_HINT}") from exc
+            raise restart_required(why) from exc
         with _LOCK:
             _RETIRED.append(self.group)
             if _GROUPS.get(key) is self.group:

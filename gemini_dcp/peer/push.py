@@ -1,0 +1,227 @@
+"""The save side of the peer tier: copy each rank's slot into peer memory, verify what arrived.
+
+Replication sends each rank's whole slot (in one message, or in the paced
+``wire_chunk`` messages) straight into a pre-faulted slot of the receiving node
+(no staging copy), through the :class:`~gemini_dcp.transport.p2p.Transport`.
+The receiver verifies every item's checksum before the copy may count as a
+replica, so a corrupt replica can never be committed silently. Every rank then
+takes the same branch on the outcome (see :func:`replicate`).
+
+The writer passes narrow values (its slot lookup, budget check, options, tier
+and reports); it gets back the replicas, the stats and the node order it keeps
+for the next save. Nothing here knows the writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from ..core.checksum import checksum
+from ..core.faults import fault_point
+from ..errors import PeerError
+from ..local.records import RankSlot, ShardRef, StepRecord
+from ..transport.comm import Comm, restart_required
+from ..transport.p2p import Pending, Transport
+from .routes import SlotReport, choose_order, replication_routes
+
+__all__ = ["ReplicaTier", "Replicated", "ReplicationOptions", "SlotBuffer", "node_order", "replicate"]
+
+log = logging.getLogger(__name__)
+
+_STORE_AGREEMENTS = 0  # agreements over the store so far (the same count on every rank)
+
+
+class SlotBuffer(Protocol):
+    """A slot of the local tier, as replication writes and reads it (``gemini_dcp.local.slots.SlotFile``)."""
+
+    def ensure_capacity(self, nbytes: int, *, budget_check: Callable[[int], None] | None = None) -> None: ...
+
+    def view(self, offset: int, length: int) -> torch.Tensor: ...
+
+
+class ReplicaTier(Protocol):
+    """What replication asks of this node's tier (``gemini_dcp.local.tier.LocalTier``)."""
+
+    def choose_slot(self, rank: int, keep: int) -> int: ...
+
+    def steps(self) -> list[int]: ...
+
+    def record(self, step: int) -> StepRecord | None: ...
+
+
+class ReplicationOptions(Protocol):
+    """The writer options replication reads (``gemini_dcp.core.config.TierOptions``)."""
+
+    @property
+    def replicas(self) -> int: ...
+
+    @property
+    def placement(self) -> str: ...
+
+    @property
+    def keep(self) -> int: ...
+
+    @property
+    def on_peer_failure(self) -> str: ...
+
+
+class Replicated(NamedTuple):
+    """The outcome of :func:`replicate` on this rank."""
+
+    replica_slots: tuple[RankSlot, ...]  # the replicas of other ranks' slots this rank stored
+    stats: dict[str, Any]  # sent_bytes, received_bytes, seconds, degraded
+    node_order: list[str]  # the placement's node positions: pass it back as ``previous_order`` next save
+
+
+def node_order(comm: Comm, reports: Sequence[SlotReport], previous: list[str] | None, tier: ReplicaTier) -> list[str]:
+    """Collective: positions of nodes in the placement, stable for surviving nodes (decided on rank 0).
+
+    ``previous`` is the order of this writer's last save; without one, rank 0 takes the nodes of
+    the newest step on its node (a restarted job keeps its positions).
+    """
+    order: list[str] = []  # decided on rank 0 only
+    if comm.rank == 0:
+        if previous is None:
+            steps = tier.steps()
+            rec = tier.record(steps[-1]) if steps else None
+            previous = list(rec.nodes) if rec is not None else None
+        order = choose_order(previous, reports)
+    return comm.broadcast_object(order, src=0)
+
+
+def replicate(
+    comm: Comm,
+    transport: Transport,
+    step: int,
+    reports: Sequence[SlotReport],
+    *,
+    options: ReplicationOptions,
+    tier: ReplicaTier,
+    slot: Callable[[int, int], SlotBuffer],
+    budget_check: Callable[[int], None],
+    previous_order: list[str] | None = None,
+    pace: Callable[[int], None] | None = None,
+    expand: Callable[[Any], Any | None] | None = None,
+) -> Replicated:
+    """Collective: copy every rank's slot into its peers' memory; returns the replicas this rank stored.
+
+    ``slot(rank, idx)`` is the writer's slot ``idx`` of ``rank`` on this node and ``budget_check(delta)``
+    raises TierFullError when growing this node's tier by ``delta`` bytes breaks its budget; ``pace``
+    (the writer's replication pacer) is called before each message when this rank's report has a
+    ``wire_chunk``.
+
+    A transfer error (a peer that timed out or failed, or a replica that fails
+    its checksum) is agreed on by every rank in one gather, then raises PeerError
+    on every rank, or (``on_peer_failure="degrade"``) is logged and the step
+    commits with fewer replicas: every rank takes the same branch, so a step is
+    committed on all nodes or on none. A gloo timeout closes every connection of
+    the group, so when that gather fails the ranks agree over the default group's
+    store instead (``Comm.agree_via_store``: rank 0 decides, atomically). After a
+    transport failure all ranks replace the control group together
+    (``Comm.rebuild``), so the failed transfer never meets a later save. A peer
+    that does not report within ``timeout_s`` (stalled or gone) makes every rank
+    raise RestartRequiredError: nothing is committed and the job must restart.
+    ``expand`` rebuilds the write results of a compact report (a replayed save):
+    only the reports of the slots this rank receives are expanded, to verify them.
+    """
+    t0 = time.perf_counter()
+    order = node_order(comm, reports, previous_order, tier)
+    routes = replication_routes(order, reports, options.replicas, options.placement)
+    me = comm.rank
+    works: list[Pending] = []
+    received: list[tuple[int, int, SlotBuffer]] = []
+    sent = recv_bytes = 0
+    error: str | None = None
+    transport_failed = False  # the error is a transport failure (the group must be replaced)
+    # Every transfer wait names its deadline (the group's own timeout bounds it too, as a backstop).
+    deadline = transport.timeout_s
+    try:
+        # Every receive is posted before any send waits, so paced (blocking) sends cannot deadlock.
+        for src, dst in sorted(routes):
+            nbytes = reports[src].nbytes
+            if dst != me or nbytes == 0:
+                continue
+            idx = tier.choose_slot(src, options.keep)
+            into = slot(src, idx)
+            into.ensure_capacity(nbytes, budget_check=budget_check)
+            works += transport.recv_ranges(into.view, nbytes, reports[src].wire_chunk, src,
+                                           f"peer transfer (receive of rank {src}'s slot)")
+            received.append((src, idx, into))
+            recv_bytes += nbytes
+        targets = [dst for src, dst in sorted(routes) if src == me]
+        nbytes = reports[me].nbytes
+        if targets and nbytes:
+            chunk = reports[me].wire_chunk
+            paced = pace if chunk else None
+            what = f"peer transfer ({'paced ' if paced else ''}send of rank {me}'s slot)"
+            works += transport.send_ranges(slot(me, reports[me].slot).view, nbytes, chunk, targets, what,
+                                           pace=paced, deadline_s=deadline)
+            sent = nbytes * len(targets)
+        fault_point("replicate.mid_send")  # sends posted, not all delivered
+        for w in works:
+            transport.wait(w, deadline_s=deadline)
+    except PeerError as exc:  # gloo timeout / peer gone
+        transport_failed = True
+        error = str(exc)
+    replica_slots: list[RankSlot] = []
+    if error is None:
+        for src, idx, into in received:
+            rep = expand(reports[src]) if expand is not None else reports[src]
+            bad = _verify_items(into, rep.results if rep is not None else ())
+            if bad:
+                error = f"replica of rank {src} received by rank {me} failed checksum for {bad}"
+                break
+            replica_slots.append(RankSlot(src, idx, reports[src].nbytes))
+    errors = _agree(comm, step, error, transport_failed)
+    if errors:
+        msg = (
+            f"step {step}: could not place {options.replicas} replicas in peer memory: {errors[0]}"
+            f"{f' (+{len(errors) - 1} more)' if len(errors) > 1 else ''}. "
+            "Check that every node is alive and reachable, or pass on_peer_failure='degrade' to commit with fewer copies."
+        )
+        if options.on_peer_failure == "raise":
+            raise PeerError(msg)
+        log.warning("%s Committing with fewer replicas.", msg)
+    dt = time.perf_counter() - t0
+    stats = {"sent_bytes": sent, "received_bytes": recv_bytes, "seconds": dt, "degraded": bool(errors)}
+    return Replicated(tuple(replica_slots), stats, order)
+
+
+def _agree(comm: Comm, step: int, error: str | None, transport_failed: bool) -> list[str]:
+    """Collective: every rank's replication error (empty: none anywhere), the same on every rank.
+
+    After a transport failure anywhere, every rank replaces the control group (``Comm.rebuild``).
+    """
+    outcomes, why = comm.try_all_gather_object((error, transport_failed))
+    if outcomes is None:
+        # A gloo timeout closes every connection of the group: agree over the store instead.
+        global _STORE_AGREEMENTS
+        _STORE_AGREEMENTS += 1
+        agreed = comm.agree_via_store(f"replicate-{step}-{_STORE_AGREEMENTS}", [error or why, True])
+        if agreed is None:
+            reason = (
+                f"step {step}: peer replication failed ({error or why}) and the ranks could not agree on it "
+                f"({comm.agreement_failure or f'not every rank reported within timeout_s={comm.timeout_s:g}'}); "
+                f"a peer is stalled or gone; the step is not committed on any node"
+            )
+            raise restart_required(reason)
+        outcomes = [(e, bool(t)) for e, t in agreed]
+    errors = [e for e, _ in outcomes if e]
+    if any(t for _, t in outcomes):
+        comm.rebuild(errors[0])  # every rank saw the same outcomes: all replace the group together
+    return errors
+
+
+def _verify_items(slot: SlotBuffer, results: tuple[Any, ...]) -> list[str]:
+    """FQNs of the items in a received replica whose bytes do not match their recorded checksum."""
+    bad: list[str] = []
+    for wr in results:
+        ref: ShardRef = wr.storage_data
+        if checksum(slot.view(ref.offset, ref.length), ref.algo) != ref.checksum:
+            bad.append(wr.index.fqn)
+    return bad
