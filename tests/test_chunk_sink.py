@@ -189,3 +189,14 @@ def test_empty_chunk_and_bytes_item() -> None:
     seen: list[Any] = []
     staged.land_all(planner, after_first=lambda: seen.append(dict(planner.loaded)))
     assert planner.loaded == {"b": b"hello", "c": b"raw"} and seen == [{"b": b"hello"}] and len(staged) == 0
+
+
+def test_staged_chunks_move_between_holders_and_clear() -> None:
+    first, second = StagedChunks(), StagedChunks()
+    first.add([_item("a", (2,))], torch.ones(2))
+    second.extend(first)
+    assert len(first) == 0 and len(second) == 1 and [c.items[0].dest_index.fqn for c in second] == ["a"]
+    second.clear()
+    dest = torch.zeros(2)
+    second.land_all(_Planner({"a": dest}))
+    assert not dest.any()

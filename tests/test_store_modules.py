@@ -10,7 +10,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import gemini_dcp.persistent.store as store
 from gemini_dcp.errors import ChecksumMismatchError, PersistentTierError
-from gemini_dcp.persistent.side_files import PartMarker, StepIndex, UntrustedSideFileError, decode_side_file
+from gemini_dcp.persistent.side_files import (
+    PartMarker,
+    StepIndex,
+    UntrustedSideFileError,
+    decode_side_file,
+)
 
 NAMES = (
     "DEFAULT_TIMEOUT_S", "INDEX", "METADATA", "SIDE_DIR", "SIDE_FILE_GLOBALS", "WRITE_BUFFER", "PartMarker",

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Callable, Iterator, NamedTuple, Union
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
@@ -50,7 +51,7 @@ __all__ = [
     "verify_chunk",
 ]
 
-ChunkBytes = Union[torch.Tensor, bytes, bytearray, memoryview]
+ChunkBytes = torch.Tensor | bytes | bytearray | memoryview
 """The stored bytes of one chunk: a flat uint8 tensor, a buffer, or a tensor whose bytes count."""
 
 
@@ -240,6 +241,11 @@ class StagedChunks:
     def add(self, items: list[ReadItem], stored: torch.Tensor | bytes) -> None:
         """Hold one verified chunk (see :class:`Staged`) for :meth:`land_all`."""
         self._chunks.append(Staged(items, stored))
+
+    def extend(self, other: StagedChunks) -> None:
+        """Take over every chunk ``other`` holds (``other`` is left empty)."""
+        self._chunks.extend(other._chunks)
+        other._chunks = []
 
     def __len__(self) -> int:
         return len(self._chunks)

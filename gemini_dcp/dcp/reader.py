@@ -112,7 +112,7 @@ class GeminiStorageReader(StorageReader):
         self._decision: RestoreDecision | None = None
         self._record: StepRecord | None = None
         self._local: dict[int, Path] = {}
-        self._io = RestoreStage()  # this load's slot mappings, receive buffers and verified chunks
+        self._staging = RestoreStage()  # this load's slot mappings, receive buffers and verified chunks
         self._checked_planner: LoadPlanner | None = None
         self._t0 = 0.0
         self.restored_step: int | None = None
@@ -297,7 +297,7 @@ class GeminiStorageReader(StorageReader):
         error: BaseException | None = None
         from ..peer.replication import Tally  # noqa: PLC0415
 
-        self._io.begin()
+        self._staging.begin()
         # The key/shape check runs here too when set_up_storage_reader could not see the
         # planner. No error may leave this rank before the agreement below: the other ranks
         # are in the transfers and collectives with it. The first agreement round tells them.
@@ -311,11 +311,11 @@ class GeminiStorageReader(StorageReader):
             tallies = self._read_all(plan, planner, comm, counts)  # already exchanged when nothing failed
         except GeminiError as exc:
             error = error or exc
-        error = error or self._io.error
+        error = error or self._staging.error
         if tallies is None:
             tallies = comm.all_gather_object(Tally([], [], counts, error is None))
         if error is not None or not all(t.ok for t in tallies):
-            self._io.abandon()  # no zero-copy view of tier memory may live on in the error's frames
+            self._staging.abandon()  # no zero-copy view of tier memory may live on in the error's frames
             if error is not None:
                 traceback.clear_frames(error.__traceback__)
                 raise error
@@ -323,13 +323,13 @@ class GeminiStorageReader(StorageReader):
                 "another rank failed to restore its shards (see its error); nothing was copied into the state dict."
             )
         # Every rank holds a verified copy of every chunk it needs: only now may bytes land in the state dict.
-        self._io.land(planner)
+        self._staging.land(planner)
         self.rank_restored_from = counts
         self.restored_from = {tier: sum(t.counts[tier] for t in tallies) for tier in TIERS}
         assert self._decision is not None
         self.restored_step = self._decision.step
         self.restore_seconds = time.perf_counter() - self._t0
-        self._io.release()  # unmaps off the critical path
+        self._staging.release()  # unmaps off the critical path
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -369,7 +369,7 @@ class GeminiStorageReader(StorageReader):
 
     def _local_bytes(self, ref: ShardRef) -> torch.Tensor | None:
         """The stored bytes of ``ref`` in this node's slot of its rank (zero copy), or None if not held here."""
-        return self._io.local_bytes(self._local.get(ref.rank), ref)
+        return self._staging.local_bytes(self._local.get(ref.rank), ref)
 
     def _read_all(
         self, plan: LoadPlan, planner: LoadPlanner, comm: Comm, counts: dict[str, int]
@@ -415,29 +415,29 @@ class GeminiStorageReader(StorageReader):
         Used for local slot views and peer receive buffers (``gemini_dcp.peer.replication``).
         """
         step = self._decision.step if self._decision else -1
-        return self._io.stage(items, ref, buf, step, self._record.metadata if self._record is not None else None)
+        return self._staging.stage(items, ref, buf, step, self._record.metadata if self._record is not None else None)
 
     def _stage_from_persistent(self, plan: LoadPlan, planner: LoadPlanner) -> int:
         """Read and verify ``plan``'s items from the persistent tier into the stage; bytes read.
 
-        Raises (PersistentTierError, ChecksumMismatchError) with nothing staged from the failing item.
+        Raises (PersistentTierError, ChecksumMismatchError) with nothing of ``plan`` staged.
         """
         assert self.persistent is not None and self._decision is not None
-        return self._io.stage_persistent(self.persistent, self._decision.step, plan, planner)
+        return self._staging.stage_persistent(self.persistent, self._decision.step, plan, planner)
 
     @property
     def _arenas(self) -> list[ReceiveArena]:
         """This restore's peer receive buffers (``gemini_dcp.peer.replication`` adds to them)."""
-        return self._io.arenas
+        return self._staging.arenas
 
     @property
     def _rank_ok(self) -> bool:
         """False once this rank knows it will raise; it tells the others in the first agreement round."""
-        return self._io.rank_ok
+        return self._staging.rank_ok
 
     @_rank_ok.setter
     def _rank_ok(self, ok: bool) -> None:
-        self._io.rank_ok = ok
+        self._staging.rank_ok = ok
 
     # ---- the key/shape check (gemini_dcp.dcp.state_dict_check) ----------------------------------
     def _resolve_destinations(self, plan: LoadPlan, planner: LoadPlanner) -> CheckpointMismatchError | None:
@@ -447,7 +447,7 @@ class GeminiStorageReader(StorageReader):
             mismatch = self._mismatch(planner)
             if mismatch is not None:
                 return mismatch
-        return self._mismatch_error(resolve_destinations(plan, planner, self._io.dests))
+        return self._mismatch_error(resolve_destinations(plan, planner, self._staging.dests))
 
     def _mismatch(self, planner: LoadPlanner) -> CheckpointMismatchError | None:
         """Keys of the planner's state dict missing from the checkpoint (unless the planner allows a

@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 
 from ..core.chunk_sink import StagedChunks, describe_item, stored_view, verify_chunk
 from ..core.faults import fault_point
@@ -101,9 +106,12 @@ class RestoreStage:
     def stage_persistent(self, persistent: PersistentTier, step: int, plan: LoadPlan, planner: LoadPlanner) -> int:
         """Read and verify ``plan``'s items of ``step`` from the persistent tier into the stage; bytes read.
 
-        Raises (PersistentTierError, ChecksumMismatchError) with nothing staged from the failing item.
+        Raises (PersistentTierError, ChecksumMismatchError) with nothing of ``plan`` staged.
         """
-        return persistent.read_items(step, plan, planner, stage=self.chunks)
+        got = StagedChunks()
+        nbytes = persistent.read_items(step, plan, planner, stage=got)
+        self.chunks.extend(got)
+        return nbytes
 
     # ---- landing and letting go ----------------------------------------------------------------
     def land(self, planner: LoadPlanner) -> None:

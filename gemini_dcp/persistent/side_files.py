@@ -40,9 +40,9 @@ SIDE_DIR = ".gemini"
 INDEX = "index.pkl"
 
 #: Globals a side file of the persistent tier may name, beyond safe_pickle's DCP metadata classes.
-#: The marker and index classes are named where they are defined, where they were defined before
-#: (``gemini_dcp.persistent.store``, which re-exports them) and, for stores written before the
-#: package moved into subpackages, in the flat module ``gemini_dcp.persistent``.
+#: The marker and index classes are pickled as ``gemini_dcp.persistent.store``'s (see the end of
+#: this module); stores written before the package moved into subpackages name the flat module
+#: ``gemini_dcp.persistent``, and this module's own path is accepted too.
 SIDE_FILE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
         *((module, name) for module in (
@@ -113,3 +113,9 @@ class StepIndex:
     checksums: dict[MetadataIndex, tuple[str, int]]
     nodes: tuple[str, ...]
     job_id: str
+
+
+# Pickled under the module path the stores written since the move into subpackages name
+# (``gemini_dcp.persistent.store`` re-exports both): a side file written here is byte-for-byte
+# what that release wrote, so either release reads the other's stores.
+PartMarker.__module__ = StepIndex.__module__ = "gemini_dcp.persistent.store"

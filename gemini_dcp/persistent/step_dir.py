@@ -13,13 +13,22 @@ from __future__ import annotations
 import os
 import pickle
 import uuid
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..core.config import check_timeout
 from ..errors import PersistentTierError
-from .side_files import INDEX, METADATA, SIDE_DIR, PartMarker, StepIndex, decode_side_file, node_tag
+from .side_files import (
+    INDEX,
+    METADATA,
+    SIDE_DIR,
+    PartMarker,
+    StepIndex,
+    decode_side_file,
+    node_tag,
+)
 from .store_calls import (
     DEFAULT_TIMEOUT_S,
     INLINE_PROTOCOLS,
@@ -62,7 +71,7 @@ class StepDir:
         storage_options: dict[str, Any] | None = None,
         probe: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> "StepDir":
+    ) -> StepDir:
         """A checkpoint directory given by its own URL (``materialize_step``'s destination).
 
         ``timeout_s`` bounds every store call made through it (PersistentTimeoutError).

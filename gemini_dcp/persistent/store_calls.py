@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -202,10 +203,10 @@ class DeadlineWriter:
                     pass
             raise
 
-    def __enter__(self) -> "DeadlineWriter":
+    def __enter__(self) -> DeadlineWriter:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 
 from ..core.chunk_sink import StagedChunks, check_chunk
 from ..errors import ChecksumMismatchError, PersistentTierError
