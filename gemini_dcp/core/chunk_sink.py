@@ -70,8 +70,8 @@ def corrupt_message(what: str, algo: str, sources: str) -> str:
     """
     return (
         f"{what} failed its {algo} checksum in every copy tried ({sources}): the stored bytes differ "
-        "from those saved (corrupted in memory or in the store). Nothing was copied into the state dict. "
-        "Load an older step (checkpoint_id=...) or a copy in another tier."
+        "from those saved (corrupted in memory or in the store). Nothing was copied from it (into a state "
+        "dict, a store or an export). Load an older step (checkpoint_id=...) or a copy in another tier."
     )
 
 
