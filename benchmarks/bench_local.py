@@ -90,7 +90,7 @@ def instrument_reader(reader: Any, clock: common.PhaseClock) -> None:
     clock.wrap(reader, "_read_all", "read_local")
     clock.wrap(reader, "_local_bytes", "mmap_slots")
     clock.wrap(reader, "_stage", "verify_copy")  # checksum of the stored bytes (before any copy)
-    clock.wrap(reader, "_apply", "verify_copy")  # the copy into the live tensors, once every rank verified
+    clock.wrap(reader._staging, "land", "verify_copy")  # the copy into the live tensors, once every rank verified
 
 
 # ---- the per-rank body ------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Call order (driven by ``dcp.load``; **all ranks must call dcp.load together**):
 
 1. ``reset(checkpoint_id)`` — optional: a step to load (default: the newest restorable).
 2. ``read_metadata`` — collective: every rank reports what its node holds, all
-   ranks run the same decision (:func:`restore_plan.decide`) and agree on one
+   ranks run the same decision (:func:`gemini_dcp.core.restore_order.decide`) and agree on one
    step; the step record is broadcast from a node that has it.
 3. ``prepare_global_plan`` (coordinator) — assigns, for each chunk a rank needs
    and its node does not hold, a peer rank that holds it, spreading bytes over
@@ -19,66 +19,51 @@ Call order (driven by ``dcp.load``; **all ranks must call dcp.load together**):
    also sums the per-tier byte counts into ``restored_from``) are the chunks copied
    into the live tensors, converted to the requested dtype as stock DCP converts
    them. A load that fails leaves the caller's tensors exactly as they were.
+
+This module is the adapter: the DCP calls, the collective decision and the order of a
+restore. The mechanics live beside it: :mod:`gemini_dcp.dcp.restore_stage` holds a load's
+verified chunks and the tier memory they are viewed through, :mod:`gemini_dcp.core.chunk_sink`
+verifies and lands each chunk, :mod:`gemini_dcp.dcp.state_dict_check` is the key/shape check,
+and :mod:`gemini_dcp.peer` moves chunks between nodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
-from torch.futures import Future
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, LoadItemType, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
-from ..core.checksum import checksum
 from ..core.chunk_sink import describe_item
-from ..core.compat import failed_metadata, global_shape, raise_if_failed
-from ..transport.comm import Comm, get_comm
+from ..core.compat import failed_metadata, raise_if_failed
 from ..core.config import check_timeout, parse_step, resolve_node_id
-from ..errors import (
-    CheckpointMismatchError,
-    ChecksumMismatchError,
-    GeminiError,
-    IncompatibleCheckpointError,
-    ShardUnavailableError,
-)
 from ..core.faults import fault_point
 from ..core.launch import current_launch
-from ..local.tier import LocalTier
-from ..local.records import ShardRef, StepRecord
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
-from ..local.slots import ReadOnlySlot
+from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
+from ..local.records import ShardRef, StepRecord
+from ..local.tier import LocalTier
 from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
+from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
+from .restore_stage import RestoreStage
+from .state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 
 log = logging.getLogger(__name__)
 
 TIERS = ("local", "peer", "persistent")
 ItemKey = tuple[int, int]  # (saving rank, offset in its slot): one stored item
-MISMATCH_KEYS_SHOWN = 5  # offending keys named in a CheckpointMismatchError
-
-
-class Staged(NamedTuple):
-    """One stored chunk whose bytes were verified and wait, outside the state dict, to be applied.
-
-    ``stored`` is the chunk as saved (its own dtype and shape): a view of verified bytes
-    (an mmap'd slot, a receive buffer) or the tensor read from the persistent tier; for a
-    bytes item, the raw bytes (a uint8 tensor or ``bytes``).
-    """
-
-    items: list[ReadItem]
-    stored: "torch.Tensor | bytes"
 
 
 class GeminiStorageReader(StorageReader):
@@ -127,13 +112,8 @@ class GeminiStorageReader(StorageReader):
         self._decision: RestoreDecision | None = None
         self._record: StepRecord | None = None
         self._local: dict[int, Path] = {}
-        self._maps: dict[Path, ReadOnlySlot] = {}
-        self._arenas: list[ReceiveArena] = []  # this restore's peer receive buffers (gemini_dcp.peer.replication)
-        self._staged: list[Staged] = []
-        self._dests: dict[int, torch.Tensor] = {}  # id(read item) -> its resolved destination
+        self._staging = RestoreStage()  # this load's slot mappings, receive buffers and verified chunks
         self._checked_planner: LoadPlanner | None = None
-        self._rank_ok = True  # False: this rank will raise; it tells the others in the first agreement round
-        self._stage_error: GeminiError | None = None
         self._t0 = 0.0
         self.restored_step: int | None = None
         self.restored_launch: str = ""
@@ -281,7 +261,7 @@ class GeminiStorageReader(StorageReader):
         fault_point("load.after_decide")
         self._metadata = metadata
         self._checked_planner = None
-        planner = _planner_set_up_with(metadata, sys._getframe(1))
+        planner = planner_set_up_with(metadata, sys._getframe(1))
         if planner is not None:
             # Before DCP's planner plans (and raises its own RuntimeError / ValueError for a
             # missing key or a size mismatch): an error here reaches every rank through DCP's
@@ -314,7 +294,7 @@ class GeminiStorageReader(StorageReader):
         counts = dict.fromkeys(TIERS, 0)
         error: BaseException | None = None
 
-        self._staged, self._dests, self._stage_error = [], {}, None
+        self._staging.begin()
         # The key/shape check runs here too when set_up_storage_reader could not see the
         # planner. No error may leave this rank before the agreement below: the other ranks
         # are in the transfers and collectives with it. The first agreement round tells them.
@@ -328,16 +308,11 @@ class GeminiStorageReader(StorageReader):
             tallies = self._read_all(plan, planner, comm, counts)  # already exchanged when nothing failed
         except GeminiError as exc:
             error = error or exc
-        error = error or self._stage_error
+        error = error or self._staging.error
         if tallies is None:
             tallies = comm.all_gather_object(Tally([], [], counts, error is None))
         if error is not None or not all(t.ok for t in tallies):
-            # Release the slot mappings and staged buffers now: the error (kept by DCP and the
-            # caller) must not keep zero-copy views of tier memory alive through its traceback's
-            # frames — a process that kept them until interpreter exit could abort while tearing down.
-            self._staged, self._dests = [], {}
-            self._maps.clear()
-            self._drop_arenas()
+            self._staging.abandon()  # no zero-copy view of tier memory may live on in the error's frames
             if error is not None:
                 traceback.clear_frames(error.__traceback__)
                 raise error
@@ -345,21 +320,13 @@ class GeminiStorageReader(StorageReader):
                 "another rank failed to restore its shards (see its error); nothing was copied into the state dict."
             )
         # Every rank holds a verified copy of every chunk it needs: only now may bytes land in the state dict.
-        staged, self._staged = self._staged, []
-        try:
-            for n, entry in enumerate(staged):
-                self._apply(entry, planner)
-                if n == 0:
-                    fault_point("load.mid_copy")  # at least one chunk landed in the live tensors
-        finally:
-            staged.clear()
-            self._dests = {}
+        self._staging.land(planner)
         self.rank_restored_from = counts
         self.restored_from = {tier: sum(t.counts[tier] for t in tallies) for tier in TIERS}
         assert self._decision is not None
         self.restored_step = self._decision.step
         self.restore_seconds = time.perf_counter() - self._t0
-        self._release_maps()
+        self._staging.release()  # unmaps off the critical path
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -371,44 +338,6 @@ class GeminiStorageReader(StorageReader):
         return GeminiStorageWriter.validate_checkpoint_id(checkpoint_id)
 
     # ---- internals -----------------------------------------------------------------------
-    def _release_maps(self) -> None:
-        """Unmap the slot files off the restore's critical path.
-
-        Nothing references the mappings once every chunk is copied into the live
-        tensors, but tearing down the page tables of a populated mapping costs
-        ~15 ms per GiB (a serving rank maps its own slots and the replicas it
-        serves): a worker thread drops them while training resumes. The thread is
-        *not* a daemon: the interpreter joins it before it finalizes, so a process
-        that exits right after ``dcp.load`` never tears the runtime down under a
-        thread still inside the unmap (a daemon thread there aborted the process
-        with SIGABRT in about half of such exits). Once the interpreter is
-        finalizing (no new threads), the unmap runs inline.
-        """
-        maps, self._maps = self._maps, {}
-        arenas, self._arenas = self._arenas, []
-        if not maps and not arenas:
-            return
-
-        def unmap() -> None:
-            maps.clear()
-            for arena in arenas:
-                arena.release()  # the staged views are gone: the receive buffers' mapping goes with it
-            arenas.clear()
-
-        if sys.is_finalizing():
-            unmap()
-            return
-        try:
-            threading.Thread(target=unmap, name="gemini-dcp-unmap", daemon=False).start()
-        except RuntimeError:  # "can't create new thread at interpreter shutdown"
-            unmap()
-
-    def _drop_arenas(self) -> None:
-        """Release the peer receive buffers now (a failed restore), after their pre-fault workers end."""
-        arenas, self._arenas = self._arenas, []
-        for arena in arenas:
-            arena.release()
-
     def _comm(self) -> Comm:
         return get_comm(self.timeout_s, self.process_group)
 
@@ -436,19 +365,8 @@ class GeminiStorageReader(StorageReader):
         return (ref.rank, ref.offset)
 
     def _local_bytes(self, ref: ShardRef) -> torch.Tensor | None:
-        path = self._local.get(ref.rank)
-        if path is None:
-            return None
-        m = self._maps.get(path)
-        if m is None:
-            try:
-                m = ReadOnlySlot(path)
-            except FileNotFoundError:
-                return None
-            self._maps[path] = m
-        if ref.offset + ref.length > m.size:
-            return None
-        return m.view(ref.offset, ref.length)
+        """The stored bytes of ``ref`` in this node's slot of its rank (zero copy), or None if not held here."""
+        return self._staging.local_bytes(self._local.get(ref.rank), ref)
 
     def _read_all(
         self, plan: LoadPlan, planner: LoadPlanner, comm: Comm, counts: dict[str, int]
@@ -494,192 +412,55 @@ class GeminiStorageReader(StorageReader):
 
     def _stage(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor) -> bool:
         """Verify ``buf`` (the stored bytes of one chunk) against ``ref``; if it matches, stage it
-        for :meth:`_apply`, with nothing copied yet. False on a checksum mismatch.
+        for the landing, with nothing copied yet. False on a checksum mismatch.
 
         Used for local slot views and peer receive buffers (``gemini_dcp.peer.replication``).
         """
-        if checksum(buf, ref.algo) != ref.checksum:
-            return False
-        if items[0].type == LoadItemType.BYTE_IO:
-            self._staged.append(Staged(items, buf))
-            return True
-        try:
-            stored = self._stored_view(buf, ref, items[0])
-        except GeminiError as exc:  # raised after the agreement round (this rank is still in the protocol)
-            self._stage_error = self._stage_error or exc
-            self._rank_ok = False
-            return True  # no other copy can fix what the record says
-        self._staged.append(Staged(items, stored))
-        return True
+        step = self._decision.step if self._decision else -1
+        return self._staging.stage(items, ref, buf, step, self._record.metadata if self._record is not None else None)
 
     def _stage_from_persistent(self, plan: LoadPlan, planner: LoadPlanner) -> int:
         """Read and verify ``plan``'s items from the persistent tier into the stage; bytes read.
 
-        Raises (PersistentTierError, ChecksumMismatchError) with nothing staged from the failing item.
+        Raises (PersistentTierError, ChecksumMismatchError) with nothing of ``plan`` staged.
         """
         assert self.persistent is not None and self._decision is not None
-        got: list[tuple[list[ReadItem], Any]] = []
-        nbytes = self.persistent.read_items(self._decision.step, plan, planner, stage=got)
-        self._staged.extend(Staged(items, stored) for items, stored in got)
-        return nbytes
+        return self._staging.stage_persistent(self.persistent, self._decision.step, plan, planner)
 
-    def _stored_view(self, buf: torch.Tensor, ref: ShardRef, item: ReadItem) -> torch.Tensor:
-        """The chunk's bytes viewed as what was saved: its dtype and shape (``ref``), no copy."""
-        dtype, shape = ref.dtype, ref.shape
-        md = None
-        if dtype is None or shape is None:  # records predating the fields: the DCP metadata has them
-            md = self._metadata_of(item.storage_index)
-        tdtype = getattr(torch, dtype, None) if dtype is not None else getattr(getattr(md, "properties", None), "dtype", None)
-        if shape is None:
-            shape = _chunk_size(md, item.storage_index)
-        if not isinstance(tdtype, torch.dtype) or shape is None:
-            raise IncompatibleCheckpointError(
-                f"{describe_item(item, ref, self._decision.step if self._decision else -1)}: the record does not say "
-                f"what dtype/shape the chunk was saved with (dtype {dtype!r}, shape {shape!r}); it cannot be "
-                "restored by this gemini_dcp. Load it with the release that saved it, or load another step."
-            )
-        elem = tdtype.itemsize
-        numel = 1
-        for d in shape:
-            numel *= d
-        if numel * elem != buf.numel():
-            raise IncompatibleCheckpointError(
-                f"{describe_item(item, ref, self._decision.step if self._decision else -1)}: {buf.numel()} stored bytes "
-                f"do not hold a {tdtype} chunk of shape {tuple(shape)}; the record is inconsistent. Load another step."
-            )
-        if numel == 0:
-            return torch.empty(tuple(shape), dtype=tdtype)
-        try:
-            return buf.view(tdtype).view(tuple(shape))
-        except RuntimeError:  # bytes not aligned for the dtype (never in a slot or a receive buffer): copy once
-            return buf.clone().view(tdtype).view(tuple(shape))
+    @property
+    def _arenas(self) -> list[ReceiveArena]:
+        """This restore's peer receive buffers (``gemini_dcp.peer.replication`` adds to them)."""
+        return self._staging.arenas
 
-    def _metadata_of(self, index: MetadataIndex) -> Any:
-        md = self._record.metadata if self._record is not None else getattr(self, "_metadata", None)
-        return None if md is None else md.state_dict_metadata.get(index.fqn)
+    @property
+    def _rank_ok(self) -> bool:
+        """False once this rank knows it will raise; it tells the others in the first agreement round."""
+        return self._staging.rank_ok
 
-    def _apply(self, entry: Staged, planner: LoadPlanner) -> None:
-        """Copy one verified chunk into its destinations, converting the dtype as stock DCP does."""
-        items, stored = entry
-        for item in items:
-            if item.type == LoadItemType.BYTE_IO:
-                raw = stored if isinstance(stored, (bytes, bytearray)) else stored.numpy().tobytes()
-                planner.load_bytes(item, io.BytesIO(raw))
-                continue
-            assert isinstance(stored, torch.Tensor)
-            src = stored
-            for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                src = src.narrow(dim, off, length)
-            dest = self._dests.pop(id(item), None)
-            if dest is None:
-                dest = planner.resolve_tensor(item).detach()
-            dest.copy_(src)  # same dtype: a memcpy; another dtype: converted values, as stock DCP
-            planner.commit_tensor(item, dest)
+    @_rank_ok.setter
+    def _rank_ok(self, ok: bool) -> None:
+        self._staging.rank_ok = ok
 
-    # ---- the key/shape check -------------------------------------------------------------
+    # ---- the key/shape check (gemini_dcp.dcp.state_dict_check) ----------------------------------
     def _resolve_destinations(self, plan: LoadPlan, planner: LoadPlanner) -> CheckpointMismatchError | None:
-        """Resolve every tensor item's destination once (kept for :meth:`_apply`) and check that the
+        """Resolve every tensor item's destination once (kept for the landing) and check that the
         state dict matches the checkpoint; the error (not raised: see ``read_data``) or None."""
         if self._checked_planner is not planner:
             mismatch = self._mismatch(planner)
             if mismatch is not None:
                 return mismatch
-        bad: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                continue
-            dest = planner.resolve_tensor(item).detach()
-            if tuple(dest.size()) != tuple(item.lengths):
-                bad.append((item.dest_index.fqn, tuple(item.lengths), tuple(dest.size())))
-                continue
-            self._dests[id(item)] = dest
-        if bad:
-            self._dests = {}
-            return self._mismatch_error([], bad, "chunk(s)")
-        return None
+        return self._mismatch_error(resolve_destinations(plan, planner, self._staging.dests))
 
     def _mismatch(self, planner: LoadPlanner) -> CheckpointMismatchError | None:
         """Keys of the planner's state dict missing from the checkpoint (unless the planner allows a
         partial load) and tensors whose saved size differs from the requested one."""
-        sd = getattr(planner, "state_dict", None)
-        md = getattr(self, "_metadata", None)
-        if not isinstance(sd, Mapping) or md is None:
-            return None
-        saved = md.state_dict_metadata
-        strict = not getattr(planner, "allow_partial_load", False)
-        missing: list[str] = []
-        shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-        for fqn, obj in sd.items():
-            smd = saved.get(fqn)
-            if smd is None:
-                if strict:
-                    missing.append(str(fqn))
-                continue
-            size = getattr(obj, "size", None)
-            if isinstance(smd, TensorStorageMetadata) and isinstance(obj, torch.Tensor) and callable(size):
-                want = global_shape(obj)  # a CheckpointableTensor (torch >= 2.15) is a slice of a larger tensor
-                if tuple(smd.size) != want:
-                    shapes.append((str(fqn), tuple(smd.size), want))
-        if not missing and not shapes:
-            return None
-        return self._mismatch_error(missing, shapes, "tensor(s)")
+        return self._mismatch_error(find_mismatch(planner, getattr(self, "_metadata", None)))
 
-    def _mismatch_error(
-        self, missing: list[str], shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]], what: str
-    ) -> CheckpointMismatchError:
+    def _mismatch_error(self, mismatch: Mismatch | None) -> CheckpointMismatchError | None:
+        if mismatch is None:
+            return None
         step = self._decision.step if self._decision is not None else self._requested
-        launch = self._saved_by()
-        parts = []
-        if missing:
-            shown = ", ".join(repr(k) for k in missing[:MISMATCH_KEYS_SHOWN])
-            more = f" and {len(missing) - MISMATCH_KEYS_SHOWN} more" if len(missing) > MISMATCH_KEYS_SHOWN else ""
-            parts.append(f"{len(missing)} key(s) of the state dict are not in the checkpoint: {shown}{more}")
-        if shapes:
-            shown = ", ".join(f"{k!r} saved {s} requested {r}" for k, s, r in shapes[:MISMATCH_KEYS_SHOWN])
-            more = f" and {len(shapes) - MISMATCH_KEYS_SHOWN} more" if len(shapes) > MISMATCH_KEYS_SHOWN else ""
-            parts.append(f"{len(shapes)} {what} with another shape: {shown}{more}")
-        err = CheckpointMismatchError(
-            f"step {step} of job {self.job_id!r} (saved by {launch}) does not match the state dict being "
-            f"loaded: {'; '.join(parts)}. Nothing was copied into the state dict. The tier holds another "
-            "model's checkpoint under this job id, or the model changed since that save: load it with the "
-            "model that saved it, give this model its own job_id (or root), or, for keys that are new, "
-            "load the rest with dcp.load(..., planner=DefaultLoadPlanner(allow_partial_load=True))."
-        )
-        err.step = step  # type: ignore[attr-defined]
-        err.missing_keys = tuple(missing)  # type: ignore[attr-defined]
-        err.shape_mismatches = tuple(shapes)  # type: ignore[attr-defined]
-        return err
-
-    def _saved_by(self) -> str:
-        rec = self._record
-        desc = getattr(rec, "launch_description", "") if rec is not None else ""
-        lid = getattr(rec, "launch_id", "") if rec is not None else ""
-        if desc or lid:
-            return f"launch {desc or '?'} ({lid or '?'})"
-        if rec is None:
-            return "a launch the persistent tier does not record"
-        return "a launch its record does not name"
-
-
-def _planner_set_up_with(metadata: Metadata, frame: Any) -> LoadPlanner | None:
-    """The LoadPlanner that DCP set up with ``metadata`` just before calling ``set_up_storage_reader``.
-
-    DCP hands a storage reader no state dict before its planner plans, and the planner
-    raises its own bare RuntimeError / ValueError there for a missing key or a size
-    mismatch. ``dcp.load`` calls ``planner.set_up_planner(state_dict, metadata)`` and then
-    ``storage_reader.set_up_storage_reader(metadata)`` from one function: the planner is a
-    local of the calling frame. Only a planner whose ``metadata`` *is* this object (set up
-    for this very load) is used; anything else (another caller, a torch that calls it
-    otherwise) gives None, and the check runs in ``read_data`` instead.
-    """
-    try:
-        values = list(frame.f_locals.values()) if frame is not None else []
-    except Exception:  # noqa: BLE001 - an optimisation of where the error comes from, never required
-        return None
-    for v in values:
-        if isinstance(v, LoadPlanner) and getattr(v, "metadata", None) is metadata:
-            return v
-    return None
+        return mismatch.error(step=step, job_id=self.job_id, saved_by=saved_by(self._record))
 
 
 def _same_run(a: str, b: str) -> bool:
@@ -690,11 +471,3 @@ def _same_run(a: str, b: str) -> bool:
 
     rid = run_id(a)
     return bool(rid) and rid not in ("-", "none") and rid == run_id(b)
-
-
-def _chunk_size(md: Any, index: MetadataIndex) -> tuple[int, ...] | None:
-    """The size of the saved chunk at ``index.offset`` (from the DCP metadata), if known."""
-    for chunk in getattr(md, "chunks", ()) or ():
-        if tuple(chunk.offsets) == tuple(index.offset or ()):
-            return tuple(chunk.sizes)
-    return None

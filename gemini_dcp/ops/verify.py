@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 from ..core.config import resolve_job_id, resolve_root
-from ..errors import CheckpointNotFoundError, GeminiError, StepNotFoundError, TierRootError
+from ..core.chunk_sink import check_chunk
+from ..errors import ChecksumMismatchError, CheckpointNotFoundError, GeminiError, StepNotFoundError, TierRootError
 from ..local.job_files import open_job, read_record_or_reason
 from ..local.job_dir import JobLayout
+from ..local.slots import ReadOnlySlot
 
 Progress = Callable[[int, int], None]
 
@@ -77,9 +79,6 @@ def _offset(idx: Any) -> list[int] | None:
 
 def _memory_checks(layout: JobLayout, step: int) -> list[tuple[ItemCheck, Callable[[], tuple[ItemStatus, str]]]]:
     """(check, thunk) per stored item of ``step`` held here; the thunk reads and hashes it."""
-    from ..core.checksum import checksum  # noqa: PLC0415
-    from ..local.slots import ReadOnlySlot  # noqa: PLC0415
-
     rec, problem = read_record_or_reason(layout, step)
     if rec is None:
         check = ItemCheck(step, "memory", "<record>", None, None, 0, "bad", problem or "record unreadable")
@@ -94,8 +93,9 @@ def _memory_checks(layout: JobLayout, step: int) -> list[tuple[ItemCheck, Callab
         seen.add((ref.rank, ref.offset))
         path = layout.slot_path(ref.rank, held[ref.rank].slot)
         check = ItemCheck(step, "memory", idx.fqn, _offset(idx), ref.rank, ref.length, "ok")
+        what = f"shard {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step}, saved by rank {ref.rank}"
 
-        def run(ref: Any = ref, path: Path = path) -> tuple[ItemStatus, str]:
+        def run(ref: Any = ref, path: Path = path, what: str = what) -> tuple[ItemStatus, str]:
             if path not in maps:
                 try:
                     maps[path] = ReadOnlySlot(path)
@@ -106,10 +106,11 @@ def _memory_checks(layout: JobLayout, step: int) -> list[tuple[ItemCheck, Callab
                 return "missing", f"slot file {path} is missing"
             if ref.offset + ref.length > m.size:
                 return "missing", f"slot file {path} ends at {m.size}, item needs bytes {ref.offset}+{ref.length}"
-            got = checksum(m.view(ref.offset, ref.length), ref.algo)
-            if got != ref.checksum:
-                return "bad", (f"{ref.algo} {got:#018x} != recorded {ref.checksum:#018x} "
-                               f"({path.parent.name}/{path.name} @ {ref.offset})")
+            try:
+                check_chunk(m.view(ref.offset, ref.length), ref.algo, ref.checksum,
+                            what=what, sources=f"slot file {path.parent.name}/{path.name} @ {ref.offset}")
+            except ChecksumMismatchError as exc:
+                return "bad", str(exc)
             return "ok", ""
 
         out.append((check, run))
@@ -117,8 +118,7 @@ def _memory_checks(layout: JobLayout, step: int) -> list[tuple[ItemCheck, Callab
 
 
 def _persistent_checks(url: str, job_id: str, steps: Iterable[int] | None) -> list[tuple[ItemCheck, Callable[[], tuple[ItemStatus, str]]]]:
-    from ..errors import ChecksumMismatchError  # noqa: PLC0415
-    from ..persistent.store import PersistentTier  # noqa: PLC0415
+    from ..persistent.store import PersistentTier  # noqa: PLC0415 - the optional tier (fsspec)
 
     tier = PersistentTier(url, job_id)
     committed = tier.committed_steps()

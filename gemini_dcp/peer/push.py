@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..core.checksum import checksum
+from ..core.chunk_sink import verify_chunk
 from ..core.faults import fault_point
 from ..errors import PeerError
 from ..local.records import RankSlot, ShardRef, StepRecord
@@ -222,6 +222,6 @@ def _verify_items(slot: SlotBuffer, results: tuple[Any, ...]) -> list[str]:
     bad: list[str] = []
     for wr in results:
         ref: ShardRef = wr.storage_data
-        if checksum(slot.view(ref.offset, ref.length), ref.algo) != ref.checksum:
+        if not verify_chunk(slot.view(ref.offset, ref.length), ref):
             bad.append(wr.index.fqn)
     return bad

@@ -41,19 +41,29 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..core.checksum import checksum, copy_and_checksum
+from ..core.chunk_sink import check_chunk, copy_verified, stored_view
 from ..core.compat import DCP_FORMAT_VERSION, metadata_kwargs
-from ..core.config import resolve_node_id
+from ..core.config import resolve_node_id, resolve_root
 from ..errors import (
-    ChecksumMismatchError,
     ConfigError,
     PersistentTierError,
     ShardUnavailableError,
     StepNotFoundError,
     TierRootError,
 )
-from .store import PartMarker, PersistentTier, PersistentTimeoutError, StepDir, StepIndex, data_file, node_tag
 from ..local.records import ShardRef, StepRecord
+from ..local.slots import ReadOnlySlot
+from ..local.tier import LocalTier
+from .store import (
+    PartMarker,
+    PersistentChecksumError,
+    PersistentTier,
+    PersistentTimeoutError,
+    StepDir,
+    StepIndex,
+    data_file,
+    node_tag,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +110,7 @@ def typed(raw: torch.Tensor, item: StockItem) -> torch.Tensor:
     """View flat uint8 bytes as the item's tensor (dtype and shape); bytes items stay uint8."""
     if item.dtype is None:
         return raw
-    dt = getattr(torch, item.dtype)
-    shape = item.shape or ()
-    if raw.numel() == 0:
-        return torch.empty(shape, dtype=dt)
-    return raw.view(dt).view(shape)
+    return stored_view(raw, getattr(torch, item.dtype), tuple(item.shape or ()), item.name)
 
 
 def exact_view(buf: Any, offset: int, length: int) -> torch.Tensor:
@@ -121,13 +127,10 @@ def exact_view(buf: Any, offset: int, length: int) -> torch.Tensor:
 
 
 def verify(raw: torch.Tensor, item: StockItem, what: str) -> None:
+    """Check an item's bytes before they are serialized (ChecksumMismatchError; nothing uploaded then)."""
     if item.algo is None or item.checksum is None:
         return
-    if checksum(raw, item.algo) != item.checksum:
-        raise ChecksumMismatchError(
-            f"{item.name} of {what} failed its {item.algo} checksum before upload: the bytes in memory differ "
-            "from those saved (a slot reused before the drain copied it, or memory corruption). Not uploaded."
-        )
+    check_chunk(raw, item.algo, item.checksum, what=f"{item.name} of {what}", sources="memory, before upload")
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -257,30 +260,24 @@ class StepSource:
         """The item's tensor (private copy, verified against its saved checksum)."""
         src = self.where.get(item.index)
         if src == "memory":
-            from ..local.slots import ReadOnlySlot  # noqa: PLC0415
-
             path = self.slot_paths[item.rank]
             m = self._maps.get(path)
             if m is None:
                 m = self._maps[path] = ReadOnlySlot(path)
             view = m.view(item.offset, item.length)
-            out = torch.empty(item.length, dtype=torch.uint8)
-            # Hash exactly the bytes copied: a slot rewritten concurrently fails here, never silently.
-            got = copy_and_checksum(out, view, item.algo) if item.length else checksum(out, item.algo or "xxh3")
-            if item.checksum is not None and got != item.checksum:
-                raise ChecksumMismatchError(
-                    f"{item.name} of step {self.step} in local memory failed its {item.algo} checksum "
-                    "(the slot was reused by a newer save, or memory corruption)."
-                )
+            if item.checksum is None:
+                out = view.clone()
+            else:  # hashes exactly the bytes copied: a slot rewritten concurrently fails here, never silently
+                out = copy_verified(view, item.algo or "xxh3", item.checksum, what=f"{item.name} of step {self.step}",
+                                    sources=f"local memory, slot {path.name} (reused by a newer save?)")
             self.bytes_from["memory"] += item.length
             return typed(out, item)
         if src == "persistent":
             assert self.persistent is not None
             t = self.persistent.load_item(self.step, item.index)
             if item.checksum is not None:
-                from .store import _verify  # noqa: PLC0415
-
-                _verify(t, (item.algo or "xxh3", item.checksum), f"{item.name} of step {self.step} in {self.persistent.url}")
+                check_chunk(t, item.algo or "xxh3", item.checksum, what=f"{item.name} of step {self.step}",
+                            sources=f"persistent store {self.persistent.url}", error=PersistentChecksumError)
             self.bytes_from["persistent"] += item.length
             return t
         raise ShardUnavailableError(f"{item.name} of step {self.step} is not readable from this host.")
@@ -294,8 +291,6 @@ def open_step(
     persistent: str | PersistentTier | None = None,
 ) -> StepSource:
     """Find ``step`` (None: the newest) in local memory and/or the persistent tier of ``job_id``."""
-    from ..local.tier import LocalTier  # noqa: PLC0415
-
     tier: LocalTier | None
     try:
         tier = LocalTier(root, job_id, create=False)
@@ -467,8 +462,6 @@ def materialize_step(
 
 
 def _this_node(root: str | os.PathLike[str] | None) -> str:
-    from ..core.config import resolve_root  # noqa: PLC0415
-
     return resolve_node_id(resolve_root(root))
 
 

@@ -1,0 +1,194 @@
+"""The stage of one restore: a rank's chunks between their tier and the state dict.
+
+``GeminiStorageReader.read_data`` restores in two phases. *Stage*: every chunk this rank
+needs is verified (:mod:`gemini_dcp.core.chunk_sink`) where it lies — a local chunk in its
+mmap'd slot file (zero copy), a peer chunk in its receive buffer, a persistent chunk as read
+from the store — and held here, outside the state dict. *Land*: only once every rank holds a
+verified copy of every chunk it needs are they copied into the live tensors. A
+:class:`RestoreStage` owns what the first phase leaves behind (slot mappings, receive
+buffers, verified chunks, the destinations the key/shape check resolved) and lets it go:
+after the landing off the critical path, after a failure at once.
+
+Which step and which copy are restored is decided elsewhere (:mod:`gemini_dcp.core.restore_order`,
+pure); the peer transfers live in :mod:`gemini_dcp.peer`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+
+from ..core.chunk_sink import StagedChunks, describe_item, stored_view, verify_chunk
+from ..core.faults import fault_point
+from ..errors import GeminiError, IncompatibleCheckpointError
+from ..local.records import ShardRef
+from ..local.slots import ReadOnlySlot
+
+if TYPE_CHECKING:
+    from ..peer.replication import ReceiveArena
+    from ..persistent.store import PersistentTier
+
+__all__ = ["RestoreStage"]
+
+
+class RestoreStage:
+    """One load's verified chunks and the tier memory they are viewed through.
+
+    Not thread-safe; one per reader. :meth:`begin` starts a load; :meth:`stage` /
+    :meth:`stage_persistent` verify and hold chunks; :meth:`land` copies them into the
+    state dict; :meth:`release` (after a landing) or :meth:`abandon` (after a failure)
+    lets the memory go.
+    """
+
+    def __init__(self) -> None:
+        self.maps: dict[Path, ReadOnlySlot] = {}
+        self.arenas: list[ReceiveArena] = []  # this restore's peer receive buffers (gemini_dcp.peer.replication)
+        self.chunks = StagedChunks()
+        self.dests: dict[int, torch.Tensor] = {}  # id(read item) -> its resolved destination
+        self.rank_ok = True  # False: this rank will raise; it tells the others in the first agreement round
+        self.error: GeminiError | None = None  # raised after the agreement round
+
+    def begin(self) -> None:
+        """Start a load: nothing staged, no destination resolved, no error yet."""
+        self.chunks.clear()
+        self.dests = {}
+        self.error = None
+
+    # ---- staging -------------------------------------------------------------------------------
+    def local_bytes(self, path: Path | None, ref: ShardRef) -> torch.Tensor | None:
+        """The stored bytes of ``ref`` in the slot file ``path`` (mapped once per load), or None."""
+        if path is None:
+            return None
+        m = self.maps.get(path)
+        if m is None:
+            try:
+                m = ReadOnlySlot(path)
+            except FileNotFoundError:
+                return None
+            self.maps[path] = m
+        if ref.offset + ref.length > m.size:
+            return None
+        return m.view(ref.offset, ref.length)
+
+    def stage(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor, step: int, metadata: Metadata | None) -> bool:
+        """Verify ``buf`` (the stored bytes of one chunk) against ``ref``; if it matches, hold it
+        for :meth:`land`, with nothing copied yet. False on a checksum mismatch.
+
+        ``metadata`` (the step's DCP metadata) supplies dtype/shape for records predating those
+        fields. A record that cannot say what the chunk is becomes this rank's error (raised
+        after the agreement round) and counts as staged: no other copy can fix the record.
+        """
+        if not verify_chunk(buf, ref):
+            return False
+        if items[0].type == LoadItemType.BYTE_IO:
+            self.chunks.add(items, buf)
+            return True
+        try:
+            stored = _typed_view(buf, ref, items[0], step, metadata)
+        except GeminiError as exc:  # raised after the agreement round (this rank is still in the protocol)
+            self.error = self.error or exc
+            self.rank_ok = False
+            return True
+        self.chunks.add(items, stored)
+        return True
+
+    def stage_persistent(self, persistent: PersistentTier, step: int, plan: LoadPlan, planner: LoadPlanner) -> int:
+        """Read and verify ``plan``'s items of ``step`` from the persistent tier into the stage; bytes read.
+
+        Raises (PersistentTierError, ChecksumMismatchError) with nothing of ``plan`` staged.
+        """
+        got = StagedChunks()
+        nbytes = persistent.read_items(step, plan, planner, stage=got)
+        self.chunks.extend(got)
+        return nbytes
+
+    # ---- landing and letting go ----------------------------------------------------------------
+    def land(self, planner: LoadPlanner) -> None:
+        """Copy every staged chunk into the state dict (dtype-converted as stock DCP converts)."""
+        try:
+            self.chunks.land_all(planner, self.dests, after_first=lambda: fault_point("load.mid_copy"))
+        finally:
+            self.dests = {}
+
+    def abandon(self) -> None:
+        """A failed restore: drop the staged chunks, the slot mappings and the receive buffers now.
+
+        The error (kept by DCP and the caller) must not keep zero-copy views of tier memory alive
+        through its traceback's frames: a process that kept them until interpreter exit could
+        abort while tearing down.
+        """
+        self.chunks.clear()
+        self.dests = {}
+        self.maps.clear()
+        arenas, self.arenas = self.arenas, []
+        for arena in arenas:
+            arena.release()  # after their pre-fault workers end
+
+    def release(self) -> None:
+        """Unmap the slot files off the restore's critical path.
+
+        Nothing references the mappings once every chunk is copied into the live
+        tensors, but tearing down the page tables of a populated mapping costs
+        ~15 ms per GiB (a serving rank maps its own slots and the replicas it
+        serves): a worker thread drops them while training resumes. The thread is
+        *not* a daemon: the interpreter joins it before it finalizes, so a process
+        that exits right after ``dcp.load`` never tears the runtime down under a
+        thread still inside the unmap (a daemon thread there aborted the process
+        with SIGABRT in about half of such exits). Once the interpreter is
+        finalizing (no new threads), the unmap runs inline.
+        """
+        maps, self.maps = self.maps, {}
+        arenas, self.arenas = self.arenas, []
+        if not maps and not arenas:
+            return
+
+        def unmap() -> None:
+            maps.clear()
+            for arena in arenas:
+                arena.release()  # the staged views are gone: the receive buffers' mapping goes with it
+            arenas.clear()
+
+        if sys.is_finalizing():
+            unmap()
+            return
+        try:
+            threading.Thread(target=unmap, name="gemini-dcp-unmap", daemon=False).start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            unmap()
+
+
+def _typed_view(buf: torch.Tensor, ref: ShardRef, item: ReadItem, step: int, metadata: Metadata | None) -> torch.Tensor:
+    """The chunk's verified bytes viewed as what was saved: its dtype and shape (``ref``), no copy."""
+    dtype, shape = ref.dtype, ref.shape
+    md = None
+    if dtype is None or shape is None:  # records predating the fields: the DCP metadata has them
+        md = None if metadata is None else metadata.state_dict_metadata.get(item.storage_index.fqn)
+    tdtype = getattr(torch, dtype, None) if dtype is not None else getattr(getattr(md, "properties", None), "dtype", None)
+    if shape is None:
+        shape = _chunk_size(md, item.storage_index)
+    if not isinstance(tdtype, torch.dtype) or shape is None:
+        raise IncompatibleCheckpointError(
+            f"{describe_item(item, ref, step)}: the record does not say what dtype/shape the chunk was saved "
+            f"with (dtype {dtype!r}, shape {shape!r}); it cannot be restored by this gemini_dcp. Load it with "
+            "the release that saved it, or load another step."
+        )
+    return stored_view(buf, tdtype, tuple(shape), describe_item(item, ref, step))
+
+
+def _chunk_size(md: Any, index: MetadataIndex) -> tuple[int, ...] | None:
+    """The size of the saved chunk at ``index.offset`` (from the DCP metadata), if known."""
+    for chunk in getattr(md, "chunks", ()) or ():
+        if tuple(chunk.offsets) == tuple(index.offset or ()):
+            return tuple(chunk.sizes)
+    return None
