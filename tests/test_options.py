@@ -151,10 +151,11 @@ def test_resolve_options_merges_keywords_and_refuses_conflicts() -> None:
 
 def test_resolve_options_without_options_takes_the_drain_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GEMINI_DCP_DRAIN_ATTEMPTS", "3")
-    assert resolve_options(None, keep=4).persistent.drain.attempts == 3
+    assert resolve_options(None, keep=4, persistent="file:///s").persistent.drain.attempts == 3
     monkeypatch.setenv("GEMINI_DCP_DRAIN_ATTEMPTS", "many")
     with pytest.raises(ConfigError, match="GEMINI_DCP_DRAIN_ATTEMPTS"):
-        resolve_options(None)
+        resolve_options(None, persistent="file:///s")
+    assert resolve_options(None, keep=4).persistent.drain == DrainOptions()  # no store: the drain settings are unused
 
 
 def test_writer_and_reader_take_options(tmp_path: Path) -> None:

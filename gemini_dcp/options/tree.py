@@ -119,16 +119,18 @@ def _value_at(options: GeminiOptions, keyword: str) -> Any:
 def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> GeminiOptions:
     """The validated tree of a writer or reader: ``options`` merged with its keyword arguments.
 
-    Without ``options``: the keywords, with the drain settings from the environment (root and
-    node id, when not given, are resolved from the environment when the tier is opened).
+    Without ``options``: the keywords, with the drain settings from the environment when a
+    persistent tier is given (root and node id, when not given, are resolved from the
+    environment when the tier is opened).
     With ``options``: a keyword left at its default takes the options' value; a keyword given
     takes the place of an options field left at its default; a keyword and an options field
     both set, to different values, is a ConfigError naming both. No side effect: nothing is
     created or started here.
     """
     if options is None:
-        base = GeminiOptions(persistent=PersistentOptions(drain=DrainOptions.from_env()))
-        return base.with_keywords(**keywords)
+        # The drain settings matter (and a bad one fails) only where there is a store to drain to.
+        drain = DrainOptions.from_env() if keywords.get("persistent") is not None else DrainOptions()
+        return GeminiOptions(persistent=PersistentOptions(drain=drain)).with_keywords(**keywords)
     if not isinstance(options, GeminiOptions):
         raise ConfigError(
             f"options={options!r}: give a gemini_dcp.options.GeminiOptions (e.g. GeminiOptions.from_env()), or None."

@@ -88,10 +88,9 @@ class Uploader:
                 return "done", "the store already holds this exact save of the step"
             slots: tuple[SlotRef, ...] | None = None
             if req.adopted_from:
-                outcome = _adoption_still_needed(ptier, sd, step, req, node_id)
-                if isinstance(outcome, tuple) and outcome and isinstance(outcome[0], str):
-                    return outcome  # type: ignore[return-value]
-                slots = outcome  # type: ignore[assignment]  # the ranks no part marker covers yet, fixed for resumes
+                finished, slots = _adoption_still_needed(ptier, sd, step, req, node_id)
+                if finished is not None:
+                    return finished  # the ranks no part marker covers yet (``slots``) are fixed for resumes
             sd.begin(node_id)
             # The file split must not change on resume: the thread count is fixed now.
             progress = dataclasses.replace(progress, begun=True, threads=self.options.threads, slots=slots)
@@ -217,20 +216,20 @@ def _completed_record(req: DrainRequest, paths: list[Path]) -> StepRecord | None
 
 def _adoption_still_needed(
     ptier: PersistentTier, sd: Any, step: int, req: DrainRequest, marker_id: str
-) -> Outcome | tuple[SlotRef, ...]:
-    """The slots of an adoption request that no part marker of the same save covers yet,
-    or the request's outcome when nothing is left to do (a newer step is complete: the
+) -> tuple[Outcome | None, tuple[SlotRef, ...]]:
+    """``(None, slots)``: the slots of an adoption request that no part marker of the same save
+    covers yet; or ``(outcome, ())`` when nothing is left to do (a newer step is complete: the
     store's retention drops this one anyway; or the lost nodes' parts got there after all)."""
     newer = [s for s in ptier.committed_steps() if s > step]
     if newer:
-        return "done", f"step {max(newer)} is complete in the store; step {step} is no longer needed there"
+        return ("done", f"step {max(newer)} is complete in the store; step {step} is no longer needed there"), ()
     covered = {
         r for m in sd.read_markers() if m.fingerprint == req.fingerprint and m.node_id != marker_id for r in m.ranks
     }
     slots = tuple(s for s in req.slots if s.rank not in covered)
     if not slots:
-        return "done", "the lost nodes' parts reached the store after all"
-    return slots
+        return ("done", "the lost nodes' parts reached the store after all"), ()
+    return None, slots
 
 
 def _already_in_store(ptier: PersistentTier, step: int, fingerprint: str) -> bool:
