@@ -43,7 +43,9 @@ def _load(text: str | bytes, what: str) -> dict[str, Any]:
     except ValueError as exc:
         raise IncompatibleCheckpointError(f"{what} is not valid JSON ({exc}): it was not written by gemini_dcp.") from None
     if not isinstance(data, dict):
-        raise IncompatibleCheckpointError(f"{what} holds a {type(data).__name__}, not a record: it was not written by gemini_dcp.")
+        raise IncompatibleCheckpointError(
+            f"{what} holds a {type(data).__name__}, not a record: it was not written by gemini_dcp."
+        )
     return data
 
 
