@@ -111,6 +111,7 @@ def test_from_env_reads_the_tier_and_drain_variables() -> None:
         ("GEMINI_DCP_DRAIN_MODE", "fork", r"GEMINI_DCP_DRAIN_MODE='fork' is not one of process, thread"),
         ("GEMINI_DCP_DRAIN_IDLE_S", "soon", r"GEMINI_DCP_DRAIN_IDLE_S='soon' is not a number"),
         ("GEMINI_DCP_DRAIN_NICE", "low", r"GEMINI_DCP_DRAIN_NICE='low' is not an integer"),
+        ("GEMINI_DCP_DRAIN_NICE", "25", r"GEMINI_DCP_DRAIN_NICE='25' is above 19"),
     ],
 )
 def test_a_bad_variable_is_named_with_its_fix(name: str, value: str, message: str) -> None:

@@ -111,6 +111,10 @@ class GeminiStorageReader(StorageReader):
         process_group: Any = None,
         options: GeminiOptions | None = None,
     ) -> None:
+        """``root`` / ``job_id`` as the writer's; ``persistent``: the fsspec URL of the persistent
+        tier to fall back to; ``timeout_s``: of the restore collectives and every store call;
+        ``options``: a :class:`gemini_dcp.options.GeminiOptions` instead of, or with, the keywords
+        (a keyword left at its default takes the options' value; both set differently is a ConfigError)."""
         super().__init__()
         # Validated before any directory is touched: ``options`` merged with the keywords
         # (a keyword and an options field set to different values is a ConfigError).

@@ -92,6 +92,9 @@ class DrainOptions:
         nice: int | Literal["idle"] = 10
         if nice_raw is not None:
             nice = "idle" if nice_raw.lower() == "idle" else env_int(ENV_NICE, 10, minimum=-20, environ=environ)
+            if nice != "idle" and nice > 19:
+                raise ConfigError(f"{ENV_NICE}={nice_raw!r} is above 19; set a niceness -20..19 (default 10), "
+                                  "or 'idle', or unset it.")
         throttle = env_float(ENV_THROTTLE, 0.0, minimum=0.0, environ=environ)
         return cls(
             mode=env_choice(ENV_MODE, ("process", "thread"), "auto", environ),  # type: ignore[arg-type]

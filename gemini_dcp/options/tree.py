@@ -124,8 +124,9 @@ def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> Gemini
     environment when the tier is opened).
     With ``options``: a keyword left at its default takes the options' value; a keyword given
     takes the place of an options field left at its default; a keyword and an options field
-    both set, to different values, is a ConfigError naming both. No side effect: nothing is
-    created or started here.
+    both set, to different values, is a ConfigError naming both; the options' drain settings
+    are used as given (``GeminiOptions.from_env()`` takes the environment's). No side effect:
+    nothing is created or started here.
     """
     if options is None:
         # The drain settings matter (and a bad one fails) only where there is a store to drain to.
