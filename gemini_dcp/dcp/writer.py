@@ -311,7 +311,7 @@ class GeminiStorageWriter(StorageWriter):
         self.persist_every = pcfg.every
         self._drainer = None
         if self.persistent is not None:
-            from ..persistent.drain.client import Drainer  # noqa: PLC0415
+            from ..persistent.drain.client import Drainer  # noqa: PLC0415 - optional tier
 
             self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain)
             self._drainer.resume()  # drains left pending by a previous worker generation
