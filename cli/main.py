@@ -22,6 +22,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from gemini_dcp.errors import ConfigError, ShardUnavailableError, find_gemini_error  # torch-free: --help stays fast
+
 from .render import (
     bytes_h,
     progress_bar,
@@ -121,9 +123,7 @@ def guarded(fn: F) -> F:
             _err().print("[yellow]interrupted[/]")
             raise typer.Exit(130)
         except Exception as exc:
-            # gemini_dcp (and torch) are imported only by the commands, so --help stays fast.
-            errors = sys.modules.get("gemini_dcp.errors")
-            found = errors.find_gemini_error(exc) if errors is not None else None  # also inside DCP's wrappers
+            found = find_gemini_error(exc)  # also inside DCP's wrappers
             if found is None:
                 raise
             _fail(type(found).__name__, str(found), as_json)
@@ -195,8 +195,6 @@ def flush_cmd(
     from gemini_dcp.core.config import resolve_job_id
     from gemini_dcp.persistent.store import PersistentTier
     from gemini_dcp.persistent.stock_format import materialize_step
-
-    from gemini_dcp.errors import ShardUnavailableError
 
     jid = resolve_job_id(job)
     dest = PersistentTier(to, jid, writable=True).step_url(step)
@@ -343,8 +341,6 @@ def plan_cmd(
                "persistent_interval_s": persistent_interval_s}
     cost = {k: v for k, v in figures.items() if v is not None}
     if cost and (checkpoint_gb is None or iteration_s is None):
-        from gemini_dcp.errors import ConfigError
-
         raise ConfigError("the wasted-time model needs at least --checkpoint-gb and --iteration-s "
                           "(the bandwidths and --failures-per-day have defaults).")
     result = plan(nodes, replicas, strategy.value, failures, cost=cost)
@@ -374,8 +370,6 @@ def gc_cmd(
     me = [os.getpid()]
     if remove_job:
         if not job:
-            from gemini_dcp.errors import ConfigError
-
             raise ConfigError("--remove-job deletes a whole job's memory: name the job explicitly with --job.")
         rep = remove(root, job, force=force, dry_run=dry_run, exclude_pids=me)
         if as_json:

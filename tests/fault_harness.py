@@ -430,7 +430,7 @@ def _drain_pids(roots: list[str]) -> list[int]:
                 cmd = f.read().decode(errors="replace")
         except OSError:
             continue
-        if "_gemini_dcp_drain" in cmd and any(r in cmd for r in roots) and _alive(int(entry)):
+        if "gemini_dcp.persistent.drain.server" in cmd and any(r in cmd for r in roots) and _alive(int(entry)):
             pids.append(int(entry))
     return pids
 

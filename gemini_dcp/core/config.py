@@ -1,26 +1,22 @@
-"""Defaults, environment resolution and validated option dataclasses."""
+"""Resolving a writer's or reader's identity (root, job, node) and its step numbers.
+
+The option dataclasses live in :mod:`gemini_dcp.options` (``TierOptions`` is re-exported here
+for old imports); the ``GEMINI_DCP_*`` variables are read there only.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import socket
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from ..errors import ConfigError, InvalidStepError
-
-DEFAULT_ROOT = "/dev/shm/gemini_dcp"
-ENV_ROOT = "GEMINI_DCP_ROOT"
-ENV_NODE_ID = "GEMINI_DCP_NODE_ID"
-DEFAULT_KEEP = 2
-
-PlacementStrategy = Literal["mixed", "group", "ring"]
-ChecksumAlgo = Literal["auto", "xxh3", "crc32c"]
-OnPeerFailure = Literal["raise", "degrade"]
+from ..options.checks import check_timeout
+from ..options.local import DEFAULT_KEEP, DEFAULT_ROOT, ENV_NODE_ID, ENV_ROOT, ChecksumAlgo, node_id_from_env, root_from_env
+from ..options.peer import OnPeerFailure, PlacementStrategy
+from ..options.tier import TierOptions
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +35,8 @@ def resolve_root(root: str | os.PathLike[str] | None) -> Path:
             f"pathlib.Path (e.g. root='/dev/shm/gemini_dcp'), or leave it unset to use ${ENV_ROOT}."
         )
     if root is None or str(root) == "":
-        root = os.environ.get(ENV_ROOT) or DEFAULT_ROOT
+        root = root_from_env() or DEFAULT_ROOT
     return Path(root).expanduser().absolute()
-
-
-def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
-    """``timeout_s`` as a float if it is a positive, finite number of seconds, else ConfigError."""
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, (int, float))
-        or not math.isfinite(timeout_s)
-        or not timeout_s > 0
-    ):
-        raise ConfigError(
-            f"{name}={timeout_s!r}: give a positive, finite number of seconds (default 300); "
-            "an infinite wait would hang a save or load forever on a dead peer or store."
-        )
-    return float(timeout_s)
 
 
 def resolve_job_id(job_id: str | None) -> str:
@@ -93,7 +74,7 @@ def resolve_node_id(root: Path) -> str:
     one machine (each with its own root) get distinct identities, and a replaced
     machine that reuses the same host name and root takes over the old identity.
     """
-    env = os.environ.get(ENV_NODE_ID)
+    env = node_id_from_env()
     if env:
         return env
     return f"{socket.gethostname()}:{root}"
@@ -124,40 +105,8 @@ def parse_step(checkpoint_id: object) -> int:
     return step
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TierOptions:
-    """Options shared by the writer and the reader, validated on construction."""
-
-    keep: int = DEFAULT_KEEP
-    replicas: int = 1
-    placement: PlacementStrategy = "mixed"
-    checksum: ChecksumAlgo = "auto"
-    capacity_bytes: int | None = None
-    timeout_s: float = 300.0
-    on_peer_failure: OnPeerFailure = "raise"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
-            raise ConfigError(f"keep={self.keep!r}: keep at least 1 committed step (default {DEFAULT_KEEP}).")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ConfigError(
-                f"replicas={self.replicas!r}: replicas counts the node's own copy, so it must be an int >= 1 "
-                "(2 = one extra copy on a peer node)."
-            )
-        if self.placement not in ("mixed", "group", "ring"):
-            raise ConfigError(f"placement={self.placement!r}: choose 'mixed' (default), 'group' or 'ring'.")
-        if self.checksum not in ("auto", "xxh3", "crc32c"):
-            raise ConfigError(
-                f"checksum={self.checksum!r}: choose 'auto' (default: crc32c when the C++ extension is "
-                "built, else xxh3), 'xxh3' or 'crc32c'."
-            )
-        if self.capacity_bytes is not None and (
-            isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0
-        ):
-            raise ConfigError(f"capacity_bytes={self.capacity_bytes!r}: give a positive byte budget or None.")
-        check_timeout(self.timeout_s)
-        if self.on_peer_failure not in ("raise", "degrade"):
-            raise ConfigError(
-                f"on_peer_failure={self.on_peer_failure!r}: choose 'raise' (fail the save) or 'degrade' "
-                "(commit with fewer replicas and warn)."
-            )
+__all__ = [
+    "DEFAULT_JOB_IDS", "DEFAULT_KEEP", "DEFAULT_ROOT", "ENV_NODE_ID", "ENV_ROOT", "MAX_STEP", "ChecksumAlgo",
+    "OnPeerFailure", "PlacementStrategy", "TierOptions", "check_timeout", "parse_step", "resolve_job_id",
+    "resolve_node_id", "resolve_root",
+]

@@ -16,11 +16,9 @@ The phase names are part of the test contract; see :data:`PHASES`.
 from __future__ import annotations
 
 import os
-import signal
 from collections import Counter
 
-ENV_FAULT = "GEMINI_DCP_FAULT"
-ENV_FAULT_LOG = "GEMINI_DCP_FAULT_LOG"
+from ..options.faults import ENV_FAULT, ENV_FAULT_LOG, fault_settings
 
 PHASES: tuple[str, ...] = (
     # save (GeminiStorageWriter.write_data)
@@ -45,28 +43,8 @@ PHASES: tuple[str, ...] = (
 _counts: Counter[str] = Counter()
 
 
-def _spec() -> tuple[str, int, int, int | None] | None:
-    raw = os.environ.get(ENV_FAULT)
-    if not raw:
-        return None
-    rank: int | None = None
-    if "/" in raw:
-        raw, _, r = raw.rpartition("/")
-        rank = int(r)
-    sig = signal.SIGKILL
-    if ":" in raw:
-        raw, _, s = raw.partition(":")
-        sig = getattr(signal, s) if not s.isdigit() else signal.Signals(int(s))
-    nth = 1
-    if "@" in raw:
-        raw, _, n = raw.partition("@")
-        nth = int(n)
-    return raw, nth, int(sig), rank
-
-
-def _log(phase: str, what: str = "") -> None:
+def _log(log_dir: str | None, phase: str, what: str = "") -> None:
     """Append ``<rank> <phase>[ <what>]`` to this process's phase log, if one is configured."""
-    log_dir = os.environ.get(ENV_FAULT_LOG)
     if not log_dir:
         return
     try:
@@ -79,24 +57,23 @@ def _log(phase: str, what: str = "") -> None:
 def fault_point(phase: str) -> None:
     """Die here if the fault-injection environment says so (a no-op in production).
 
-    Production cost: two membership tests on ``os.environ`` per call. The kill is logged as
+    Production cost: two membership tests on ``os.environ`` per call (in
+    :func:`gemini_dcp.options.faults.fault_settings`). The kill is logged as
     ``<rank> <phase> fire`` before the signal is sent, so the harness knows it fired.
     """
-    if ENV_FAULT not in os.environ and ENV_FAULT_LOG not in os.environ:
+    settings = fault_settings()
+    if settings is None:
         return
-    _log(phase)
-    spec = _spec()
-    if spec is None:
+    _log(settings.log_dir, phase)
+    spec = settings.spec
+    if spec is None or spec.phase != phase:
         return
-    name, nth, sig, rank = spec
-    if name != phase:
-        return
-    if rank is not None and int(os.environ.get("RANK", "0")) != rank:
+    if spec.rank is not None and int(os.environ.get("RANK", "0")) != spec.rank:
         return
     _counts[phase] += 1
-    if _counts[phase] == nth:
-        _log(phase, "fire")
-        os.kill(os.getpid(), sig)
+    if _counts[phase] == spec.nth:
+        _log(settings.log_dir, phase, "fire")
+        os.kill(os.getpid(), spec.sig)
 
 
 def reached(log_dir: str | os.PathLike[str]) -> dict[str, set[int]]:

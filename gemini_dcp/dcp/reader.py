@@ -46,7 +46,8 @@ from torch.futures import Future
 
 from ..core.chunk_sink import describe_item
 from ..core.compat import failed_metadata, raise_if_failed
-from ..core.config import check_timeout, parse_step, resolve_node_id
+from ..core.config import parse_step, resolve_node_id
+from ..options import GeminiOptions, resolve_options
 from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
@@ -93,20 +94,33 @@ class GeminiStorageReader(StorageReader):
         persistent: str | None = None,
         timeout_s: float = 300.0,
         process_group: Any = None,
+        options: GeminiOptions | None = None,
     ) -> None:
+        """``root`` / ``job_id`` as the writer's; ``persistent``: the fsspec URL of the persistent
+        tier to fall back to; ``timeout_s``: of the restore collectives and every store call;
+        ``options``: a :class:`gemini_dcp.options.GeminiOptions` instead of, or with, the keywords
+        (a keyword left at its default takes the options' value; both set differently is a ConfigError)."""
         super().__init__()
-        timeout_s = check_timeout(timeout_s)  # before any directory is touched
-        self.tier = LocalTier(root, job_id)
+        # Validated before any directory is touched: ``options`` merged with the keywords
+        # (a keyword and an options field set to different values is a ConfigError).
+        self.gemini_options: GeminiOptions = resolve_options(
+            options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s
+        )
+        cfg = self.gemini_options
+        self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
-        self.node_id = resolve_node_id(self.root)
-        self.timeout_s = timeout_s
+        self.node_id = cfg.local.node_id or resolve_node_id(self.root)
+        self.timeout_s = cfg.timeout_s
         self.process_group = process_group
         self.persistent = None
-        if persistent is not None:
+        if cfg.persistent.url is not None:
             from ..persistent.store import PersistentTier  # noqa: PLC0415
 
-            self.persistent = PersistentTier(persistent, self.job_id, timeout_s=timeout_s)  # every store call bounded
+            self.persistent = PersistentTier(  # every store call bounded
+                str(cfg.persistent.url), self.job_id, timeout_s=cfg.persistent_timeout_s,
+                storage_options=dict(cfg.persistent.storage_options) if cfg.persistent.storage_options is not None else None,
+            )
         self._requested: int | None = None
         self._metadata_error: Exception | None = None
         self._decision: RestoreDecision | None = None

@@ -47,7 +47,8 @@ from ..core.checksum import BLOCK_BYTES, as_bytes, checksum, copy_and_checksum, 
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
 from ..peer.push import replicate
-from ..core.config import TierOptions, parse_step, resolve_node_id
+from ..core.config import parse_step, resolve_node_id
+from ..options import GeminiOptions, resolve_options
 from ..errors import ConfigError, InvalidStepError, TierFullError
 from ..core.faults import fault_point
 from ..core.launch import current_launch
@@ -207,6 +208,9 @@ class GeminiStorageWriter(StorageWriter):
         persistent: optional fsspec URL of the persistent tier.
         persist_every: drain every K-th committed step to ``persistent``.
         process_group: the group ``dcp.save`` runs on (default WORLD).
+        options: a :class:`gemini_dcp.options.GeminiOptions` tree (e.g. ``GeminiOptions.from_env()``)
+            instead of, or with, the keywords above: a keyword left at its default takes the
+            options' value; a keyword and an options field set to different values is a ConfigError.
 
     Steps: each ``checkpoint_id`` is an int step in ``[0, 2**63)``. A step is evicted from
     a node only once every node has committed a newer one: the newest step known committed
@@ -243,30 +247,25 @@ class GeminiStorageWriter(StorageWriter):
         persist_keep: int | None = 2,
         persist_keep_every: int | None = None,
         process_group: Any = None,
+        options: GeminiOptions | None = None,
     ) -> None:
         super().__init__()
-        # Every option is validated before anything is created (tier or persistent directories).
-        if isinstance(persist_every, bool) or not isinstance(persist_every, int) or persist_every < 1:
-            raise ConfigError(f"persist_every={persist_every!r}: drain every K-th step with K an int >= 1.")
-        for name, val in (("persist_keep", persist_keep), ("persist_keep_every", persist_keep_every)):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
-                raise ConfigError(f"{name}={val!r}: give an int >= 1, or None.")
-        if persistent is not None and (not isinstance(persistent, (str, os.PathLike)) or not str(persistent).strip()):
-            raise ConfigError(f"persistent={persistent!r}: give the fsspec URL of the persistent tier, or None.")
-        self.options = TierOptions(
-            keep=keep,
-            replicas=replicas,
-            placement=placement,  # type: ignore[arg-type]
-            checksum=checksum,  # type: ignore[arg-type]
-            capacity_bytes=capacity_bytes,
-            timeout_s=timeout_s,
-            on_peer_failure=on_peer_failure,  # type: ignore[arg-type]
+        # Every option is validated before anything is created (tier or persistent directories):
+        # ``options`` merged with the keywords (a keyword and an options field set to different
+        # values is a ConfigError), the drain settings from the environment when no options are given.
+        self.gemini_options: GeminiOptions = resolve_options(
+            options, root=root, job_id=job_id, keep=keep, replicas=replicas, placement=placement, checksum=checksum,
+            capacity_bytes=capacity_bytes, timeout_s=timeout_s, on_peer_failure=on_peer_failure,
+            persistent=persistent, persist_every=persist_every, persist_keep=persist_keep,
+            persist_keep_every=persist_keep_every,
         )
+        cfg = self.gemini_options
+        self.options = cfg.tier_options()
         self._algo = resolve_algo(self.options.checksum)
-        self.tier = LocalTier(root, job_id)
+        self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
-        self.node_id = resolve_node_id(self.root)
+        self.node_id = cfg.local.node_id or resolve_node_id(self.root)
         self.launch = current_launch()
         hold_launch_lock(self.tier, self.launch, self)  # JobConflictError if another live launch uses the job
         st = os.stat(self.root)
@@ -298,23 +297,25 @@ class GeminiStorageWriter(StorageWriter):
         # them: a plain dcp.save of the same structure sends only checksums against it.
         self._basis: tuple[tuple[int, int], Mapping[MetadataIndex, ShardRef]] | None = None
         self.persistent = None
-        if persistent is not None:
+        pcfg = cfg.persistent
+        if pcfg.url is not None:
             from ..persistent.store import PersistentTier  # noqa: PLC0415 - optional tier
 
             self.persistent = PersistentTier(
-                persistent,
+                str(pcfg.url),
                 self.job_id,
-                keep=persist_keep,
-                keep_every=persist_keep_every,
+                keep=pcfg.keep,
+                keep_every=pcfg.keep_every,
                 writable=True,
-                timeout_s=self.options.timeout_s,  # bounds every store call (probe, drain uploads)
+                storage_options=dict(pcfg.storage_options) if pcfg.storage_options is not None else None,
+                timeout_s=cfg.persistent_timeout_s,  # bounds every store call (probe, drain uploads)
             )
-        self.persist_every = persist_every
+        self.persist_every = pcfg.every
         self._drainer = None
         if self.persistent is not None:
-            from ..persistent.drain import Drainer  # noqa: PLC0415
+            from ..persistent.drain.client import Drainer  # noqa: PLC0415 - optional tier
 
-            self._drainer = Drainer(self.tier, self.persistent, persist_every)
+            self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain)
             self._drainer.resume()  # drains left pending by a previous worker generation
         # Called with the step once this rank's bytes are in the tier (before the
         # commit collectives): the async snapshot guard releases the optimizer here.

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..core.config import resolve_job_id, resolve_root
 from ..errors import ChecksumMismatchError, GeminiError, JobConflictError, TierRootError
 from ..core.launch import LaunchInfo
+from ..options.local import root_from_env
 from .job_dir import (
     JobLayout,
     atomic_write_bytes,
@@ -499,9 +500,7 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 
 
 def _env_root_set() -> bool:
-    from ..core.config import ENV_ROOT
-
-    return bool(os.environ.get(ENV_ROOT))
+    return root_from_env() is not None
 
 
 __all__ = ["LocalTier", "TierRootError"]

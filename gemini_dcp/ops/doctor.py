@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from ..core.config import DEFAULT_KEEP, ENV_ROOT, resolve_root
 from ..errors import ConfigError
+from ..options.local import root_from_env
 from ..core.torch_support import installed_torch_version, torch_requirement, torchrec_pairing, torchrec_support
 
 GIB = float(1 << 30)
@@ -186,7 +187,7 @@ def doctor(
     if expected_gb is not None and not expected_gb > 0:
         raise ConfigError(f"expected_gb={expected_gb!r}: give the checkpoint size per node in GiB (> 0).")
     path = resolve_root(root)
-    explicit = (root is not None and str(root) != "") or bool(os.environ.get(ENV_ROOT))
+    explicit = (root is not None and str(root) != "") or root_from_env() is not None
     need = None if expected_gb is None else expected_gb * GIB * (keep + 1) * replicas
     checks: list[Check] = []
 
@@ -408,6 +409,15 @@ def _ext_cached(mod: Any) -> bool | None:
         return None
 
 
+def _ext_info(mod: Any) -> dict[str, Any]:
+    """The extension's own account of itself (its mode from ``gemini_dcp.options.ext``), {} if it has none."""
+    try:
+        info = mod.info()
+    except Exception:  # noqa: BLE001 - an older or partial extension module: nothing to read
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def _ext_check(build: bool = False) -> Check:
     """The C++/CUDA extension: loaded / loadable from the cache; built only when ``build`` (it takes a while)."""
     mod = _optional("gemini_dcp.ext")
@@ -416,7 +426,7 @@ def _ext_check(build: bool = False) -> Check:
                      "(crc32c via the crc32c package)")
     loader = getattr(mod, "_LOADER", None)
     already = bool(getattr(loader, "done", False))
-    disabled = os.environ.get("GEMINI_DCP_EXT", "").strip().lower() in ("0", "off", "false", "no", "never")
+    disabled = str(_ext_info(mod).get("mode") or "").strip().lower() in ("0", "off", "false", "no", "never")
     if not (already or build or disabled) and _ext_cached(mod) is False:
         cache = getattr(mod, "cache_root", lambda: "its cache")()
         return Check("extension", "warn", f"gemini_dcp.ext is not built on this machine yet (cache {cache}); the first "

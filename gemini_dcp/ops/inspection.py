@@ -37,6 +37,7 @@ from ..local.job_files import (
     check_job_dirs, job_usage_bytes, open_job, open_root, rank_extent, read_record_or_reason, slot_size,
 )
 from ..local.job_dir import JobLayout, list_jobs
+from ..persistent.drain.status import drain_summary
 from .sizing import plan
 from .verify import ItemCheck, VerifyReport, verify
 
@@ -197,8 +198,6 @@ def inspect_job(layout: JobLayout, persistent: str | None = None, *, now: float 
     for s in sorted((persisted or set()) - set(steps)):
         infos.append(StepInfo(step=s, committed=True, in_memory=False, in_persistent=True, restorable="persistent"))
     infos.sort(key=lambda i: i.step)
-    from ..persistent.drain import drain_summary  # noqa: PLC0415
-
     return JobInfo(job_id=layout.job_id, path=str(layout.job_dir), usage_bytes=job_usage_bytes(layout),
                    steps=infos, persistent_error=perr, drain=drain_summary(layout.persist_dir))
 

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..core.restore_order import NodeView
+from .drain.client import ensure_server, write_request
+from .drain.paths import Paths
+from .drain.request import SlotRef
+from .drain.status import read_config
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +76,18 @@ def adopt_lost_parts(tier: Any, views: Sequence[NodeView], rank: int) -> Adoptio
 
     Not collective (every rank already has ``views``); only the node leader (the lowest
     group rank on its node) acts, and only if a writer with a persistent tier left its
-    drain settings on this node. Returns what was requested, or None.
+    drain settings on this node (they include its drain options, which the adopting
+    server runs with). Returns what was requested, or None.
     """
-    from .drain import STORE_FIELDS, Paths, ensure_server, read_config, write_request  # noqa: PLC0415
-
     mine = next((v for v in views if v.rank == rank), None)
     if mine is None or rank != min(v.rank for v in views if v.node_id == mine.node_id):
         return None
     cfg = read_config(tier.layout.persist_dir)
-    if cfg is None or cfg.get("job_id") != tier.job_id:
+    if cfg is None or cfg.store.job_id != tier.job_id:
         return None
-    if cfg.get("protocol") == "memory":
+    if cfg.protocol == "memory":
         return None  # a memory:// store lives and dies with its process: nothing of the old one is left to complete
-    every = int(cfg["every"])
+    every = cfg.every
     due = sorted({sv.step for sv in mine.steps if sv.step % every == 0}, reverse=True)
     if not due:
         return None
@@ -102,16 +105,15 @@ def adopt_lost_parts(tier: Any, views: Sequence[NodeView], rank: int) -> Adoptio
             if s is None:
                 log.warning("step %d: rank %d is in this node's view but its slot is missing; not adopted", record.step, r)
                 continue
-            slots.append([r, str(tier.slot_path(s.rank, s.slot)), int(s.nbytes)])
+            slots.append(SlotRef(rank=r, path=str(tier.slot_path(s.rank, s.slot)), nbytes=int(s.nbytes)))
         if not slots:
             return None
-        fields = {k: cfg.get(k) for k in STORE_FIELDS}
-        write_request(p, tier, record, slots, {**fields, "rank0_node": False, "adopted_from": list(adoption.lost_nodes)})
+        write_request(p, tier, record, tuple(slots), cfg.store, rank0_node=False, adopted_from=adoption.lost_nodes)
         log.warning(
             "step %d: nodes %s lost their memory before their part reached %s; this node uploads their ranks %s "
-            "from its replicas", record.step, list(adoption.lost_nodes), cfg["url"], list(adoption.ranks),
+            "from its replicas", record.step, list(adoption.lost_nodes), cfg.store.url, list(adoption.ranks),
         )
-    ensure_server(p.dir, cfg.get("mode") or "process")
+    ensure_server(p.dir, cfg.mode, options=cfg.drain)  # the writer's validated drain options
     return adoption
 
 

@@ -1,0 +1,153 @@
+"""``GeminiOptions``: the whole options tree, and how it merges with the writer's and reader's keywords.
+
+``GeminiOptions.from_env()`` reads every ``GEMINI_DCP_*`` variable of the tiers (root, node id,
+drain); ``resolve_options(options, **keywords)`` is what ``GeminiStorageWriter`` /
+``GeminiStorageReader`` call first, before any side effect. The async checkpointer's
+interleaving knobs stay :class:`gemini_dcp.snapshot.InterleaveOptions` (given to
+``AsyncCheckpointer``, not to a storage writer). Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from .checks import DEFAULT_TIMEOUT_S, check_timeout
+from .local import LocalOptions
+from .peer import PeerOptions
+from .persistent import DrainOptions, PersistentOptions
+from .tier import TierOptions
+
+__all__ = ["KEYWORDS", "GeminiOptions", "resolve_options"]
+
+# A writer / reader keyword -> (section of the tree or None for the top, field).
+KEYWORDS: dict[str, tuple[str | None, str]] = {
+    "root": ("local", "root"),
+    "job_id": ("local", "job_id"),
+    "keep": ("local", "keep"),
+    "checksum": ("local", "checksum"),
+    "capacity_bytes": ("local", "capacity_bytes"),
+    "replicas": ("peer", "replicas"),
+    "placement": ("peer", "placement"),
+    "on_peer_failure": ("peer", "on_peer_failure"),
+    "timeout_s": (None, "timeout_s"),
+    "persistent": ("persistent", "url"),
+    "persist_every": ("persistent", "every"),
+    "persist_keep": ("persistent", "keep"),
+    "persist_keep_every": ("persistent", "keep_every"),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GeminiOptions:
+    """Every option of the tiers: ``local``, ``peer``, ``persistent`` (with its ``drain``) and the
+    ``timeout_s`` of checkpoint collectives, peer transfers and store calls."""
+
+    local: LocalOptions = field(default_factory=LocalOptions)
+    peer: PeerOptions = field(default_factory=PeerOptions)
+    persistent: PersistentOptions = field(default_factory=PersistentOptions)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name, kind in (("local", LocalOptions), ("peer", PeerOptions), ("persistent", PersistentOptions)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: give a {kind.__name__}.")
+        check_timeout(self.timeout_s)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **keywords: Any) -> "GeminiOptions":
+        """The environment (root, node id, drain settings) under the writer-style ``keywords``
+        (``root=...``, ``replicas=...``, ``persistent=...``: see :data:`KEYWORDS`), which win."""
+        base = cls(
+            local=LocalOptions.from_env(environ),
+            persistent=PersistentOptions.from_env(environ),
+        )
+        return base.with_keywords(**keywords)
+
+    def with_keywords(self, **keywords: Any) -> "GeminiOptions":
+        """This tree with writer-style ``keywords`` replacing its fields (validated)."""
+        sections: dict[str, dict[str, Any]] = {}
+        top: dict[str, Any] = {}
+        for kw, value in keywords.items():
+            where = KEYWORDS.get(kw)
+            if where is None:
+                raise ConfigError(f"{kw}= is not an option of gemini_dcp; the keywords are {', '.join(KEYWORDS)}.")
+            section, name = where
+            (top if section is None else sections.setdefault(section, {}))[name] = value
+        new = {s: dataclasses.replace(getattr(self, s), **vals) for s, vals in sections.items()}
+        return dataclasses.replace(self, **new, **top)
+
+    def tier_options(self) -> TierOptions:
+        """The flat :class:`TierOptions` of this tree (what ``writer.options`` holds)."""
+        return TierOptions(
+            keep=self.local.keep, replicas=self.peer.replicas, placement=self.peer.placement,
+            checksum=self.local.checksum, capacity_bytes=self.local.capacity_bytes, timeout_s=self.timeout_s,
+            on_peer_failure=self.peer.on_peer_failure,
+        )
+
+    @property
+    def persistent_timeout_s(self) -> float:
+        """The deadline of every store call: the persistent tier's own, else the tree's."""
+        return self.persistent.timeout_s if self.persistent.timeout_s is not None else self.timeout_s
+
+
+def _default_of(keyword: str) -> Any:
+    section, name = KEYWORDS[keyword]
+    owner: Any = GeminiOptions if section is None else {
+        "local": LocalOptions, "peer": PeerOptions, "persistent": PersistentOptions}[section]
+    return owner.__dataclass_fields__[name].default
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is None or default is None:
+        return value is default
+    if isinstance(value, bool) or isinstance(default, bool):
+        return type(value) is type(default) and value == default
+    if isinstance(value, (int, float)) and isinstance(default, (int, float)):
+        return value == default
+    return type(value) is type(default) and value == default
+
+
+def _value_at(options: GeminiOptions, keyword: str) -> Any:
+    section, name = KEYWORDS[keyword]
+    return getattr(options if section is None else getattr(options, section), name)
+
+
+def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> GeminiOptions:
+    """The validated tree of a writer or reader: ``options`` merged with its keyword arguments.
+
+    Without ``options``: the keywords, with the drain settings from the environment when a
+    persistent tier is given (root and node id, when not given, are resolved from the
+    environment when the tier is opened).
+    With ``options``: a keyword left at its default takes the options' value; a keyword given
+    takes the place of an options field left at its default; a keyword and an options field
+    both set, to different values, is a ConfigError naming both; the options' drain settings
+    are used as given (``GeminiOptions.from_env()`` takes the environment's). No side effect:
+    nothing is created or started here.
+    """
+    if options is None:
+        # The drain settings matter (and a bad one fails) only where there is a store to drain to.
+        drain = DrainOptions.from_env() if keywords.get("persistent") is not None else DrainOptions()
+        return GeminiOptions(persistent=PersistentOptions(drain=drain)).with_keywords(**keywords)
+    if not isinstance(options, GeminiOptions):
+        raise ConfigError(
+            f"options={options!r}: give a gemini_dcp.options.GeminiOptions (e.g. GeminiOptions.from_env()), or None."
+        )
+    given: dict[str, Any] = {}
+    for kw, value in keywords.items():
+        default = _default_of(kw)
+        if _is_default(value, default):
+            continue
+        current = _value_at(options, kw)
+        if not _is_default(current, default) and current != value:
+            section, name = KEYWORDS[kw]
+            where = f"options.{section}.{name}" if section else f"options.{name}"
+            raise ConfigError(
+                f"{kw}={value!r} conflicts with {where}={current!r}: give it in one place (drop the keyword, "
+                f"or build the options with {name}={value!r})."
+            )
+        given[kw] = value
+    return options.with_keywords(**given)

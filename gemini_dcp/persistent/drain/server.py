@@ -1,0 +1,342 @@
+"""The drain server: the detached process (or thread) that stages, uploads and commits a node's requests.
+
+Started by module name — ``python -m gemini_dcp.persistent.drain.server <persist_dir>
+--options <DrainOptions JSON> [--standby]`` — by :func:`gemini_dcp.persistent.drain.client.ensure_server`,
+or run as a thread of the training process (``memory://`` stores, or drain mode ``thread``).
+It parses no environment variable: the trainer validated its :class:`DrainOptions` and passes
+them on the command line. It holds ``daemon.lock`` (one server per node and job), stages each
+new request at once (no torch), coalesces requests it cannot start yet (the newest wins),
+uploads one step at a time in a thread (:mod:`.upload`, which imports torch on the first
+upload), retries a failed upload with backoff up to ``attempts`` times, waits up to
+``peer_timeout_s`` for the other nodes' parts on the node of rank 0, and exits after
+``idle_s`` with nothing to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ...errors import ChecksumMismatchError, GeminiError, PersistentTierError, UntrustedDataError
+from ...options.persistent import DrainOptions
+from .lock import STANDBY_S, take_lock
+from .paths import Paths, private_dir, write_atomic
+from .request import DrainRequest
+from .stage import copy_prefix
+from .status import StatusBook
+
+__all__ = ["POLL_S", "classify", "main", "serve"]
+
+log = logging.getLogger("gemini_dcp.persistent.drain")
+
+POLL_S = 0.05
+AWAIT_POLL_S = 0.5
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the detached drain process (``python -m gemini_dcp.persistent.drain.server``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gemini_dcp.persistent.drain.server",
+        description="Drain server of one job on one node (started by the trainer; not for direct use).",
+    )
+    parser.add_argument("persist_dir", help="the job's drain state directory, <tier root>/<job_id>/persist[/adopt]")
+    parser.add_argument("--options", default=None, help="the trainer's validated DrainOptions, as JSON")
+    parser.add_argument("--standby", action="store_true", help="wait for a dying server's lock while requests are pending")
+    args = parser.parse_args(argv)
+    options = DrainOptions.from_json(args.options) if args.options else DrainOptions()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s drain[{os.getpid()}] %(levelname)s %(message)s")
+    lower_priority(options.nice)
+    serve(args.persist_dir, options=options, idle_s=options.idle_s, standby_s=STANDBY_S if args.standby else 0.0)
+
+
+def lower_priority(setting: int | str) -> None:
+    """Training first: ``idle`` (SCHED_IDLE: run only on otherwise idle CPUs) or a nice increment."""
+    try:
+        if setting == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.nice(int(setting))
+    except (OSError, ValueError, AttributeError) as exc:  # the drain still works, at normal priority
+        log.warning("drain: could not lower priority to %r (%s); running at normal priority", setting, exc)
+
+
+def serve(persist_dir: str, *, options: DrainOptions | None = None, idle_s: float = 60.0, standby_s: float = 0.0) -> None:
+    """Run the drain server of ``persist_dir`` until idle.
+
+    Returns at once if another server holds the lock, unless ``standby_s > 0``: then it waits
+    for the lock (up to ``standby_s``) while requests are pending and no other standby waits.
+    """
+    p = Paths(persist_dir)
+    try:
+        private_dir(p.dir)
+        fd = os.open(p.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return
+    if not take_lock(p, fd, standby_s):
+        os.close(fd)
+        return
+    try:
+        write_atomic(p.pid, str(os.getpid()).encode())
+        _Server(p, fd, idle_s, options or DrainOptions()).run()
+    except Exception:  # noqa: BLE001 - a server error must not escape into a training thread
+        log.exception("drain server for %s failed", persist_dir)
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    """abandon: the bytes can never be uploaded (bad checksum, refused side file, staged data gone);
+    retry: the store failed (a store error, an overrun of its deadline)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ChecksumMismatchError) and not isinstance(exc, PersistentTierError):
+        return "abandon", text
+    if isinstance(exc, UntrustedDataError):  # a refused side file (a part marker): retrying reads it again
+        return "abandon", text
+    if isinstance(exc, FileNotFoundError) and "/stage/" in str(exc):
+        return "abandon", text
+    log.warning("drain upload error: %s", text, exc_info=exc)
+    return "retry", text
+
+
+def _uploader_module() -> ModuleType:
+    """:mod:`.upload`, imported on the first upload: it brings torch, which staging does without."""
+    from . import upload  # noqa: PLC0415 - torch, only once a step uploads (the server starts light)
+
+    return upload
+
+
+class _Server:
+    def __init__(self, p: Paths, lock_fd: int, idle_s: float, options: DrainOptions) -> None:
+        self.p = p
+        self.lock_fd = lock_fd
+        self.idle_s = idle_s
+        self.options = options
+        self.status = StatusBook(p)
+        self.uploader: Any = None  # upload.Uploader, made on the first upload
+        self.uploading: int | None = None
+        self.upload_thread: threading.Thread | None = None
+        self.upload_result: tuple[int, str, str] | None = None
+        self.awaiting: dict[int, float] = {}  # step -> monotonic time its part was done
+        self.attempts: dict[int, int] = {}
+        self.retry_at: dict[int, float] = {}
+        self.last_await_poll = 0.0
+
+    def _upload_side(self) -> Any:
+        if self.uploader is None:
+            self.uploader = _uploader_module().Uploader(self.p, self.options, self.status)
+        return self.uploader
+
+    # -- main loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            if not self.p.dir.is_dir():
+                log.info("drain state %s is gone; exiting", self.p.dir)
+                return
+            reqs = self._requests()
+            for step, req in reqs.items():
+                if step not in self.awaiting and step != self.uploading and not (self.p.stage(step) / "staged").exists():
+                    self._stage(req)
+            reqs = self._requests()
+            self._coalesce(reqs)
+            self._reap_upload()
+            self._start_upload(self._requests())
+            self._poll_awaiting()
+            busy = bool(self.p.pending()) or self.upload_thread is not None
+            now = time.monotonic()
+            if busy:
+                idle_since = now
+            elif now - idle_since >= self.idle_s:
+                if self._release_or_continue():
+                    idle_since = time.monotonic()
+                    continue
+                return
+            time.sleep(POLL_S)
+
+    def _release_or_continue(self) -> bool:
+        """Drop the lock, then look again: a request written meanwhile is ours if we get the lock back."""
+        fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+        if not self.p.pending():
+            return False
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a new server took over
+        return True
+
+    def _requests(self) -> dict[int, DrainRequest]:
+        out = {}
+        for step in self.p.pending():
+            path = self.p.request(step)
+            try:
+                out[step] = DrainRequest.from_json(path.read_bytes(), str(path))
+            except FileNotFoundError:
+                continue
+            except GeminiError as exc:  # another release's request, or not a request at all: never uploaded
+                self._abandon(step, str(exc))
+        return out
+
+    # -- staging (no torch) -------------------------------------------------------------------
+    def _stage(self, req: DrainRequest) -> None:
+        step = req.step
+        d = self.p.stage(step)
+        t0 = time.monotonic()
+        try:
+            private_dir(d)
+            need = sum(s.nbytes for s in req.slots)
+            st = os.statvfs(d)
+            free = st.f_bavail * st.f_frsize
+            direct = need > free - (64 << 20)
+            if direct:
+                log.warning(
+                    "step %d: not enough tmpfs for a staging copy (%.3f GiB needed, %.3f free): draining straight "
+                    "from the memory slots (fails if a newer save reuses them first)", step, need / 2**30, free / 2**30,
+                )
+            else:
+                for s in req.slots:
+                    copy_prefix(Path(s.path), d / f"rank-{s.rank:05d}.bin", s.nbytes)
+            write_atomic(d / "staged", json.dumps({"direct": direct, "seconds": time.monotonic() - t0}).encode())
+            self.status.set(step, "staged", bytes=need, stage_seconds=round(time.monotonic() - t0, 4))
+        except FileNotFoundError as exc:
+            self._abandon(step, f"its memory slot is gone before it could be staged ({exc})")
+        except OSError as exc:
+            self._abandon(step, f"staging failed: {exc}")
+
+    def _coalesce(self, reqs: dict[int, DrainRequest]) -> None:
+        waiting = [
+            s for s in reqs
+            if s != self.uploading and s not in self.awaiting and (self.p.stage(s) / "staged").exists()
+        ]
+        if len(waiting) <= 1:
+            return
+        newest = max(waiting)
+        for s in waiting:
+            if s != newest:
+                self._abandon(s, f"superseded by step {newest} (the drain is slower than the save cadence)")
+
+    # -- uploading (torch, in a thread) ---------------------------------------------------------
+    def _start_upload(self, reqs: dict[int, DrainRequest]) -> None:
+        if self.upload_thread is not None:
+            return
+        now = time.monotonic()
+        ready = [
+            s for s in sorted(reqs)
+            if s not in self.awaiting and (self.p.stage(s) / "staged").exists() and self.retry_at.get(s, 0) <= now
+        ]
+        if not ready:
+            return
+        step = ready[0]
+        req = reqs[step]
+        self.uploading = step
+        self.upload_result = None
+        self.status.set(step, "uploading")
+
+        def work() -> None:
+            t0 = time.monotonic()
+            try:
+                outcome, detail = self._upload_side().upload(req)
+            except BaseException as exc:  # noqa: BLE001 - classified below
+                outcome, detail = classify(exc)
+            self.upload_result = (step, outcome, detail)
+            # A failed attempt (a store error or an overrun of the store deadline) reads "failed" with
+            # its reason, whether or not it is retried; "abandoned" follows when it is not.
+            state = "failed" if outcome in ("retry", "abandon") else outcome
+            self.status.set(
+                step, state, upload_seconds=round(time.monotonic() - t0, 4), detail=detail,
+                attempt=self.attempts.get(step, 0) + 1,
+            )
+
+        self.upload_thread = threading.Thread(target=work, name=f"gemini-drain-upload-{step}", daemon=True)
+        self.upload_thread.start()
+
+    def _reap_upload(self) -> None:
+        t = self.upload_thread
+        if t is None or t.is_alive():
+            return
+        t.join()
+        self.upload_thread = None
+        res, self.upload_result = self.upload_result, None
+        step, self.uploading = self.uploading, None
+        if res is None or step is None:
+            return
+        _, outcome, detail = res
+        if outcome == "done":
+            self._finish(step)
+        elif outcome == "await":
+            self.awaiting[step] = time.monotonic()
+            self._drop_stage_bytes(step)
+        elif outcome == "abandon":
+            self._abandon(step, detail)
+        else:  # retry
+            n = self.attempts[step] = self.attempts.get(step, 0) + 1
+            if n >= self.options.attempts:
+                self._abandon(step, f"gave up after {n} attempts: {detail}")
+            else:
+                delay = min(60.0, 2.0 ** n)
+                self.retry_at[step] = time.monotonic() + delay
+                log.warning("step %d: drain attempt %d failed (%s); retrying in %.0f s", step, n, detail, delay)
+
+    def _poll_awaiting(self) -> None:
+        if not self.awaiting or time.monotonic() - self.last_await_poll < AWAIT_POLL_S:
+            return
+        self.last_await_poll = time.monotonic()
+        for step, since in list(self.awaiting.items()):
+            path = self.p.request(step)
+            try:
+                req = DrainRequest.from_json(path.read_bytes(), str(path))
+                done = self._upload_side().try_commit(req)
+            except FileNotFoundError:
+                self.awaiting.pop(step, None)
+                continue
+            except Exception as exc:  # noqa: BLE001
+                log.warning("step %d: checking other nodes' parts failed: %s", step, exc)
+                done = False
+            if done:
+                self.awaiting.pop(step, None)
+                self._finish(step)
+            elif time.monotonic() - since > self.options.peer_timeout_s:
+                self.awaiting.pop(step, None)
+                self._abandon(step, f"other nodes did not write their parts within {self.options.peer_timeout_s:.0f} s")
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _finish(self, step: int) -> None:
+        self.status.set(step, "done")
+        self._cleanup(step)
+
+    def _abandon(self, step: int, reason: str) -> None:
+        log.warning("step %d: drain abandoned: %s", step, reason)
+        self.status.set(step, "abandoned", reason=reason)
+        self.awaiting.pop(step, None)
+        self._cleanup(step)
+
+    def _cleanup(self, step: int) -> None:
+        try:
+            os.unlink(self.p.request(step))
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(self.p.stage(step), ignore_errors=True)
+        self.attempts.pop(step, None)
+        self.retry_at.pop(step, None)
+
+    def _drop_stage_bytes(self, step: int) -> None:
+        for f in self.p.stage(step).glob("rank-*.bin"):
+            try:
+                f.unlink()
+            except FileNotFoundError:
+                pass
+
+
+if __name__ == "__main__":
+    main()
