@@ -21,6 +21,7 @@ import pytest
 
 import fault_harness as fh
 from gemini_dcp.core import faults
+from gemini_dcp.options.faults import fault_settings
 from gemini_dcp.core.faults import PHASES
 
 
@@ -35,12 +36,16 @@ def test_fault_spec_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(faults.ENV_FAULT, raising=False)
     monkeypatch.delenv(faults.ENV_FAULT_LOG, raising=False)
     faults.fault_point("save.before_copy")  # nothing happens
+    def spec() -> tuple[str, int, int, int | None]:
+        s = fault_settings().spec
+        return (s.phase, s.nth, s.sig, s.rank)
+
     monkeypatch.setenv(faults.ENV_FAULT, "commit.after_record@3:SIGTERM/2")
-    assert faults._spec() == ("commit.after_record", 3, int(signal.SIGTERM), 2)
+    assert spec() == ("commit.after_record", 3, int(signal.SIGTERM), 2)
     monkeypatch.setenv(faults.ENV_FAULT, "load.mid_copy")
-    assert faults._spec() == ("load.mid_copy", 1, int(signal.SIGKILL), None)
+    assert spec() == ("load.mid_copy", 1, int(signal.SIGKILL), None)
     monkeypatch.setenv(faults.ENV_FAULT, "save.mid_copy:9")
-    assert faults._spec() == ("save.mid_copy", 1, 9, None)
+    assert spec() == ("save.mid_copy", 1, 9, None)
     monkeypatch.setenv(faults.ENV_FAULT, "save.mid_copy/5")  # another rank: not this process (RANK unset = 0)
     faults.fault_point("save.mid_copy")
 
