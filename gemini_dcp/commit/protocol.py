@@ -191,13 +191,15 @@ def protected_step(step: int, reports: list[RankReport], node_id: str, global_st
     return step if all(rep.node_id == node_id for rep in reports) else global_step
 
 
-def raise_if_failed(error: BaseException | None, reports: Sequence[object], what: str) -> None:
-    """After a gather: re-raise this rank's own error, else PeerError naming the ranks that failed."""
+def raise_if_failed(error: BaseException | None, reports: Sequence[T | None], what: str) -> list[T]:
+    """After a gather: re-raise this rank's own error, else PeerError naming the ranks that
+    failed (those that sent None); else every rank's report."""
     if error is not None:
         raise error
     failed = [r for r, rep in enumerate(reports) if rep is None]
     if failed:
         raise PeerError(f"ranks {failed} failed while {what}; the step was not committed (see their errors).")
+    return [rep for rep in reports if rep is not None]
 
 
 class CommitProtocol:
@@ -271,7 +273,7 @@ class CommitProtocol:
         spec: SaveSpec,
         write_local: Callable[[], LocalWrite],
         *,
-        check_space: Callable[[], None] | None = None,
+        check_space: Callable[[], object] | None = None,
         hooks: SaveHooks = NO_HOOKS,
         replicate: Replicate | None = None,
         after_commit: Callable[[StepRecord, int], None] | None = None,
@@ -330,8 +332,7 @@ class CommitProtocol:
         if layouts is not None and report is not None:
             sent = rp.compact(report, layouts.get(rank, []))
         self.last_commit_compact = sent is not report
-        reports = comm.all_gather_object(sent)
-        raise_if_failed(error, reports, "writing shards into the local tier")
+        reports = raise_if_failed(error, comm.all_gather_object(sent), "writing shards into the local tier")
         fault_point("save.after_gather")
         assert report is not None
         rp.check_node_identities(reports)  # same result on every rank: all raise, before any commit
@@ -346,7 +347,7 @@ class CommitProtocol:
         # the checksums; otherwise rebuild every rank's write results.
         overlay = rp.overlay(split, reports) if split is not None else None
         if layouts is not None and overlay is None:
-            reports = [rp.expand(rep, layouts) for rep in reports]
+            reports = [rp.expand_report(rep, layouts) for rep in reports]
         meta = spec.known if spec.known is not None else self.gather_metadata(comm, planned, planned_blob, reports)
         self.planned_metadata = meta
         # ---- step 4: replicate

@@ -138,7 +138,12 @@ def compact(report: RankReport, mine: list[tuple[MetadataIndex, ShardRef]]) -> R
 
 def expand(report: RankReport | None, layouts: RankLayouts) -> RankReport | None:
     """Rebuild the results of a compact report from the recorded layout of its rank."""
-    if report is None or report.checksums is None:
+    return None if report is None else expand_report(report, layouts)
+
+
+def expand_report(report: RankReport, layouts: RankLayouts) -> RankReport:
+    """:func:`expand` of a report that is there (a full report comes back unchanged)."""
+    if report.checksums is None:
         return report
     mine = layouts.get(report.rank, [])
     results = tuple(

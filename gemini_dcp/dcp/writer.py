@@ -307,7 +307,7 @@ class GeminiStorageWriter(StorageWriter):
 
     def _save(
         self, comm: Comm, plan: SavePlan, planner: SavePlanner, spec: SaveSpec,
-        check_space: Callable[[], None] | None = None,
+        check_space: Callable[[], object] | None = None,
     ) -> list[WriteResult]:
         """One save through the commit protocol (collective: all ranks call it together)."""
         rank = comm.rank
