@@ -349,3 +349,24 @@ def test_a_record_write_failing_on_one_node_never_loses_the_step_committed_every
     job.save(5)
     assert [p.global_step for p in job.protocols] == [3, 3]  # the MIN over nodes: 4 is not everywhere
     assert job.tiers[0].steps() == [3, 5] and job.tiers[1].steps() == [3, 5]
+
+
+def test_hooks_are_one_value_with_the_old_names_as_views(roots: list[str]) -> None:
+    from gemini_dcp.dcp.writer import GeminiStorageWriter
+
+    w = GeminiStorageWriter(root=roots[0], job_id="hooks", replicas=2)
+    assert w.hooks is NO_HOOKS and w.pace is None and w.on_local_copy_done is None
+
+    def pacer(n: int) -> None: ...
+
+    pacer.block_bytes = 1 << 20  # type: ignore[attr-defined]
+    w.replication_pace = pacer
+    assert w.hooks == SaveHooks(replication_pace=pacer) and w.replication_pace is pacer
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        w.hooks.pace = pacer  # type: ignore[misc]
+    job = Job(roots, [0, 1], replicas=2)
+    comm = FakeComm(_Group(2), 0)
+    assert job.protocols[0].wire_chunk(comm, w.hooks) == 1 << 20  # the paced message size rides in the report
+    assert job.protocols[0].wire_chunk(comm, NO_HOOKS) == 0
+    w.hooks = NO_HOOKS
+    assert w.replication_pace is None
