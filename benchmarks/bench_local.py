@@ -67,7 +67,7 @@ def instrument_writer(writer: Any, clock: common.PhaseClock) -> None:
 
     clock.wrap(writer, "write_data", "write_data")
     clock.wrap(writer, "_write_local", "copy_checksum")
-    clock.wrap(writer, "_commit_on_node", "record_write")
+    clock.wrap(writer.commit, "commit_on_node", "record_write")
     clock.wrap(writer, "prepare_local_plan", "space_check")
     clock.wrap(writer, "finish", "finish")
     # the gemini collectives inside write_data: all_gather / broadcast over the control group

@@ -154,7 +154,9 @@ def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> N
 
         wmod.copy_and_checksum = copy_then_die
     elif point == "before-seal":
-        wmod.GeminiStorageWriter._build_record = lambda *a, **k: die()  # type: ignore[method-assign]
+        import gemini_dcp.commit.protocol as protocol_mod
+
+        protocol_mod.build_record = lambda *a, **k: die()  # type: ignore[assignment]
     elif point == "record-tmp-written":
         orig_replace = os.replace
 
@@ -271,7 +273,7 @@ def test_a_failed_metadata_read_reaches_the_caller_on_every_torch(root: str) -> 
 
 
 def test_not_enough_space_is_checked_before_writing(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gemini_dcp.dcp.writer as wmod
+    import gemini_dcp.commit.slot_pool as wmod  # the space check lives in the slot pool
 
     monkeypatch.setattr(wmod, "free_bytes", lambda path: 1 << 20)  # a 1 MiB tmpfs, as in a small container
     sd = {"big": torch.zeros(4 << 20, dtype=torch.uint8)}
@@ -317,7 +319,7 @@ def test_step_record_encoding_reuses_the_metadata_shell() -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
     from gemini_dcp.local import records
-    from gemini_dcp.local.records import RECORD_MAGIC, RankSlot, ShardRef, StepRecord, decode_record, encode_record
+    from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
 
     sd_meta = {f"w{i}": BytesStorageMetadata() for i in range(50)}
     base = Metadata(state_dict_metadata=sd_meta, planner_data={"w0": ("w0",)})

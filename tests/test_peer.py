@@ -185,9 +185,9 @@ def test_bad_replica_fails_save_or_degrades(node_roots) -> None:
 
 def _save_with_broadcast_metadata(rank: int, world_size: int, root: str, *, job: str, steps: list[int]) -> list[bool]:
     """dcp.save with the planned metadata too large (here: any size) to ride inline in the report gather."""
-    import gemini_dcp.dcp.writer as writer_mod
+    import gemini_dcp.commit.reports as reports_mod  # where the inline decision reads it
 
-    writer_mod.INLINE_METADATA_PADDING = 0
+    reports_mod.INLINE_METADATA_PADDING = 0
     save_steps(rank, world_size, root, job=job, steps=steps, replicas=2)
     tier = LocalTier(root, job)
     return [bool(tier.record(s) and tier.record(s).complete) for s in steps]  # type: ignore[union-attr]

@@ -40,7 +40,15 @@ _DCP_META = "torch.distributed.checkpoint.metadata"
 #: formats are allowed by type in :func:`_torch_constant` (new dtypes appear with new torch).
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
-        # gemini_dcp step records (records.py)
+        # gemini_dcp step records, at their real module (local/record_types.py)
+        ("gemini_dcp.local.record_types", "ShardRef"),
+        ("gemini_dcp.local.record_types", "RankSlot"),
+        ("gemini_dcp.local.record_types", "StepRecord"),
+        ("gemini_dcp.local.record_types", "PackedLayout"),
+        ("gemini_dcp.local.record_types", "_rebuild_record"),
+        ("gemini_dcp.local.record_types", "_rebuild_overlay"),
+        # ... and where records written before the split of records.py name them (the same
+        # objects, re-exported there; the flat ``gemini_dcp.records`` maps here, see _aliases)
         ("gemini_dcp.local.records", "ShardRef"),
         ("gemini_dcp.local.records", "RankSlot"),
         ("gemini_dcp.local.records", "StepRecord"),

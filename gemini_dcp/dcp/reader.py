@@ -47,13 +47,13 @@ from torch.futures import Future
 from ..core.chunk_sink import describe_item
 from ..core.compat import failed_metadata, raise_if_failed
 from ..core.config import parse_step, resolve_node_id
-from ..options import GeminiOptions, resolve_options
 from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
 from ..local.records import ShardRef, StepRecord
 from ..local.tier import LocalTier
+from ..options import GeminiOptions, resolve_options
 from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
 from ..transport.comm import Comm, get_comm
@@ -386,7 +386,7 @@ class GeminiStorageReader(StorageReader):
         self, plan: LoadPlan, planner: LoadPlanner, comm: Comm, counts: dict[str, int]
     ) -> list[Tally] | None:
         """Stage (verify, never apply) this rank's chunks, counting bytes per tier into ``counts``;
-        every rank's :class:`~gemini_dcp.peer.replication.Tally` when the counts were already exchanged
+        every rank's :class:`~gemini_dcp.peer.fetch.Tally` when the counts were already exchanged
         (nothing to repair anywhere), else None."""
         if self._record is None:  # persistent only
             assert self.persistent is not None and self._decision is not None
@@ -428,7 +428,7 @@ class GeminiStorageReader(StorageReader):
         """Verify ``buf`` (the stored bytes of one chunk) against ``ref``; if it matches, stage it
         for the landing, with nothing copied yet. False on a checksum mismatch.
 
-        Used for local slot views and peer receive buffers (``gemini_dcp.peer.replication``).
+        Used for local slot views and peer receive buffers (``gemini_dcp.peer.fetch``).
         """
         step = self._decision.step if self._decision else -1
         return self._staging.stage(items, ref, buf, step, self._record.metadata if self._record is not None else None)
@@ -443,7 +443,7 @@ class GeminiStorageReader(StorageReader):
 
     @property
     def _arenas(self) -> list[ReceiveArena]:
-        """This restore's peer receive buffers (``gemini_dcp.peer.replication`` adds to them)."""
+        """This restore's peer receive buffers (``gemini_dcp.peer.fetch`` adds to them)."""
         return self._staging.arenas
 
     @property

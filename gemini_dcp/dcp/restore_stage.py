@@ -36,7 +36,7 @@ from ..local.records import ShardRef
 from ..local.slots import ReadOnlySlot
 
 if TYPE_CHECKING:
-    from ..peer.replication import ReceiveArena
+    from ..peer.arena import ReceiveArena
     from ..persistent.store import PersistentTier
 
 __all__ = ["RestoreStage"]
@@ -53,7 +53,7 @@ class RestoreStage:
 
     def __init__(self) -> None:
         self.maps: dict[Path, ReadOnlySlot] = {}
-        self.arenas: list[ReceiveArena] = []  # this restore's peer receive buffers (gemini_dcp.peer.replication)
+        self.arenas: list[ReceiveArena] = []  # this restore's peer receive buffers (gemini_dcp.peer.fetch)
         self.chunks = StagedChunks()
         self.dests: dict[int, torch.Tensor] = {}  # id(read item) -> its resolved destination
         self.rank_ok = True  # False: this rank will raise; it tells the others in the first agreement round

@@ -82,6 +82,7 @@ from .interleave import (
     choose_chunk_bytes,
 )
 from .replay import PlanReplay
+from ..commit.hooks import NO_HOOKS, SaveHooks
 from ..dcp.writer import GeminiStorageWriter
 
 log = logging.getLogger(__name__)
@@ -492,9 +493,7 @@ class AsyncCheckpointer:
             self._hooks.clear()
             if self.profiler is not None:
                 self.profiler.remove()
-            self.writer.on_local_copy_done = None
-            self.writer.pace = None
-            self.writer.replication_pace = None
+            self.writer.hooks = NO_HOOKS
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -590,9 +589,7 @@ class AsyncCheckpointer:
                 h.copy_s = time.perf_counter() - t_start
                 h.copied.set()
 
-            self.writer.on_local_copy_done = copied
-            self.writer.pace = pacer
-            self.writer.replication_pace = rpacer
+            self.writer.hooks = SaveHooks(pace=pacer, replication_pace=rpacer, on_local_copy_done=copied)
             try:
                 with self._copy_stream(ready):
                     if self.replay is not None:
@@ -610,9 +607,7 @@ class AsyncCheckpointer:
                 handle.error = exc
                 log.debug("async save of step %s failed", handle.step, exc_info=True)
             finally:
-                self.writer.pace = None
-                self.writer.replication_pace = None
-                self.writer.on_local_copy_done = None
+                self.writer.hooks = NO_HOOKS
                 if rpacer is not None:
                     handle.replication_pacer_stats = rpacer.stats.as_dict()
                     if rpacer.stats.chunks >= 4 and not rpacer.hurried:
@@ -668,7 +663,7 @@ class AsyncGeminiStorageWriter(GeminiStorageWriter):
         self._clone_storages = _buffer_storages(model)
         self._handle: SnapshotHandle | None = None
         self.checkpoint_group = checkpoint_group(self.process_group, self.options.timeout_s)
-        self.on_local_copy_done = self._copied
+        self.hooks = SaveHooks(on_local_copy_done=self._copied)
         self._guard_hooks: list[Any] = []
 
     @property

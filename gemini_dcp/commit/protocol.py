@@ -1,0 +1,471 @@
+"""THE commit protocol: how one save of a step becomes committed on every node.
+
+A save is collective over the checkpoint control group: **every rank calls**
+:meth:`CommitProtocol.save` for the same step, with its own local write (the DCP adapter,
+:class:`gemini_dcp.dcp.writer.GeminiStorageWriter`, does so from ``write_data`` and
+``write_replayed``). The steps, in order (the collective ones marked *all ranks*):
+
+1. **agree** (*all ranks*; one MIN all-reduce of three ints, :mod:`.agreement`; a replayed
+   save hands in values its own all-reduce already combined, ``agreed``): G, the newest
+   step committed on every node; a repeated step is refused on every rank.
+2. **write local** (local): the adapter copies this rank's items into a slot of this
+   node's tier and checksums them; ``SaveHooks.on_local_copy_done`` fires after it, even
+   on failure.
+3. **report / gather** (*all ranks*; one ``all_gather_object`` of :class:`RankReport`, a
+   second one only when a plain save's compact reports meet ranks holding different
+   bases, and one ``broadcast_object`` of rank 0's planned metadata only when it is too
+   large to ride inline and some rank does not hold it yet). A rank whose write failed
+   raises its own error; every other rank raises PeerError: nothing is committed.
+4. **replicate** (*all ranks*, when ``replicas > 1`` over several processes: the peer
+   transfers, then one ``all_gather_object`` of the replica slots).
+5. **build record** (local, pure: :func:`build_record`): the same global part on every
+   rank (after the replicas: the record names every node holding a copy).
+6. **commit on each node** (local; the node leader, its lowest rank, only): the record is
+   renamed into place (the commit point), then
+7. **evict** (leader): old steps beyond ``keep``, never G nor the step just written.
+8. **hand off to the drain** (local): ``after_commit`` (the persistent drain request).
+
+Only steps 1, 3 and 4 are collective. Their order and their number of calls are fixed:
+other ranks, and plan replay's recorded saves, rely on them. A SIGKILL anywhere before step 6's rename leaves the previous
+step as the newest restorable one; records are renamed into place, never edited.
+``fault_point`` names (``save.*``, ``replicate.after``, ``commit.*``) mark the places the
+fault-injection harness kills at.
+
+Glossary:
+
+- *G* / *global step*: the newest step committed on every node (agreed at step 1).
+- *basis*: the committed save whose chunk layout (and metadata) a later save reuses;
+  identified by (step that first committed the layout, chunk count). A plain save may
+  send only checksums against it when every rank holds the same basis.
+- *layout*: where every chunk of every rank lives (``{MetadataIndex: ShardRef}``); a
+  replayed save's layout is that of the save it replays.
+- *compact report*: a report carrying only checksums, in the layout's order
+  (:func:`gemini_dcp.commit.reports.compact`); *overlay*: a record's storage_data as the
+  shared layout plus this save's checksums (:class:`~gemini_dcp.local.records.ChecksumOverlay`).
+- *known metadata*: the digest (and shell) of rank 0's planned DCP metadata this rank
+  already holds from its last save; unchanged metadata then travels in no message.
+- *wire chunk*: the message size a rank's paced replication sends its slot in (0: one
+  message); receivers post matching receives.
+- *leader*: the lowest rank of a node; it writes the node's record and evicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+import xxhash
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..core.config import TierOptions
+from ..core.faults import fault_point
+from ..core.safe_pickle import restricted_loads
+from ..errors import InvalidStepError, PeerError
+from ..local.records import (
+    ChecksumOverlay,
+    RankSlot,
+    ShardRef,
+    StepRecord,
+    metadata_shell_blob,
+)
+from ..local.tier import LocalTier
+from . import reports as rp
+from .agreement import Agreement, min_all_reduce, prewrite_values
+from .hooks import NO_HOOKS, SaveHooks, block_bytes
+from .reports import RankReport, SplitLayout
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Layout = Mapping[MetadataIndex, ShardRef]
+Expand = Callable[[RankReport], "RankReport | None"]
+#: Step 4: ``(step, reports, expand) -> (replica slots this rank stored, stats)``; collective.
+Replicate = Callable[[int, list[RankReport], "Expand | None"], tuple[tuple[RankSlot, ...], dict[str, Any]]]
+
+
+class Collectives(Protocol):
+    """The collectives the protocol runs on the control group (:class:`gemini_dcp.transport.comm.Comm`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def distributed(self) -> bool: ...
+
+    @property
+    def group(self) -> Any: ...
+
+    def all_gather_object(self, obj: T) -> list[T]: ...
+
+    def broadcast_object(self, obj: T, src: int) -> T: ...
+
+    def run(self, what: str, fn: Callable[..., T], *args: Any, peer: int | None = None, **kwargs: Any) -> T: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class NodeIdentity:
+    """Who this rank's node is (reported at the gather; two nodes claiming one id are refused)."""
+
+    node_id: str
+    host: str
+    root_id: tuple[int, int]  # (st_dev, st_ino) of the tier root
+    launch_id: str
+    launch_description: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LocalWrite:
+    """Step 2's outcome: this rank's bytes are in slot ``slot`` (``nbytes`` used)."""
+
+    slot: int
+    results: tuple[WriteResult, ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SaveSpec:
+    """One save. ``planned``: rank 0's planned metadata (sent to every rank at the gather);
+    ``known``: metadata every rank already holds (a replayed save: nothing to send).
+    ``layout``: a layout every rank holds (the replayed plan's): results matching it go
+    compact. ``use_basis``: compact against the last committed layout instead, which a rank
+    may lack (a fresh writer): unless every rank reports the same basis, all gather again
+    in full. ``agreed``: step 1's values already combined by MIN (all ranks pass it, or none).
+    """
+
+    step: int
+    planned: Metadata | None = None
+    known: Metadata | None = None
+    layout: Layout | None = None
+    use_basis: bool = False
+    agreed: Sequence[int] | None = None
+
+
+def build_record(
+    *, job_id: str, step: int, world_size: int, reports: list[RankReport], meta: Metadata | None,
+    overlay: ChecksumOverlay | None, replicas: int, placement: str, launch: tuple[str, str],
+) -> StepRecord:
+    """Step 5 (pure): the step record's global part, the same on every rank. ``launch`` is
+    used when rank 0's report names none. Without ``meta`` the record is incomplete (the
+    coordinator's ``finish`` completes it)."""
+    storage_data: Any = overlay
+    if storage_data is None:
+        storage_data = {wr.index: wr.storage_data for rep in reports for wr in rep.results}
+    complete = meta is not None
+    if meta is None:
+        meta = Metadata(state_dict_metadata={})
+    rank_nodes = tuple(rep.node_id for rep in reports)
+    launch_id, launch_desc = reports[0].launch or launch
+    holders: dict[str, set[str]] = {n: {n} for n in rank_nodes}
+    for rep in reports:
+        for rs in rep.replica_slots:
+            holders[rank_nodes[rs.rank]].add(rep.node_id)
+    return StepRecord(
+        job_id=job_id, step=step, world_size=world_size,
+        metadata=dataclasses.replace(meta, storage_data=storage_data),
+        rank_nodes=rank_nodes, rank_nbytes=tuple(rep.nbytes for rep in reports),
+        holders={k: tuple(sorted(v)) for k, v in holders.items()},
+        replicas=replicas, placement=placement, complete=complete,
+        launch_id=launch_id, launch_description=launch_desc,
+    )
+
+
+def node_slots(reports: list[RankReport], node_id: str) -> tuple[RankSlot, ...]:
+    """The slots of ``node_id``'s record: its ranks' own slots, then the replicas it stored."""
+    mine = [rep for rep in reports if rep.node_id == node_id]
+    return tuple(RankSlot(rep.rank, rep.slot, rep.nbytes) for rep in mine) + tuple(
+        rs for rep in mine for rs in rep.replica_slots
+    )
+
+
+def protected_step(step: int, reports: list[RankReport], node_id: str, global_step: int | None) -> int | None:
+    """The step eviction must keep besides ``step`` itself: on one node its record is the whole
+    commit, so ``step`` is committed everywhere; on several, G (the others' records are known
+    only at the next save's agreement)."""
+    return step if all(rep.node_id == node_id for rep in reports) else global_step
+
+
+def raise_if_failed(error: BaseException | None, reports: Sequence[T | None], what: str) -> list[T]:
+    """After a gather: re-raise this rank's own error, else PeerError naming the ranks that
+    failed (those that sent None); else every rank's report."""
+    if error is not None:
+        raise error
+    failed = [r for r, rep in enumerate(reports) if rep is None]
+    if failed:
+        raise PeerError(f"ranks {failed} failed while {what}; the step was not committed (see their errors).")
+    return [rep for rep in reports if rep is not None]
+
+
+class CommitProtocol:
+    """One writer's side of the commit protocol, and what it remembers from save to save.
+
+    ``tier``: this node's local tier; ``node``: this rank's node; ``options``: keep,
+    replicas, placement (the writer's :class:`~gemini_dcp.core.config.TierOptions`).
+    """
+
+    def __init__(self, tier: LocalTier, node: NodeIdentity, options: TierOptions) -> None:
+        self.tier = tier
+        self.node = node
+        self.options = options
+        self.leader: bool | None = None  # this rank is its node's lowest rank (known after a save)
+        self.failed_commit: int | None = None  # a step whose record write failed on this node
+        self.global_step: int | None = None  # G of the last save
+        self.pending_record: StepRecord | None = None  # this node's record of the last save
+        # The newest step this writer saw committed, on every rank (dcp.save and replayed saves alike).
+        self.last_committed_step: int | None = None
+        self.last_save_seconds: float | None = None
+        self.last_replication: dict[str, Any] = {}
+        # The global metadata of the last save (rank 0's plan, known to every rank after the commit gather).
+        self.planned_metadata: Metadata | None = None
+        # (digest, shell) of the planned metadata of the last save (see RankReport.metadata_digest).
+        self.known_metadata: tuple[bytes | None, Metadata | None] = (None, None)
+        self.last_metadata_transfer = "none"  # how the last save's metadata reached this rank
+        # Where every rank's chunks of the last committed save live, known to every rank.
+        self.committed_layout: Layout | None = None
+        self.last_commit_compact = False  # the last commit gather sent this rank's checksums only
+        self._split: SplitLayout | None = None  # the replay layout, split per rank (cached)
+        # The basis: the chunk locations of the last committed save and (the step that first
+        # committed them, their count): a plain dcp.save of the same structure sends only checksums.
+        self._basis: tuple[tuple[int, int], Layout] | None = None
+        self._warned_replicas = False
+
+    # ---- step 1: agree -------------------------------------------------------------------
+    def prewrite_values(self, step: int) -> list[int]:
+        """This rank's part of step 1 for ``step`` (local; see :func:`.agreement.prewrite_values`)."""
+        return prewrite_values(
+            self.tier, step, leader=self.leader, failed_commit=self.failed_commit, launch_id=self.node.launch_id
+        )
+
+    def agree(self, comm: Collectives, step: int) -> None:
+        """Step 1. Collective: one MIN all-reduce of three ints on the control group; all ranks call it."""
+        self.apply_agreement(step, min_all_reduce(comm, self.prewrite_values(step)))
+
+    def apply_agreement(self, step: int, vals: Sequence[int]) -> None:
+        """Act on the agreed (MIN over ranks) :meth:`prewrite_values`: the same on every rank."""
+        self.failed_commit = None
+        agreed = Agreement.of(vals)
+        if agreed.failed_step is not None:
+            log.warning(
+                "step %s was not committed on every node (a record write failed there): it is not restorable; "
+                "step %s stays the restore point until a later save commits everywhere.",
+                agreed.failed_step, agreed.global_step,
+            )
+        if agreed.repeated:
+            raise InvalidStepError(
+                f"step {step} was already saved by this launch ({self.node.launch_description}) in job "
+                f"{self.tier.job_id!r}: a second dcp.save of the same step would replace the first. Save model and "
+                "optimizer in one state dict (dcp.save({'model': ..., 'optim': ...})), or give each its own writer "
+                "with a separate job_id."
+            )
+        self.global_step = agreed.global_step
+        self.tier.begin_save(step, agreed.global_step)
+
+    # ---- the whole save ------------------------------------------------------------------
+    def save(
+        self,
+        comm: Collectives,
+        spec: SaveSpec,
+        write_local: Callable[[], LocalWrite],
+        *,
+        check_space: Callable[[], object] | None = None,
+        hooks: SaveHooks = NO_HOOKS,
+        replicate: Replicate | None = None,
+        after_commit: Callable[[StepRecord, int], None] | None = None,
+    ) -> tuple[WriteResult, ...]:
+        """Run steps 1-8 for ``spec.step``; returns this rank's write results.
+
+        Collective over the control group: all ranks call it together. ``write_local`` is
+        step 2; ``check_space`` (a replayed save) runs just before it, inside the part
+        whose errors every rank learns at the gather. ``replicate`` is step 4 (None: local
+        copies only); ``after_commit(record, rank)`` is step 8.
+        """
+        t0 = time.perf_counter()
+        step, rank = spec.step, comm.rank
+        planned, layout = spec.planned, spec.layout
+        basis: tuple[int, int] | None = None
+        if spec.use_basis and self._basis is not None and comm.distributed:
+            basis, layout = self._basis
+        error: BaseException | None = None
+        report: RankReport | None = None
+        planned_blob: bytes | None = None
+        digest: bytes | None = None
+        try:
+            # First, before any byte is written: every rank reaches it (an error it raises is the
+            # same on every rank, and goes through the report gather like any other).
+            if spec.agreed is not None:
+                self.apply_agreement(step, spec.agreed)
+            else:
+                self.agree(comm, step)
+            if planned is not None and comm.distributed:
+                planned_blob = metadata_shell_blob(planned)
+                digest = xxhash.xxh3_128_digest(planned_blob)
+            if check_space is not None:
+                check_space()
+            fault_point("save.before_copy")
+            local = write_local()
+            fault_point("save.after_copy")
+            # Unchanged since rank 0's last save: every rank probably holds it (checked after the gather).
+            inline = rp.inline_metadata(planned_blob, comm.world_size) and digest != self.known_metadata[0]
+            report = RankReport(
+                rank=rank, node_id=self.node.node_id, slot=local.slot, nbytes=local.nbytes, results=local.results,
+                metadata_digest=digest, metadata_blob=planned_blob if inline else None,
+                storage_meta=planned.storage_meta if digest is not None and planned is not None else None,
+                known_metadata=self.known_metadata[0], basis=basis, wire_chunk=self.wire_chunk(comm, hooks),
+                host=self.node.host, root_id=self.node.root_id,
+                launch=(self.node.launch_id, self.node.launch_description) if rank == 0 else None,
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
+            error = exc
+        finally:
+            if hooks.on_local_copy_done is not None:
+                hooks.on_local_copy_done(step)
+        # ---- step 3: report / gather
+        split = self._split_layout(layout)
+        layouts = split.by_rank if split is not None else None
+        sent = report
+        if layouts is not None and report is not None:
+            sent = rp.compact(report, layouts.get(rank, []))
+        self.last_commit_compact = sent is not report
+        reports = raise_if_failed(error, comm.all_gather_object(sent), "writing shards into the local tier")
+        fault_point("save.after_gather")
+        assert report is not None
+        rp.check_node_identities(reports)  # same result on every rank: all raise, before any commit
+        if spec.use_basis and not rp.agreed_basis(reports):
+            # Some rank lacks this layout (or holds another): it could not rebuild compact
+            # reports. Every rank sees the same reports, so all take this branch together.
+            split = layouts = None
+            if any(rep.checksums is not None for rep in reports):
+                reports = comm.all_gather_object(report)
+            self.last_commit_compact = False
+        # Replayed save, every rank compact: keep the reports compact and record the layout plus
+        # the checksums; otherwise rebuild every rank's write results.
+        overlay = rp.overlay(split, reports) if split is not None else None
+        if layouts is not None and overlay is None:
+            reports = [rp.expand_report(rep, layouts) for rep in reports]
+        meta = spec.known if spec.known is not None else self.gather_metadata(comm, planned, planned_blob, reports)
+        self.planned_metadata = meta
+        # ---- step 4: replicate
+        if self.options.replicas > 1:
+            self._warn_replicas_capped(len({rep.node_id for rep in reports}))
+        if self.options.replicas > 1 and comm.distributed and replicate is not None:
+            expand = (lambda rep: rp.expand(rep, layouts)) if overlay is not None else None  # type: ignore[arg-type]
+            replica_slots, self.last_replication = replicate(step, reports, expand)
+            # Only the replica slots are new: every rank already has every report.
+            gathered = comm.all_gather_object(replica_slots)
+            reports = [dataclasses.replace(rep, replica_slots=rs) for rep, rs in zip(reports, gathered)]
+            fault_point("replicate.after")
+        # ---- step 5: build the record (after the replicas: holders name them)
+        record = build_record(
+            job_id=self.tier.job_id, step=step, world_size=comm.world_size, reports=reports, meta=meta,
+            overlay=overlay, replicas=self.options.replicas, placement=self.options.placement,
+            launch=(self.node.launch_id, self.node.launch_description),
+        )
+        self.committed_layout = record.metadata.storage_data
+        self._remember_basis(step, overlay, record.metadata.storage_data)
+        # ---- steps 6-7: commit on each node, evict
+        self.commit_on_node(record, reports, rank)
+        if record.complete:  # else the coordinator's finish() completes it
+            self.last_committed_step = step
+        # ---- step 8: hand off to the drain
+        if after_commit is not None:
+            after_commit(self.pending_record or record, rank)
+        self.last_save_seconds = time.perf_counter() - t0
+        return report.results
+
+    # ---- the parts -------------------------------------------------------------------------
+    def wire_chunk(self, comm: Collectives, hooks: SaveHooks) -> int:
+        """Message size of this rank's paced replication (0: one message, unpaced)."""
+        pace = hooks.replication_pace
+        if pace is None or self.options.replicas <= 1 or not comm.distributed:
+            return 0
+        return max(1, block_bytes(pace))
+
+    def gather_metadata(
+        self, comm: Collectives, planned: Metadata | None, planned_blob: bytes | None, reports: list[RankReport]
+    ) -> Metadata | None:
+        """Rank 0's planned metadata on every rank: the copy every rank already holds when it
+        is unchanged, else from rank 0's report or — large for the world size — one broadcast
+        that every rank joins (every rank sees the same reports, so all decide alike)."""
+        first = reports[0]
+        digest = first.metadata_digest
+        if digest is None:  # one process (nothing to share), or a planner without metadata
+            return planned if comm.rank == 0 else None
+        held_digest, held = self.known_metadata
+        if held_digest != digest or held is None:
+            held = None
+        if first.metadata_blob is not None:
+            self.last_metadata_transfer = "inline"
+            blob = first.metadata_blob
+        elif all(rep.known_metadata == digest for rep in reports):
+            self.last_metadata_transfer = "none"
+            blob = None
+        else:
+            self.last_metadata_transfer = "broadcast"
+            blob = comm.broadcast_object(planned_blob if comm.rank == 0 else None, src=0)
+        if held is None:
+            if comm.rank == 0 and planned is not None:
+                held = dataclasses.replace(planned, storage_data=None, storage_meta=None)
+            else:
+                assert blob is not None, "metadata unchanged on every rank, yet this rank holds none"
+                held = restricted_loads(blob, source="rank 0's checkpoint metadata")
+        # The same shell objects save after save: records.metadata_shell_blob reuses its pickle.
+        self.known_metadata = (digest, held)
+        return dataclasses.replace(held, storage_meta=first.storage_meta)
+
+    def commit_on_node(self, record: StepRecord, reports: list[RankReport], rank: int) -> None:
+        """Steps 6-7 (local): the node leader (lowest rank on this node) writes the record and evicts old steps."""
+        node_id = self.node.node_id
+        node_record = record.for_node(node_id, node_slots(reports, node_id))
+        self.pending_record = node_record
+        self.leader = rank == min(rep.rank for rep in reports if rep.node_id == node_id)
+        if self.leader:
+            fault_point("commit.before_record")
+            try:
+                self.tier.write_record(node_record)
+            except BaseException:
+                # Not committed on this node; the previous steps are untouched (nothing was evicted).
+                # DCP reports this to every rank; the next save tells every rank as well.
+                self.failed_commit = record.step
+                raise
+            fault_point("commit.after_record")
+            g = protected_step(record.step, reports, node_id, self.global_step)
+            evicted = self.tier.retain(self.options.keep, record.step, g, self.node.launch_id)
+            fault_point("commit.after_evict")
+            if evicted:
+                log.debug("node %s evicted steps %s", node_id, evicted)
+
+    def _warn_replicas_capped(self, nodes: int) -> None:
+        if self.options.replicas > nodes and not self._warned_replicas:
+            self._warned_replicas = True
+            log.warning(
+                "replicas=%s but the job runs on %s node(s): each node's shards get at most %s cop%s (the node's "
+                "own included). Lower replicas, or run on more nodes (ranks sharing a tier root are one node).",
+                self.options.replicas, nodes, nodes, "y" if nodes == 1 else "ies",
+            )
+
+    def _remember_basis(self, step: int, overlay: ChecksumOverlay | None, storage_data: Layout) -> None:
+        """Keep the committed chunk locations for the next plain save to compact against.
+
+        Decided from the gathered reports alone, so every rank keeps the same basis: an
+        overlay on the kept layout keeps it (and its step); any other layout starts a new one.
+        """
+        base = rp.base_layout(storage_data)
+        if overlay is not None and self._basis is not None and self._basis[1] is base:
+            return
+        self._basis = ((step, len(base)), base)
+
+    def _split_layout(self, layout: Layout | None) -> SplitLayout | None:
+        if layout is None:
+            return None
+        layout = rp.base_layout(layout)
+        split = self._split
+        if split is None or split.source is not layout:
+            split = self._split = SplitLayout.of(layout)
+        return split
+

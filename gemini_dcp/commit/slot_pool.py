@@ -1,0 +1,85 @@
+"""The slot files of one writer on this node: lookup, budget, space check, growth.
+
+Every rank writes a step into one of ``keep + 1`` slot files of its own (a ring: the slot
+of the step being saved is never one a kept step still uses, see
+:meth:`gemini_dcp.local.tier.LocalTier.choose_slot`); peer replicas of another node's
+ranks land in slots of those ranks on this node. A slot file is mapped once per writer
+and grown in place (never shrunk) as a save needs it.
+
+Local work only (no collective): each rank calls it for the slots it writes or receives.
+"""
+
+from __future__ import annotations
+
+from ..errors import TierFullError
+from ..local.slots import ALIGN, SlotFile, free_bytes, round_capacity, tier_full_message
+from ..local.tier import LocalTier
+
+
+class SlotPool:
+    """The mapped slot files of one writer, keyed by ``(rank, slot index)``.
+
+    ``keep``: committed steps retained (the ring holds ``keep + 1`` slots per rank).
+    ``capacity_bytes``: the job's budget on this node (None: only the free space bounds it).
+    """
+
+    def __init__(self, tier: LocalTier, *, keep: int, capacity_bytes: int | None) -> None:
+        self.tier = tier
+        self.keep = keep
+        self.capacity_bytes = capacity_bytes
+        self._slots: dict[tuple[int, int], SlotFile] = {}
+
+    def slot(self, rank: int, idx: int) -> SlotFile:
+        """The slot file ``idx`` of ``rank`` on this node, created (empty) and mapped on first use."""
+        key = (rank, idx)
+        slot = self._slots.get(key)
+        if slot is None:
+            path = self.tier.slot_path(rank, idx)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            slot = SlotFile(path)
+            self._slots[key] = slot
+        return slot
+
+    def choose(self, rank: int) -> int:
+        """The slot index ``rank``'s next save (or replica) goes to (see ``LocalTier.choose_slot``)."""
+        return self.tier.choose_slot(rank, self.keep)
+
+    def grow(self, slot: SlotFile, nbytes: int) -> None:
+        """Make ``slot`` hold ``nbytes``, within the budget and the free space (TierFullError)."""
+        slot.ensure_capacity(nbytes, budget_check=self.budget_check)
+
+    def budget_check(self, delta: int) -> None:
+        """TierFullError when ``delta`` more bytes would take the job over ``capacity_bytes``."""
+        cap = self.capacity_bytes
+        if cap is not None:
+            used = self.tier.usage_bytes()
+            if used + delta > cap:
+                raise TierFullError(
+                    f"job {self.tier.job_id!r} would use {(used + delta) / 2**30:.3f} GiB in {self.tier.root}, over "
+                    f"its capacity_bytes budget of {cap / 2**30:.3f} GiB: raise capacity_bytes or lower keep."
+                )
+
+    def check_space(self, rank: int, tensor_bytes: int, items: int) -> None:
+        """Fail before writing when ``rank``'s ring of slots cannot fit in the tier root.
+
+        ``tensor_bytes``: the planned tensor bytes of one save of ``items`` items.
+        """
+        if tensor_bytes == 0:
+            # Nothing to reserve ahead (no tensor bytes; a few pickled items at most): the
+            # write grows the slot to what it really needs, and checks the space then.
+            return
+        need = tensor_bytes + ALIGN * items
+        cap = round_capacity(need)
+        missing = 0
+        for idx in range(self.keep + 1):
+            path = self.tier.slot_path(rank, idx)
+            have = path.stat().st_size if path.exists() else 0
+            missing += max(0, cap - have)
+        if missing:
+            self.budget_check(missing)
+            root = self.tier.root
+            free = free_bytes(root)
+            if missing > free:
+                raise TierFullError(
+                    tier_full_message(root, missing, free, f"{self.keep + 1} slots of {cap / 2**20:.1f} MiB for rank {rank}")
+                )

@@ -1,0 +1,445 @@
+"""Step record types: what a committed step is made of.
+
+A :class:`StepRecord` is written by every node that holds bytes of the step,
+only after every rank's shards were written and checksummed (the commit
+protocol, :mod:`gemini_dcp.commit.protocol`). Its global part (DCP metadata with one
+:class:`ShardRef` per stored item, rank→node map, placement) is identical on all
+nodes; ``slots`` is node-specific: which slot file on *this* node holds which
+rank's bytes.
+
+The types pickle into a compact form (``__reduce__`` below: the shared metadata shell
+and layout once, as cached bytes); :mod:`gemini_dcp.local.record_codec` frames those
+pickles as ``GEMREC`` files and :mod:`gemini_dcp.local.record_caches` holds the caches.
+Every class or function named in a pickle here is on the allow-list of
+:mod:`gemini_dcp.core.safe_pickle` at this module's path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import time
+from array import array
+from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import NamedTuple
+
+import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from ..core.safe_pickle import restricted_loads
+from .record_caches import (
+    _MAX_LAYOUTS,
+    _digests,
+    _index,
+    _layout_blobs,
+    _layouts_by_blob,
+    _locations,
+    _positions,
+    _reading_torch,
+    _remember,
+    _values,
+    metadata_shell,
+    metadata_shell_blob,
+)
+
+
+class ShardRef(NamedTuple):
+    """Where one stored item (tensor chunk or pickled bytes) lives: ``storage_data`` of a WriteResult.
+
+    ``offset``/``length`` are bytes inside the owning rank's slot for the step;
+    ``dtype``/``shape`` describe a tensor chunk (None for a bytes item).
+
+    A named tuple, immutable like a frozen dataclass but ~10x cheaper to build: a step
+    record holds one per chunk of every rank, and a restoring process decodes them all
+    (230 k chunks at 256 ranks x 900 tensors).
+    """
+
+    rank: int
+    offset: int
+    length: int
+    checksum: int
+    algo: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+    def astuple(self) -> tuple[object, ...]:
+        """The fields in order: ``ShardRef(*ref.astuple()) == ref``."""
+        return tuple(self)
+
+    def with_checksum(self, checksum: int) -> ShardRef:
+        """The same chunk location with another checksum (a later save of the same plan)."""
+        return _new_ref(ShardRef, (self[0], self[1], self[2], checksum, self[4], self[5], self[6]))
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        # The fields as a plain tuple, as records written by earlier versions store them.
+        return (ShardRef, tuple(self))
+
+
+_new_ref = tuple.__new__  # builds a ShardRef from a full 7-tuple without the keyword machinery
+
+
+@dataclass(frozen=True, slots=True)
+class RankSlot:
+    """Bytes of ``rank`` for a step live in ``slot`` (``nbytes`` used) on the node writing the record."""
+
+    rank: int
+    slot: int
+    nbytes: int
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return (RankSlot, (self.rank, self.slot, self.nbytes))
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    job_id: str
+    step: int
+    world_size: int
+    metadata: Metadata
+    rank_nodes: tuple[str, ...]          # node id of each saving rank
+    rank_nbytes: tuple[int, ...]         # bytes each rank stored
+    holders: dict[str, tuple[str, ...]]  # origin node id -> node ids holding a copy (incl. itself)
+    replicas: int
+    placement: str
+    slots: tuple[RankSlot, ...] = ()     # node-specific
+    node_id: str = ""                    # the node that wrote this record
+    created_unix: float = field(default_factory=time.time)
+    complete: bool = True                # False: written without the coordinator's final metadata
+    launch_id: str = ""                  # the launch that saved it (gemini_dcp.core.launch.current_launch)
+    launch_description: str = ""         # human-readable form of that launch, for messages
+
+    def __setstate__(self, state: Sequence[object]) -> None:
+        # Records pickled field by field (before __reduce__ existed) hold fewer fields than
+        # the class has now: the missing trailing ones take their defaults.
+        for f, value in zip(_STEP_FIELDS, state):
+            object.__setattr__(self, f.name, value)
+        for f in _STEP_FIELDS[len(state):]:
+            object.__setattr__(self, f.name, f.default_factory() if f.default is MISSING else f.default)  # type: ignore[misc]
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # The DCP metadata minus its storage_data / storage_meta is the same object on every
+        # save that replays a plan (gemini_dcp.snapshot.replay) and by far the largest part of a
+        # record (one TensorStorageMetadata per tensor): pickled once, then reused as bytes.
+        meta = self.metadata
+        return (
+            _rebuild_record,
+            (
+                self.job_id, self.step, self.world_size, metadata_shell_blob(meta), meta.storage_meta,
+                _pack_storage_data(meta.storage_data),
+                self.rank_nodes, self.rank_nbytes, self.holders, self.replicas, self.placement, self.slots,
+                self.node_id, self.created_unix, self.complete, self.launch_id, self.launch_description,
+            ),
+        )
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.rank_nodes))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.rank_nbytes)
+
+    def ranks_of(self, node_id: str) -> tuple[int, ...]:
+        return tuple(r for r, n in enumerate(self.rank_nodes) if n == node_id)
+
+    def held_ranks(self) -> tuple[int, ...]:
+        return tuple(s.rank for s in self.slots)
+
+    def slot_of(self, rank: int) -> RankSlot | None:
+        for s in self.slots:
+            if s.rank == rank:
+                return s
+        return None
+
+    def for_node(self, node_id: str, slots: tuple[RankSlot, ...]) -> StepRecord:
+        return replace(self, node_id=node_id, slots=slots)
+
+    def fingerprint(self) -> str:
+        """Hash of the global (node-independent) part: equal on every node for one save.
+
+        Content only (never pickled bytes, which depend on object sharing): where every
+        chunk lives, then the checksums in the same (index-sorted) order. For a replayed
+        record the location part is hashed once per layout and the checksums are one
+        array permutation, so it costs milliseconds at any size.
+        """
+        h = hashlib.sha256()
+        h.update(f"{self.job_id}|{self.step}|{self.world_size}|{self.rank_nodes}|{self.rank_nbytes}".encode())
+        sd = self.metadata.storage_data
+        if isinstance(sd, ChecksumOverlay):
+            digest, order = _digests.get(sd.layout, lambda: _location_digest(sd.layout))
+            sums = np.frombuffer(sd.checksums, dtype=np.uint64)[order]
+        else:
+            digest, order = _location_digest(sd)
+            values = list(sd.values())
+            sums = np.fromiter((values[i].checksum for i in order), dtype=np.uint64, count=len(order))
+        h.update(digest)
+        h.update(sums.astype("<u8").tobytes())
+        return h.hexdigest()[:16]
+
+
+_STEP_FIELDS = fields(StepRecord)
+
+
+_PACKED = "gemini_dcp.shardrefs.v1"
+
+
+def _pack_storage_data(storage_data: object) -> object:
+    """``{MetadataIndex: ShardRef}`` as flat tuples (pickling torch's MetadataIndex field by
+    field costs ~3x more); anything else unchanged."""
+    if isinstance(storage_data, PackedLayout):
+        return (_PACKED, storage_data.rows)
+    if not isinstance(storage_data, dict):
+        return storage_data
+    rows = []
+    for k, v in storage_data.items():
+        if type(k) is not MetadataIndex or type(v) is not ShardRef:
+            return storage_data
+        rows.append((k.fqn, None if k.offset is None else tuple(k.offset), k.index, *v))
+    return (_PACKED, tuple(rows))
+
+
+def _unpack_storage_data(packed: object) -> object:
+    if not (isinstance(packed, tuple) and len(packed) == 2 and packed[0] == _PACKED):
+        return packed
+    return PackedLayout(packed[1])  # type: ignore[arg-type]
+
+
+
+_Row = tuple  # (fqn, offset tuple | None, index hint, *ShardRef fields): one stored chunk
+
+
+class PackedLayout(Mapping[MetadataIndex, ShardRef]):
+    """A decoded ``{MetadataIndex: ShardRef}``, kept as the flat rows it was stored as.
+
+    A record holds one entry per chunk of every rank (230 k at 256 ranks x 900 tensors);
+    building a MetadataIndex and a ShardRef for each cost ~2 s per decoded layout, paid
+    by every restoring process before it read a byte, though a rank reads only its own
+    chunks and those it serves. Here decoding is the unpickling of plain tuples; a lookup
+    builds (once per layout) a dict keyed by ``(fqn, offset)`` or ``(rank, slot offset)``
+    tuples and materializes only the ShardRefs read. Iterating the keys materializes the
+    MetadataIndexes once. It compares equal to the dict of the same items.
+    """
+
+    __slots__ = ("_by_index", "_by_location", "_keys", "rows")
+
+    def __init__(self, rows: tuple[_Row, ...]) -> None:
+        self.rows = rows
+        self._by_index: dict[tuple[str, tuple[int, ...] | None], int] | None = None
+        self._by_location: dict[tuple[int, int], int] | None = None
+        self._keys: list[MetadataIndex] | None = None
+
+    def position(self, index: MetadataIndex) -> int:
+        """The row of ``index``; KeyError if absent (or not an index at all)."""
+        pos = self._by_index
+        if pos is None:
+            pos = self._by_index = {(r[0], r[1]): i for i, r in enumerate(self.rows)}
+        offset = getattr(index, "offset", None)
+        try:
+            return pos[(getattr(index, "fqn", None), None if offset is None else tuple(offset))]  # type: ignore[index]
+        except (KeyError, TypeError):
+            raise KeyError(index) from None
+
+    def location_positions(self) -> dict[tuple[int, int], int]:
+        """``(saving rank, slot offset) -> row``, built once."""
+        pos = self._by_location
+        if pos is None:
+            pos = self._by_location = {(r[3], r[4]): i for i, r in enumerate(self.rows)}
+        return pos
+
+    def ref_at(self, i: int) -> ShardRef:
+        return _new_ref(ShardRef, self.rows[i][3:])
+
+    def keys_in_order(self) -> list[MetadataIndex]:
+        keys = self._keys
+        if keys is None:
+            keys = self._keys = [_index(r[0], r[1], r[2]) for r in self.rows]
+        return keys
+
+    def locations(self) -> Iterator[tuple[str, tuple[int, ...], int, int, int]]:
+        """(fqn, chunk offset, rank, slot offset, length) per row: what the fingerprint hashes."""
+        return ((r[0], tuple(r[1] or ()), r[3], r[4], r[5]) for r in self.rows)
+
+    def __getitem__(self, index: MetadataIndex) -> ShardRef:
+        return self.ref_at(self.position(index))
+
+    def __contains__(self, index: object) -> bool:
+        try:
+            self.position(index)  # type: ignore[arg-type]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self.keys_in_order())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def values(self) -> ValuesView[ShardRef]:
+        return _PackedValues(self)
+
+    def items(self) -> ItemsView[MetadataIndex, ShardRef]:
+        return _PackedItems(self)
+
+    def __repr__(self) -> str:
+        return f"PackedLayout({len(self)} chunks)"
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (PackedLayout, (self.rows,))
+
+
+class _PackedValues(ValuesView[ShardRef]):
+    _mapping: PackedLayout
+
+    def __iter__(self) -> Iterator[ShardRef]:
+        return (_new_ref(ShardRef, r[3:]) for r in self._mapping.rows)
+
+
+class _PackedItems(ItemsView[MetadataIndex, ShardRef]):
+    _mapping: PackedLayout
+
+    def __iter__(self) -> Iterator[tuple[MetadataIndex, ShardRef]]:
+        m = self._mapping
+        return zip(m.keys_in_order(), (_new_ref(ShardRef, r[3:]) for r in m.rows))
+
+
+
+class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
+    """``storage_data`` of a save whose chunks all land where an earlier save put them (a
+    replayed plan, or a plain ``dcp.save`` of an unchanged structure): that layout, with
+    this save's checksums.
+
+    Only the checksums are new. Holding them as one array beside the shared layout
+    keeps a step's commit O(1) in Python objects — materializing a ShardRef (and a
+    WriteResult) per chunk of every rank cost ~0.9 s per save on every rank at 64
+    ranks × 900 tensors — and pickles as the layout's cached blob plus the array.
+    Reads (restore, inspect) materialize ShardRefs on access; it compares equal to
+    the plain dict of the same items.
+
+    ``checksums`` follow the layout's iteration order.
+    """
+
+    __slots__ = ("checksums", "layout")
+
+    def __init__(self, layout: Mapping[MetadataIndex, ShardRef], checksums: Sequence[int] | array) -> None:
+        sums = checksums if isinstance(checksums, array) and checksums.typecode == "Q" else array("Q", checksums)
+        if len(sums) != len(layout):
+            raise ValueError(f"ChecksumOverlay: {len(sums)} checksums for a layout of {len(layout)} chunks")
+        self.layout = layout
+        self.checksums = sums
+
+    def __getitem__(self, index: MetadataIndex) -> ShardRef:
+        layout = self.layout
+        if isinstance(layout, PackedLayout):
+            i = layout.position(index)
+            return layout.ref_at(i).with_checksum(self.checksums[i])
+        positions = _positions.get(layout, lambda: {idx: i for i, idx in enumerate(layout)})
+        return layout[index].with_checksum(self.checksums[positions[index]])
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self.layout
+
+    def __repr__(self) -> str:
+        return f"ChecksumOverlay({len(self)} chunks)"
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (_rebuild_overlay, (_layout_blob(self.layout), self.checksums))
+
+
+class _RefsByLocation(Mapping[tuple[int, int], ShardRef]):
+    """``(saving rank, slot offset) -> ShardRef`` over a packed layout (with an overlay's
+    checksums, if any) or an overlay of a dict layout, materializing only what is read."""
+
+    __slots__ = ("ref_at", "row_of")
+
+    def __init__(self, storage_data: PackedLayout | ChecksumOverlay) -> None:
+        layout = storage_data.layout if isinstance(storage_data, ChecksumOverlay) else storage_data
+        sums = storage_data.checksums if isinstance(storage_data, ChecksumOverlay) else None
+        if isinstance(layout, PackedLayout):
+            self.row_of = layout.location_positions()
+            self.ref_at: Callable[[int], ShardRef] = (
+                layout.ref_at if sums is None else (lambda i: layout.ref_at(i).with_checksum(sums[i]))
+            )
+        else:  # an overlay of a dict layout (the writer's own process)
+            assert isinstance(storage_data, ChecksumOverlay)
+            refs = _values.get(layout, lambda: list(layout.values()))
+            self.row_of = _locations.get(layout, lambda: {(ref.rank, ref.offset): i for i, ref in enumerate(refs)})
+            self.ref_at = lambda i: refs[i].with_checksum(sums[i])  # type: ignore[index]
+
+    def __getitem__(self, key: tuple[int, int]) -> ShardRef:
+        return self.ref_at(self.row_of[key])
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.row_of)
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+
+def refs_by_location(storage_data: Mapping[MetadataIndex, ShardRef]) -> Mapping[tuple[int, int], ShardRef]:
+    """Every stored chunk by ``(saving rank, offset in its slot)``.
+
+    A restore reads only the chunks its rank needs or serves; for a decoded or replayed
+    record the map is a view (the location index is built once per layout) instead of one
+    ShardRef per chunk of every rank (~1.5 s on every rank at 256 ranks x 900 tensors).
+    """
+    if isinstance(storage_data, (ChecksumOverlay, PackedLayout)):
+        return _RefsByLocation(storage_data)
+    return {(ref.rank, ref.offset): ref for ref in storage_data.values()}
+
+
+def _location_digest(storage_data: Mapping[MetadataIndex, ShardRef]) -> tuple[bytes, np.ndarray]:
+    """(sha256 of every chunk's index and location in index order, that order as positions)."""
+    if isinstance(storage_data, PackedLayout):
+        rows = list(storage_data.locations())
+    else:
+        rows = [(k.fqn, tuple(k.offset or ()), v.rank, v.offset, v.length) for k, v in storage_data.items()]
+    # (fqn, chunk offset) is unique per chunk, so whole-row order is index order (compared in C).
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    h = hashlib.sha256(b"gemini_dcp.locations.v2")
+    # repr, not marshal or pickle: their bytes depend on object sharing and interning.
+    h.update(repr([rows[i] for i in order]).encode())
+    return h.digest(), np.asarray(order, dtype=np.int64)
+
+
+def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
+    def build() -> bytes:
+        # The location digest and order of the fingerprint ride along (computed once per layout
+        # here), so a restoring rank does not sort and hash every chunk of every rank again.
+        digest, order = _digests.get(layout, lambda: _location_digest(layout))
+        rows = layout if isinstance(layout, (dict, PackedLayout)) else dict(layout)  # no copy of a dict
+        packed = (_pack_storage_data(rows), digest, order.astype("<i8").tobytes())
+        return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+
+    return _layout_blobs.get(layout, build)
+
+
+def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
+    layout = _layouts_by_blob.get(blob)
+    if layout is None:
+        loaded = restricted_loads(blob, source="a step record's chunk layout", writer_torch=_reading_torch())
+        digest: bytes | None = None
+        if isinstance(loaded, tuple) and len(loaded) == 3 and loaded[0] != _PACKED:  # (layout, digest, order)
+            loaded, digest, order_bytes = loaded
+        layout = _remember(_layouts_by_blob, blob, _unpack_storage_data(loaded), _MAX_LAYOUTS)  # type: ignore[arg-type]
+        if digest is not None and isinstance(layout, (dict, PackedLayout)):
+            order = np.frombuffer(order_bytes, dtype="<i8").astype(np.int64)
+            if len(order) == len(layout):
+                _digests.put(layout, (digest, order))
+    return ChecksumOverlay(layout, checksums)  # type: ignore[arg-type]
+
+
+def _rebuild_record(
+    job_id: str, step: int, world_size: int, meta_blob: bytes, storage_meta: object, storage_data: object,
+    *rest: object,
+) -> StepRecord:
+    meta = replace(metadata_shell(meta_blob), storage_data=_unpack_storage_data(storage_data), storage_meta=storage_meta)
+    return StepRecord(job_id, step, world_size, meta, *rest)  # type: ignore[arg-type]
+
