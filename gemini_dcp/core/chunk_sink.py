@@ -27,16 +27,16 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import ChecksumMismatchError, IncompatibleCheckpointError
-from ..local.records import ShardRef
 from .checksum import as_bytes, checksum, copy_and_checksum
 
 __all__ = [
+    "ChunkRef",
     "ChunkBytes",
     "Staged",
     "StagedChunks",
@@ -51,12 +51,27 @@ __all__ = [
     "verify_chunk",
 ]
 
+
+class ChunkRef(Protocol):
+    """What the sink reads of a chunk's reference (:class:`gemini_dcp.local.records.ShardRef` has it):
+    a structural type, so the sink sits below the tiers that define their records."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def algo(self) -> str: ...
+
+    @property
+    def checksum(self) -> int: ...
+
+
 ChunkBytes = torch.Tensor | bytes | bytearray | memoryview
 """The stored bytes of one chunk: a flat uint8 tensor, a buffer, or a tensor whose bytes count."""
 
 
 # ---- naming a chunk and the one message -----------------------------------------------------------
-def describe_item(item: ReadItem, ref: ShardRef, step: int) -> str:
+def describe_item(item: ReadItem, ref: ChunkRef, step: int) -> str:
     """``shard 'fqn' (offset (..)) of step N, saved by rank R``: how messages name a chunk."""
     idx = item.storage_index
     return f"shard {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step}, saved by rank {ref.rank}"
@@ -75,7 +90,7 @@ def corrupt_message(what: str, algo: str, sources: str) -> str:
     )
 
 
-def corrupt_error(item: ReadItem, ref: ShardRef, step: int, sources: str) -> ChecksumMismatchError:
+def corrupt_error(item: ReadItem, ref: ChunkRef, step: int, sources: str) -> ChecksumMismatchError:
     """The error for a chunk that failed its checksum in every copy tried (``sources`` names them)."""
     return ChecksumMismatchError(corrupt_message(describe_item(item, ref, step), ref.algo, sources))
 
@@ -105,7 +120,7 @@ def chunk_matches(data: ChunkBytes, algo: str, expected: int) -> bool:
     return checksum(_flat_bytes(data), algo) == expected
 
 
-def verify_chunk(data: ChunkBytes, ref: ShardRef) -> bool:
+def verify_chunk(data: ChunkBytes, ref: ChunkRef) -> bool:
     """Whether ``data`` (the stored bytes of the chunk ``ref`` names) match ``ref``'s checksum.
 
     The check the peer tier runs on a replica it received and on a chunk a repair round
