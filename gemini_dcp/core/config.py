@@ -80,8 +80,28 @@ def resolve_node_id(root: Path) -> str:
     return f"{socket.gethostname()}:{root}"
 
 
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def _step_of_path(checkpoint_id: object) -> int | None:
+    """N for a path-like id whose last component is ``step-<N>`` (torchtitan's ``<folder>/step-<N>``),
+    else None. Only the last component counts; the rest of the path names nothing in the memory tiers."""
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if not isinstance(checkpoint_id, str):
+        return None
+    last = checkpoint_id.strip().rstrip("/").rstrip(os.sep).rpartition("/")[2].rpartition(os.sep)[2]
+    m = _STEP_DIR.fullmatch(last)
+    return int(m.group(1)) if m else None
+
+
 def parse_step(checkpoint_id: object) -> int:
-    """Turn a DCP ``checkpoint_id`` into a training step, or raise InvalidStepError."""
+    """Turn a DCP ``checkpoint_id`` into a training step, or raise InvalidStepError.
+
+    Accepted: an int ``>= 0`` (or a numpy integer), a string of digits, or a path-like id
+    (``str`` or ``os.PathLike``) whose last component is ``step-<N>`` — e.g. torchtitan's
+    ``outputs/checkpoint/step-1200`` is step 1200; the folder part is ignored (the job is ``job_id``).
+    """
     if isinstance(checkpoint_id, bool):
         raise InvalidStepError(
             f"checkpoint_id={checkpoint_id!r} is a bool, not a training step: pass the step as an int."
@@ -90,10 +110,13 @@ def parse_step(checkpoint_id: object) -> int:
         step = int(checkpoint_id)  # type: ignore[arg-type]
     elif isinstance(checkpoint_id, str) and checkpoint_id.strip().isdigit():
         step = int(checkpoint_id.strip())
+    elif (from_path := _step_of_path(checkpoint_id)) is not None:
+        step = from_path
     else:
         raise InvalidStepError(
             f"checkpoint_id={checkpoint_id!r} is not a training step: gemini_dcp names checkpoints "
-            "by the step number, e.g. dcp.save(sd, storage_writer=w, checkpoint_id=step) with step an int >= 0."
+            "by the step number, e.g. dcp.save(sd, storage_writer=w, checkpoint_id=step) with step an int >= 0, "
+            "or by a path whose last component is step-<N> (e.g. 'outputs/checkpoint/step-1200')."
         )
     if step < 0:
         raise InvalidStepError(f"checkpoint_id={step} is negative: steps are ints >= 0.")
