@@ -12,7 +12,9 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 # old module (under gemini_dcp) -> its new dotted path (under gemini_dcp)
 OLD_MODULES: dict[str, str] = {
@@ -83,6 +85,20 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         if new == fullname:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(new))
+
+
+def forward_to(package: str, module: str) -> Callable[[str], Any]:
+    """A package face's ``__getattr__`` resolving the names of the flat module the package replaced
+    (``gemini_dcp.peer.replicate`` -> ``gemini_dcp.peer.replication.replicate``), imported on first use."""
+
+    def __getattr__(name: str) -> Any:
+        target = importlib.import_module(f"{package}.{module}")
+        try:
+            return getattr(target, name)
+        except AttributeError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+    return __getattr__
 
 
 def install() -> None:

@@ -10,14 +10,6 @@ Names of the former flat module ``gemini_dcp.peer`` (``gemini_dcp.peer.replicate
 like) resolve on first use, through :mod:`gemini_dcp.peer.replication`.
 """
 
-import importlib
-from typing import Any
+from .._aliases import forward_to
 
-
-def __getattr__(name: str) -> Any:
-    """An old name of the flat module (imports torch on first use; the face itself does not)."""
-    module = importlib.import_module(f"{__name__}.replication")
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = forward_to(__name__, "replication")

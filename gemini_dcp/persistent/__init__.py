@@ -1,13 +1,9 @@
-"""The persistent tier. Names of the former flat module ``gemini_dcp.persistent`` resolve here on first use."""
+"""The persistent tier: the store, its step directories and reads, the stock DCP layout, the drain.
 
-from typing import Any
+Names of the former flat module ``gemini_dcp.persistent`` (``PersistentTier`` and the like)
+resolve on first use, through :mod:`gemini_dcp.persistent.store`.
+"""
 
+from .._aliases import forward_to
 
-def __getattr__(name: str) -> Any:
-    import importlib  # noqa: PLC0415 - keeps the package face light
-
-    module = importlib.import_module(f"{__name__}.store")
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = forward_to(__name__, "store")
