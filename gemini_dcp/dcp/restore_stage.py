@@ -37,6 +37,7 @@ from ..local.slots import ReadOnlySlot
 
 if TYPE_CHECKING:
     from ..peer.replication import ReceiveArena
+    from ..persistent.item_payload import MappedFile
     from ..persistent.store import PersistentTier
 
 __all__ = ["RestoreStage"]
@@ -54,6 +55,7 @@ class RestoreStage:
     def __init__(self) -> None:
         self.maps: dict[Path, ReadOnlySlot] = {}
         self.arenas: list[ReceiveArena] = []  # this restore's peer receive buffers (gemini_dcp.peer.replication)
+        self.files: list[MappedFile] = []  # persistent data files whose pages the staged chunks view
         self.chunks = StagedChunks()
         self.dests: dict[int, torch.Tensor] = {}  # id(read item) -> its resolved destination
         self.rank_ok = True  # False: this rank will raise; it tells the others in the first agreement round
@@ -109,7 +111,7 @@ class RestoreStage:
         Raises (PersistentTierError, ChecksumMismatchError) with nothing of ``plan`` staged.
         """
         got = StagedChunks()
-        nbytes = persistent.read_items(step, plan, planner, stage=got)
+        nbytes = persistent.read_items(step, plan, planner, stage=got, keep=self.files.append)
         self.chunks.extend(got)
         return nbytes
 
@@ -131,6 +133,7 @@ class RestoreStage:
         self.chunks.clear()
         self.dests = {}
         self.maps.clear()
+        self.files.clear()
         arenas, self.arenas = self.arenas, []
         for arena in arenas:
             arena.release()  # after their pre-fault workers end
@@ -149,12 +152,14 @@ class RestoreStage:
         finalizing (no new threads), the unmap runs inline.
         """
         maps, self.maps = self.maps, {}
+        files, self.files = self.files, []
         arenas, self.arenas = self.arenas, []
-        if not maps and not arenas:
+        if not maps and not arenas and not files:
             return
 
         def unmap() -> None:
             maps.clear()
+            files.clear()
             for arena in arenas:
                 arena.release()  # the staged views are gone: the receive buffers' mapping goes with it
             arenas.clear()
