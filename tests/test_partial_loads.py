@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from mp_utils import free_port, run_ranks
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
 from gemini_dcp.local.tier import LocalTier
 from gemini_dcp.persistent.drain import drain_status, wait_idle
 from gemini_dcp.persistent.store import PersistentTier
-from mp_utils import free_port, run_ranks
 
 N_TENSORS = 8
 ELEMS = (1 << 20) // 4  # 1 MiB float32 each

@@ -314,9 +314,9 @@ class PersistentTier:
         """Raw stored bytes of one item (torch.save bytes for a tensor) and whether it is a BYTE_IO item."""
         return store_reads.read_item_bytes(self, step, idx)
 
-    def load_item(self, step: int, idx: MetadataIndex) -> torch.Tensor:
-        """One stored item as a tensor (uint8 for bytes items), verified against the index."""
-        return store_reads.load_item(self, step, idx)
+    def load_item(self, step: int, idx: MetadataIndex, expect: tuple[str, int] | None = None) -> torch.Tensor:
+        """One stored item as a tensor (uint8 for bytes items), verified against ``expect`` or the index."""
+        return store_reads.load_item(self, step, idx, expect)
 
     # ---- writing (used by the drain and stock.materialize_step) -----------------------------------
     def step_dir(self, step: int) -> StepDir:

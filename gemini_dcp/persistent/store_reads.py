@@ -36,10 +36,10 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
+from ..core.checksum import checksum
 from ..core.chunk_sink import StagedChunks, check_chunk, corrupt_message
 from ..errors import ChecksumMismatchError, PersistentTierError
 from ..local.records import ShardRef
-from ..core.checksum import checksum
 from .item_payload import ItemWindow, MappedFile, ReadAt, flat_bytes, payload_layout, read_exact, read_hashing
 from .side_files import StepIndex
 
@@ -296,8 +296,9 @@ def read_item_bytes(tier: PersistentTier, step: int, idx: MetadataIndex) -> tupl
     return raw, isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata)
 
 
-def load_item(tier: PersistentTier, step: int, idx: MetadataIndex) -> torch.Tensor:
-    """One stored item as a tensor (uint8 for bytes items), verified against the index."""
+def load_item(tier: PersistentTier, step: int, idx: MetadataIndex, expect: tuple[str, int] | None = None) -> torch.Tensor:
+    """One stored item as a private tensor (uint8 for bytes items), verified against ``expect``
+    (``(algo, checksum)``), else against the step's index."""
     md = tier.read_metadata(step)
     info = md.storage_data.get(idx)
     if not isinstance(info, _StorageInfo):
@@ -305,7 +306,7 @@ def load_item(tier: PersistentTier, step: int, idx: MetadataIndex) -> torch.Tens
     path = f"{tier.step_path(step)}/{info.relative_path}"
     task = _Task(
         index=idx, info=info, is_bytes=isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata),
-        expect=expected_checksum(None, tier.read_index(step), idx),
+        expect=expect if expect is not None else expected_checksum(None, tier.read_index(step), idx),
         what=f"item {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step}", shown=tier.shown(path),
     )
     if tier.is_local:
