@@ -2,8 +2,8 @@
 
 ``GeminiStorageReader.read_data`` restores in two phases. *Stage*: every chunk this rank
 needs is verified (:mod:`gemini_dcp.core.chunk_sink`) where it lies — a local chunk in its
-mmap'd slot file (zero copy), a peer chunk in its receive buffer, a persistent chunk as read
-from the store — and held here, outside the state dict. *Land*: only once every rank holds a
+mmap'd slot file (zero copy), a peer chunk in its receive buffer, a persistent chunk in its
+mapped data file (zero copy; read into a tensor from a remote store) — and held here, outside the state dict. *Land*: only once every rank holds a
 verified copy of every chunk it needs are they copied into the live tensors. A
 :class:`RestoreStage` owns what the first phase leaves behind (slot mappings, receive
 buffers, verified chunks, the destinations the key/shape check resolved) and lets it go:
@@ -144,7 +144,8 @@ class RestoreStage:
         Nothing references the mappings once every chunk is copied into the live
         tensors, but tearing down the page tables of a populated mapping costs
         ~15 ms per GiB (a serving rank maps its own slots and the replicas it
-        serves): a worker thread drops them while training resumes. The thread is
+        serves; a persistent restore maps the step's data files): a worker thread
+        drops them while training resumes. The thread is
         *not* a daemon: the interpreter joins it before it finalizes, so a process
         that exits right after ``dcp.load`` never tears the runtime down under a
         thread still inside the unmap (a daemon thread there aborted the process

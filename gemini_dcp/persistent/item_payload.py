@@ -187,7 +187,10 @@ class MappedFile:
 
     A view (:meth:`bytes_view`, :meth:`typed_view`) keeps the mapping alive (its buffer export
     holds it) until the view is gone; the mapping is undone when the last reference to this
-    object or a view goes. Views are read-only memory: only ever read them.
+    object or a view goes. Views are read-only memory: only ever read them. Only committed
+    steps are read this way, whose files are never rewritten in place (retention unlinks
+    them, which leaves a mapping valid); a file truncated under a live mapping would fault
+    (SIGBUS) when read.
     """
 
     def __init__(self, path: str) -> None:
