@@ -15,6 +15,15 @@ vs ``dcp.save(state, storage_writer=FsspecWriter(url))`` of the same state to
 the same store (which also blocks training for its whole duration).
 
 Writes benchmarks/results/persistent.json and prints ratios.
+
+Load (``--part load``): restoring the same state when every memory copy is gone, cold (the
+files' pages dropped from the page cache) and warm, in one run: stock ``FileSystemReader`` on
+a stock-written directory, ``GeminiStorageReader`` persistent-only on gemini's drained
+directory (empty tier root), stock ``FileSystemReader`` on gemini's directory, and
+``torch_checkpointing`` where it is importable (``--tc-path``). Passes are interleaved; every
+load is checked bit-exact. Writes benchmarks/results/persistent-load.json.
+
+    python benchmarks/bench_persistent.py --part load --load-mib 1024 --reps 3
 """
 
 from __future__ import annotations
@@ -122,7 +131,19 @@ def main() -> None:
     ap.add_argument("--store", default=None, help="fsspec URL of the store (default: a temp dir on local disk)")
     ap.add_argument("--root", default=None, help="tier root (default: a temp dir in /dev/shm)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "persistent.json"))
+    ap.add_argument("--part", choices=["save", "load"], default="save",
+                    help="save: drain throughput and training stall (above); load: the persistent restore vs stock")
+    ap.add_argument("--load-mib", type=int, default=1024, help="--part load: state size in MiB (12 x 64 MiB + 2 MiB tensors at 1024)")
+    ap.add_argument("--reps", type=int, default=3, help="--part load: interleaved repetitions of every load")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="--part load: cold loads after writing 1 to /proc/sys/vm/drop_caches (default: fadvise the files read)")
+    ap.add_argument("--tc-path", default=None, help="--part load: a directory holding the torch_checkpointing package")
     args = ap.parse_args()
+    if args.part == "load":
+        from bench_persistent_load import run_load_bench  # noqa: PLC0415 - the load part's own module
+
+        run_load_bench(args)
+        return
     torch.set_num_threads(1)  # the "GPU" training loop uses one core; the drain gets what is left
 
     root = args.root or tempfile.mkdtemp(prefix="gemini-bench-", dir="/dev/shm")

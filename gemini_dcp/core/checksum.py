@@ -66,6 +66,11 @@ class _Hasher:
         return self._h.intdigest() if self.algo == "xxh3" else self._v
 
 
+def new_hasher(algo: str) -> _Hasher:
+    """A running checksum: ``update(flat uint8 tensor)`` block by block, then ``value()``."""
+    return _Hasher(algo)
+
+
 def resolve_algo(algo: str) -> str:
     """The algorithm ``"auto"`` stands for on this machine (builds/loads the extension once)."""
     if algo != "auto":

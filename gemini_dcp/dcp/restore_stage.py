@@ -2,8 +2,8 @@
 
 ``GeminiStorageReader.read_data`` restores in two phases. *Stage*: every chunk this rank
 needs is verified (:mod:`gemini_dcp.core.chunk_sink`) where it lies — a local chunk in its
-mmap'd slot file (zero copy), a peer chunk in its receive buffer, a persistent chunk as read
-from the store — and held here, outside the state dict. *Land*: only once every rank holds a
+mmap'd slot file (zero copy), a peer chunk in its receive buffer, a persistent chunk in its
+mapped data file (zero copy; read into a tensor from a remote store) — and held here, outside the state dict. *Land*: only once every rank holds a
 verified copy of every chunk it needs are they copied into the live tensors. A
 :class:`RestoreStage` owns what the first phase leaves behind (slot mappings, receive
 buffers, verified chunks, the destinations the key/shape check resolved) and lets it go:
@@ -37,6 +37,7 @@ from ..local.slots import ReadOnlySlot
 
 if TYPE_CHECKING:
     from ..peer.arena import ReceiveArena
+    from ..persistent.item_payload import MappedFile
     from ..persistent.store import PersistentTier
 
 __all__ = ["RestoreStage"]
@@ -54,6 +55,7 @@ class RestoreStage:
     def __init__(self) -> None:
         self.maps: dict[Path, ReadOnlySlot] = {}
         self.arenas: list[ReceiveArena] = []  # this restore's peer receive buffers (gemini_dcp.peer.fetch)
+        self.files: list[MappedFile] = []  # persistent data files whose pages the staged chunks view
         self.chunks = StagedChunks()
         self.dests: dict[int, torch.Tensor] = {}  # id(read item) -> its resolved destination
         self.rank_ok = True  # False: this rank will raise; it tells the others in the first agreement round
@@ -109,7 +111,7 @@ class RestoreStage:
         Raises (PersistentTierError, ChecksumMismatchError) with nothing of ``plan`` staged.
         """
         got = StagedChunks()
-        nbytes = persistent.read_items(step, plan, planner, stage=got)
+        nbytes = persistent.read_items(step, plan, planner, stage=got, keep=self.files.append)
         self.chunks.extend(got)
         return nbytes
 
@@ -131,6 +133,7 @@ class RestoreStage:
         self.chunks.clear()
         self.dests = {}
         self.maps.clear()
+        self.files.clear()
         arenas, self.arenas = self.arenas, []
         for arena in arenas:
             arena.release()  # after their pre-fault workers end
@@ -141,7 +144,8 @@ class RestoreStage:
         Nothing references the mappings once every chunk is copied into the live
         tensors, but tearing down the page tables of a populated mapping costs
         ~15 ms per GiB (a serving rank maps its own slots and the replicas it
-        serves): a worker thread drops them while training resumes. The thread is
+        serves; a persistent restore maps the step's data files): a worker thread
+        drops them while training resumes. The thread is
         *not* a daemon: the interpreter joins it before it finalizes, so a process
         that exits right after ``dcp.load`` never tears the runtime down under a
         thread still inside the unmap (a daemon thread there aborted the process
@@ -149,12 +153,14 @@ class RestoreStage:
         finalizing (no new threads), the unmap runs inline.
         """
         maps, self.maps = self.maps, {}
+        files, self.files = self.files, []
         arenas, self.arenas = self.arenas, []
-        if not maps and not arenas:
+        if not maps and not arenas and not files:
             return
 
         def unmap() -> None:
             maps.clear()
+            files.clear()
             for arena in arenas:
                 arena.release()  # the staged views are gone: the receive buffers' mapping goes with it
             arenas.clear()

@@ -56,7 +56,6 @@ from ..local.slots import ReadOnlySlot
 from ..local.tier import LocalTier
 from .store import (
     PartMarker,
-    PersistentChecksumError,
     PersistentTier,
     PersistentTimeoutError,
     StepDir,
@@ -274,10 +273,9 @@ class StepSource:
             return typed(out, item)
         if src == "persistent":
             assert self.persistent is not None
-            t = self.persistent.load_item(self.step, item.index)
-            if item.checksum is not None:
-                check_chunk(t, item.algo or "xxh3", item.checksum, what=f"{item.name} of step {self.step}",
-                            sources=f"persistent store {self.persistent.url}", error=PersistentChecksumError)
+            # read and hashed in one pass, against the checksum the item was saved with
+            expect = (item.algo or "xxh3", item.checksum) if item.checksum is not None else None
+            t = self.persistent.load_item(self.step, item.index, expect)
             self.bytes_from["persistent"] += item.length
             return t
         raise ShardUnavailableError(f"{item.name} of step {self.step} is not readable from this host.")

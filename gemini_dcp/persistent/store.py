@@ -47,6 +47,7 @@ from ..core.chunk_sink import StagedChunks
 from ..core.config import check_timeout, resolve_job_id
 from ..errors import ConfigError, PersistentTierError, StepNotFoundError
 from . import store_reads
+from .item_payload import MappedFile
 from .side_files import (
     INDEX,
     METADATA,
@@ -295,18 +296,27 @@ class PersistentTier:
         return md, index
 
     def read_items(
-        self, step: int, plan: LoadPlan, planner: LoadPlanner, *, stage: StagedChunks | None = None
+        self,
+        step: int,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        *,
+        stage: StagedChunks | None = None,
+        keep: Callable[[MappedFile], None] | None = None,
     ) -> int:
-        """Read ``plan``'s items of ``step``, verified; bytes read (:func:`.store_reads.read_items`)."""
-        return store_reads.read_items(self, step, plan, planner, stage=stage)
+        """Read ``plan``'s items of ``step``, verified; bytes read (:func:`.store_reads.read_items`).
+
+        ``keep`` is handed every local data file mapped for the staged views, so the caller
+        decides where the mapping is undone (off the restore's critical path)."""
+        return store_reads.read_items(self, step, plan, planner, stage=stage, keep=keep)
 
     def read_item_bytes(self, step: int, idx: MetadataIndex) -> tuple[bytes, bool]:
         """Raw stored bytes of one item (torch.save bytes for a tensor) and whether it is a BYTE_IO item."""
         return store_reads.read_item_bytes(self, step, idx)
 
-    def load_item(self, step: int, idx: MetadataIndex) -> torch.Tensor:
-        """One stored item as a tensor (uint8 for bytes items), verified against the index."""
-        return store_reads.load_item(self, step, idx)
+    def load_item(self, step: int, idx: MetadataIndex, expect: tuple[str, int] | None = None) -> torch.Tensor:
+        """One stored item as a tensor (uint8 for bytes items), verified against ``expect`` or the index."""
+        return store_reads.load_item(self, step, idx, expect)
 
     # ---- writing (used by the drain and stock.materialize_step) -----------------------------------
     def step_dir(self, step: int) -> StepDir:
