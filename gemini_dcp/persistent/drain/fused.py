@@ -1,0 +1,160 @@
+"""One pass per item: the drain checksums the bytes it writes into the store while it writes them.
+
+``torch.save`` hands a tensor's storage to its file in one ``write`` of exactly the storage's
+bytes. :class:`FusedDest` stands in for the step directory given to
+:func:`gemini_dcp.persistent.stock_format.write_rank_file` and returns files that catch that
+write: the bytes go through a small private block buffer (copied and checksummed in one
+pass, :class:`BlockHasher`) and are written from there, so what reaches the store is exactly
+what was checksummed, even when the drain reads a memory slot in place that a newer save
+might reuse (``gemini_dcp.local.slot_holds``). The checksum is compared with the saved one
+once the item is written (:meth:`FusedFile.check`); a mismatch raises
+:class:`~gemini_dcp.errors.ChecksumMismatchError` before any part marker or ``.metadata``
+names the file, so the step's drain is abandoned and nothing torn is ever committed.
+
+Items too small to be worth it, and any item whose storage ``torch.save`` did not write in
+one piece, are copied out and verified before they are written instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import crc32c as _crc32c_pkg
+import torch
+import xxhash
+
+from ...errors import ChecksumMismatchError
+from ...ext import cpu as ext_cpu, loader as ext_loader
+from ..stock_format import exact_view, typed, verify
+
+__all__ = ["BLOCK", "MIN_FUSED", "BlockHasher", "FusedDest", "FusedFile", "fused_reader"]
+
+BLOCK = 1 << 20  # a block stays in cache between its copy+checksum and its write
+MIN_FUSED = 1 << 16  # smaller items are copied out and verified whole (cheap)
+
+
+class BlockHasher:
+    """Copy ``src`` into ``dst`` block by block and carry the running checksum of the bytes copied."""
+
+    def __init__(self, algo: str) -> None:
+        self.algo = algo
+        self.value = 0
+        self._fused = algo == "crc32c" and ext_loader.load()
+        self._xxh = xxhash.xxh3_64() if algo == "xxh3" else None
+        if algo not in ("crc32c", "xxh3"):
+            raise ValueError(f"unknown checksum algorithm {algo!r}")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._fused:
+            self.value = ext_cpu.copy_with_crc32c(dst, src, 1, self.value)
+            return
+        dst.copy_(src)
+        mv = dst.numpy().data.cast("B")
+        if self._xxh is not None:
+            self._xxh.update(mv)
+        else:
+            self.value = _crc32c_pkg.crc32c(mv, self.value)
+
+    def digest(self) -> int:
+        return self._xxh.intdigest() if self._xxh is not None else self.value
+
+
+class FusedFile:
+    """A store file that checksums, in the pass that writes it, the storage of the item it expects."""
+
+    def __init__(self, f: Any, bounce: torch.Tensor) -> None:
+        self.f = f
+        self._bounce = bounce
+        self._bounce_mv = memoryview(bounce.numpy()).cast("B")
+        self._expect: Any = None  # the item whose storage write is awaited
+        self._got: int | None = None
+
+    def expect(self, item: Any) -> None:
+        self._expect, self._got = item, None
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        item = self._expect
+        if item is None or mv.nbytes != item.length:
+            return self.f.write(mv)
+        self._expect = None
+        h = BlockHasher(item.algo)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only buffer is only read here
+            src = torch.frombuffer(mv, dtype=torch.uint8)
+        n = mv.nbytes
+        for start in range(0, n, BLOCK):
+            m = min(BLOCK, n - start)
+            h.copy(self._bounce[:m], src[start : start + m])
+            self.f.write(self._bounce_mv[:m])
+        self._got = h.digest()
+        return n
+
+    def check(self, item: Any, what: str, fallback: Callable[[], None]) -> None:
+        """After ``item`` was written: its bytes must match the saved checksum (ChecksumMismatchError)."""
+        if self._expect is item:  # torch.save did not write the storage in one piece: check the source
+            self._expect = None
+            fallback()
+            return
+        if self._got is not None and self._got != item.checksum:
+            raise ChecksumMismatchError(
+                f"{item.name} of {what}: its bytes changed before the drain wrote them (the memory slot was reused "
+                "by a newer save, or the memory is damaged); this step's drain is abandoned, a newer one is not."
+            )
+        self._got = None
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class FusedDest:
+    """The step directory as ``write_rank_file`` sees it, with :class:`FusedFile` files."""
+
+    def __init__(self, sd: Any) -> None:
+        self.sd = sd
+        self.is_local = sd.is_local
+        self.file: FusedFile | None = None
+        self._bounce = torch.empty(BLOCK, dtype=torch.uint8)
+
+    def open_write(self, rel: str) -> FusedFile:
+        self.file = FusedFile(self.sd.open_write(rel), self._bounce)
+        return self.file
+
+
+def fused_reader(dest: FusedDest, buf: Any, what: str) -> tuple[Callable[[Any], torch.Tensor], Callable[[int], None]]:
+    """``(read, progress)`` for ``write_rank_file`` over the mapped bytes ``buf``: ``read(item)`` arms
+    the file for the item's storage write and returns a zero-copy view; ``progress`` (called once
+    the item is written) checks what was written against the item's saved checksum."""
+    last: list[Any] = [None]
+
+    def fused(it: Any) -> bool:
+        return it.algo is not None and it.checksum is not None and it.length >= MIN_FUSED
+
+    def read(it: Any) -> torch.Tensor:
+        last[0] = it
+        if not fused(it):
+            raw = exact_view(buf, it.offset, it.length).clone()  # private: what is verified is what is written
+            verify(raw, it, what)
+            return typed(raw, it)
+        assert dest.file is not None
+        dest.file.expect(it)
+        return typed(exact_view(buf, it.offset, it.length), it)
+
+    def progress(_n: int) -> None:
+        it = last[0]
+        if it is None or not fused(it) or dest.file is None:
+            return
+        dest.file.check(it, what, lambda: verify(exact_view(buf, it.offset, it.length), it, what))
+
+    return read, progress
