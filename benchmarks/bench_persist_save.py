@@ -1,7 +1,7 @@
 """Save until durable: stock blocking ``dcp.save`` to disk vs gemini save + drain to the same disk.
 
-Per world size (gloo ranks on this host, DTensor ``Shard(0)``: 12 large + 128 small float32
-tensors, ``--mib`` MiB in all), in the same processes and into the same disk directory
+Per world size (gloo ranks on this host, DTensor ``Shard(0)`` or, with ``--layout plain``,
+per-rank plain tensors: 12 large + 128 small float32 tensors, ``--mib`` MiB in all), in the same processes and into the same disk directory
 (``--dir``, not tmpfs):
 
 - stock: ``dcp.save(sd, storage_writer=FileSystemWriter(dir))`` barrier to barrier;
@@ -41,16 +41,23 @@ from common import RESULTS, median, shm_dir, spawn, write_json  # noqa: E402
 N_LARGE, N_SMALL = 12, 128
 
 
-def build_state(total: int, rank: int, world: int) -> dict[str, Any]:
+def build_state(total: int, rank: int, world: int, layout: str = "dtensor") -> dict[str, Any]:
+    """``total`` bytes over all ranks: DTensors ``Shard(0)`` (``dtensor``), or per-rank plain tensors (``plain``)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
     small_elems = max(world, (total // 16) // N_SMALL // 4 // world * world)
     large_elems = max(world, (total - small_elems * 4 * N_SMALL) // N_LARGE // 4 // world * world)
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(1234 + (rank if layout == "plain" else 0))
     sd: dict[str, Any] = {}
+    if layout == "plain":  # each rank its own tensors (names apart, so DCP dedups nothing)
+        for i in range(N_LARGE):
+            sd[f"r{rank}.large.{i}"] = torch.randn(large_elems // world, generator=g)
+        for i in range(N_SMALL):
+            sd[f"r{rank}.small.{i}"] = torch.randn(small_elems // world, generator=g)
+        return sd
+    mesh = init_device_mesh("cpu", (world,))
     for i in range(N_LARGE):
         sd[f"large.{i}"] = distribute_tensor(torch.randn(large_elems, generator=g), mesh, [Shard(0)])
     for i in range(N_SMALL):
@@ -58,8 +65,12 @@ def build_state(total: int, rank: int, world: int) -> dict[str, Any]:
     return sd
 
 
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def rank_main(rank: int, world: int, *, total: int, reps: int, disk: str, tier: str, lead_s: float,
-              warmup: int) -> dict[str, Any]:
+              warmup: int, layout: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -67,7 +78,7 @@ def rank_main(rank: int, world: int, *, total: int, reps: int, disk: str, tier: 
 
     from gemini_dcp import GeminiStorageWriter
 
-    sd = build_state(total, rank, world)
+    sd = build_state(total, rank, world, layout)
     job = f"bench-w{world}"
     store = Path(disk, "gemini")
     writer = GeminiStorageWriter(root=tier, job_id=job, persistent=f"file://{store}", persist_every=1, persist_keep=2)
@@ -114,7 +125,7 @@ def rank_main(rank: int, world: int, *, total: int, reps: int, disk: str, tier: 
     # bit-exact: the drained step loads with plain dcp.load
     back = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(back, checkpoint_id=str(store / job / f"step-{2000 + reps - 1}"))
-    exact = all(torch.equal(back[k].to_local(), sd[k].to_local()) for k in sd)
+    exact = all(torch.equal(_local(back[k]), _local(sd[k])) for k in sd)
     return {"stock_s": stock_s, "gemini_save_s": save_s, "gemini_durable_s": durable_s, "gemini_wait_s": wait_s,
             "warmup_save_s": warm_save, "warmup_wait_s": warm_wait, "bit_exact": exact}
 
@@ -134,10 +145,12 @@ def main() -> None:
     ap.add_argument("--lead-s", type=float, default=3.0,
                     help="seconds between building the writer and the first save (a trainer's first steps)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed gemini saves first (fill the keep + 1 slots)")
+    ap.add_argument("--layout", choices=("dtensor", "plain"), default="dtensor",
+                    help="DTensor Shard(0) (the stock planner's DTensor path costs both sides alike) or plain tensors")
     ap.add_argument("--dir", default=None, help="disk directory for both stores (default: a fresh one under /tmp)")
     ap.add_argument("--out", default=str(RESULTS / "persist-save.json"))
     args = ap.parse_args()
-    out: dict[str, Any] = {"mib": args.mib, "reps": args.reps, "lead_s": args.lead_s, "uptime_before": uptime(), "cpus": os.cpu_count(),
+    out: dict[str, Any] = {"mib": args.mib, "reps": args.reps, "lead_s": args.lead_s, "layout": args.layout, "uptime_before": uptime(), "cpus": os.cpu_count(),
                            "drain_env": {k: v for k, v in os.environ.items() if k.startswith("GEMINI_DCP_DRAIN")},
                            "worlds": {}}
     for world in args.worlds:
@@ -145,7 +158,7 @@ def main() -> None:
         tier = shm_dir("gemini-bench-persist-tier")
         try:
             res = spawn(rank_main, world, total=args.mib << 20, reps=args.reps, disk=disk, tier=str(tier),
-                        lead_s=args.lead_s, warmup=args.warmup)
+                        lead_s=args.lead_s, warmup=args.warmup, layout=args.layout)
         finally:
             shutil.rmtree(disk, ignore_errors=True)
             shutil.rmtree(tier, ignore_errors=True)

@@ -177,3 +177,36 @@ def test_release_leaves_a_hold_another_step_took(root: str) -> None:
     assert holds[0].exists()
     release_holds(holds, 5)
     assert not holds[0].exists()
+
+
+def test_the_drains_write_checks_what_it_wrote(tmp_path: Path) -> None:
+    """The fused write: a torch.save file that stock torch.load reads, and a changed or reused source refused."""
+    import io
+    from types import SimpleNamespace
+
+    from gemini_dcp.core.checksum import checksum
+    from gemini_dcp.errors import ChecksumMismatchError
+    from gemini_dcp.persistent.drain.fused import BLOCK, FusedFile
+
+    t = torch.arange(1 << 18, dtype=torch.float32)
+    raw = t.view(torch.uint8)
+    item = SimpleNamespace(length=raw.numel(), algo="crc32c", checksum=checksum(raw, "crc32c"), name="w")
+    bounce = torch.empty(BLOCK, dtype=torch.uint8)
+    for intact in (None, lambda: True):
+        buf = io.BytesIO()
+        f = FusedFile(buf, bounce, intact=intact)
+        f.expect(item)
+        torch.save(t, f)
+        f.check(item, "step 1", lambda: None)
+        assert torch.equal(torch.load(io.BytesIO(buf.getvalue())), t)
+    bad = SimpleNamespace(**{**vars(item), "checksum": item.checksum ^ 1})
+    f = FusedFile(io.BytesIO(), bounce)
+    f.expect(bad)
+    torch.save(t, f)
+    with pytest.raises(ChecksumMismatchError, match="changed"):
+        f.check(bad, "step 1", lambda: None)
+    f = FusedFile(io.BytesIO(), bounce, intact=lambda: False)  # a writer took the held slot meanwhile
+    f.expect(item)
+    torch.save(t, f)
+    with pytest.raises(ChecksumMismatchError, match="took the memory slot"):
+        f.check(item, "step 1", lambda: None)

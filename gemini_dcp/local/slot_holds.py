@@ -4,10 +4,11 @@ The persistent drain uploads a step straight from the slots the save committed i
 staging copy). While it does, the node leader's request keeps a *hold* per slot:
 ``<job>/persist/holds/rank-<R>-slot-<K>`` (the step in it, for operators). The writer's
 slot choice (:meth:`gemini_dcp.local.tier.LocalTier.choose_slot`) skips a held slot whenever
-another slot may be overwritten, and takes it only when every other slot is protected
-(``keep=1`` with a drain slower than two saves): then the drain's read, which checksums the
-very bytes it writes, finds the slot reused and abandons that step's drain (nothing torn
-reaches the store).
+another slot may be overwritten, and takes it only when every other slot is protected (a
+step known everywhere lagging behind a slow drain). Whenever it takes a slot it drops the
+slot's hold first (:func:`drop_hold`), and the drain checks its holds after each item it
+wrote (:func:`holds_intact`): an item read while its hold was intact was read before any
+overwrite began, and a step whose hold is gone is abandoned (nothing torn reaches the store).
 
 A hold is bounded: it counts only while its file was refreshed within :data:`HOLD_S`
 (the drain server touches the holds of the steps it still has to read), so a drain that
@@ -23,7 +24,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["HOLD_S", "hold_path", "holds_dir", "held_slots", "refresh_holds", "release_holds", "take_holds"]
+__all__ = [
+    "HOLD_S", "drop_hold", "hold_path", "holds_dir", "held_slots", "holds_intact", "refresh_holds", "release_holds",
+    "take_holds",
+]
 
 HOLD_S = 120.0  # a hold not refreshed for this long is stale (its drain died or hangs)
 _HOLD_RE = re.compile(r"^rank-(\d+)-slot-(\d+)$")
@@ -69,6 +73,29 @@ def release_holds(paths: Iterable[str | os.PathLike[str]], step: int | None = No
             os.unlink(p)
         except (FileNotFoundError, ValueError):
             pass
+
+
+def holds_intact(paths: Iterable[str | os.PathLike[str]], step: int) -> bool:
+    """Whether every hold in ``paths`` is still there for ``step``: no writer has taken its slot.
+
+    A writer drops a slot's hold (:func:`drop_hold`) *before* it writes into the slot, so bytes
+    read from a held slot and found intact afterwards were read before any overwrite began.
+    """
+    for p in paths:
+        try:
+            if Path(p).read_text().strip() != str(step):
+                return False
+        except (FileNotFoundError, ValueError):
+            return False
+    return True
+
+
+def drop_hold(persist_dir: str | os.PathLike[str], rank: int, slot: int) -> None:
+    """Remove the hold of ``rank``'s ``slot`` (live or stale): the slot is about to be overwritten."""
+    try:
+        os.unlink(hold_path(persist_dir, rank, slot))
+    except FileNotFoundError:
+        pass
 
 
 def held_slots(persist_dir: str | os.PathLike[str], rank: int, *, now: float | None = None) -> set[int]:

@@ -35,7 +35,7 @@ from .job_dir import (
     remove_quietly,
 )
 from .records import StepRecord, read_record, write_record
-from .slot_holds import held_slots
+from .slot_holds import drop_hold, held_slots
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,7 @@ class LocalTier:
             )
         for s in lost:
             self.delete_record(s)
+        drop_hold(self.layout.persist_dir, rank, slot)  # a drain still reading it (stale or forced) sees it gone
         return slot
 
     def slot_path(self, rank: int, slot: int) -> Path:

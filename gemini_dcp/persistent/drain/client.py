@@ -27,11 +27,11 @@ from ...errors import PersistentTierError
 from ...local.records import StepRecord, write_record
 from ...local.slot_holds import take_holds
 from ...options.persistent import DrainOptions
+from ..store_calls import PersistentTimeoutError
 from .lock import lock_free
 from .paths import Paths, private_dir, write_atomic
 from .request import DrainConfig, DrainRequest, SlotRef, StoreTarget
 from .server import serve
-from ..store_calls import PersistentTimeoutError
 from .status import step_states, wait_idle
 
 __all__ = ["DEFAULT_WAIT_S", "SERVER_MODULE", "Drainer", "ensure_server", "server_command", "wait_durable", "write_request"]

@@ -3,13 +3,18 @@
 ``torch.save`` hands a tensor's storage to its file in one ``write`` of exactly the storage's
 bytes. :class:`FusedDest` stands in for the step directory given to
 :func:`gemini_dcp.persistent.stock_format.write_rank_file` and returns files that catch that
-write: the bytes go through a small private block buffer (copied and checksummed in one
-pass, :class:`BlockHasher`) and are written from there, so what reaches the store is exactly
-what was checksummed, even when the drain reads a memory slot in place that a newer save
-might reuse (``gemini_dcp.local.slot_holds``). The checksum is compared with the saved one
+write and hash each 1 MiB block right before writing it, while it is in cache. From a source
+that cannot change unseen (a staged copy; held slots, whose holds are checked after each item:
+``gemini_dcp.local.slot_holds``) the blocks are hashed and written in place; from any other
+source each block is first copied into a private buffer (copy and checksum in one pass,
+:class:`BlockHasher`) and written from there. Either way what reaches the store is what was
+checksummed. The checksum is compared with the saved one
 once the item is written (:meth:`FusedFile.check`); a mismatch raises
 :class:`~gemini_dcp.errors.ChecksumMismatchError` before any part marker or ``.metadata``
 names the file, so the step's drain is abandoned and nothing torn is ever committed.
+
+On a local store the file also starts the disk's writeback as it goes (``sync_file_range``),
+so writing and flushing overlap instead of the final ``fsync`` doing all the flushing.
 
 Items too small to be worth it, and any item whose storage ``torch.save`` did not write in
 one piece, are copied out and verified before they are written instead.
@@ -17,6 +22,9 @@ one piece, are copied out and verified before they are written instead.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +41,7 @@ __all__ = ["BLOCK", "MIN_FUSED", "BlockHasher", "FusedDest", "FusedFile", "fused
 
 BLOCK = 1 << 20  # a block stays in cache between its copy+checksum and its write
 MIN_FUSED = 1 << 16  # smaller items are copied out and verified whole (cheap)
+WRITEBACK_BYTES = 8 << 20  # start the disk's writeback of every this many bytes written
 
 
 class BlockHasher:
@@ -57,19 +66,57 @@ class BlockHasher:
         else:
             self.value = _crc32c_pkg.crc32c(mv, self.value)
 
+    def update(self, src: torch.Tensor) -> None:
+        """Hash ``src`` in place (no copy)."""
+        if self._fused:
+            self.value = ext_cpu.crc32c(src, self.value)
+            return
+        mv = src.numpy().data.cast("B")
+        if self._xxh is not None:
+            self._xxh.update(mv)
+        else:
+            self.value = _crc32c_pkg.crc32c(mv, self.value)
+
     def digest(self) -> int:
         return self._xxh.intdigest() if self._xxh is not None else self.value
 
 
-class FusedFile:
-    """A store file that checksums, in the pass that writes it, the storage of the item it expects."""
+def _sync_file_range() -> Callable[[int, int, int], None] | None:
+    """``sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE)``: start writeback of a range, not waiting."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
-    def __init__(self, f: Any, bounce: torch.Tensor) -> None:
+    def start(fd: int, offset: int, n: int) -> None:
+        fn(fd, offset, n, 2)  # SYNC_FILE_RANGE_WRITE; a failure only means the final fsync does it all
+
+    return start
+
+
+_START_WRITEBACK = _sync_file_range() if sys.platform.startswith("linux") else None
+
+
+class FusedFile:
+    """A store file that checksums, in the pass that writes it, the storage of the item it expects.
+
+    On a local filesystem it also starts the writeback of every :data:`WRITEBACK_BYTES` written
+    (``sync_file_range``), so the disk works while the next bytes are written and the final
+    ``fsync`` finds little left to do (a stock writer leaves it all to its ``fsync``).
+    """
+
+    def __init__(self, f: Any, bounce: torch.Tensor, *, local: bool = False,
+                 intact: Callable[[], bool] | None = None) -> None:
         self.f = f
+        self._intact = intact  # given: the source cannot change unseen (see FusedDest); hash it in place
         self._bounce = bounce
         self._bounce_mv = memoryview(bounce.numpy()).cast("B")
         self._expect: Any = None  # the item whose storage write is awaited
         self._got: int | None = None
+        self._fd = f.fileno() if local and _START_WRITEBACK is not None else None
+        self._synced = 0  # writeback started up to here
 
     def expect(self, item: Any) -> None:
         self._expect, self._got = item, None
@@ -87,13 +134,31 @@ class FusedFile:
         n = mv.nbytes
         for start in range(0, n, BLOCK):
             m = min(BLOCK, n - start)
-            h.copy(self._bounce[:m], src[start : start + m])
-            self.f.write(self._bounce_mv[:m])
+            if self._intact is not None:  # hash the block, then write it while it is in cache
+                h.update(src[start : start + m])
+                self.f.write(mv[start : start + m])
+            else:  # a private copy of the block is hashed and written: race-safe on any source
+                h.copy(self._bounce[:m], src[start : start + m])
+                self.f.write(self._bounce_mv[:m])
+            if self._fd is not None:
+                self._start_writeback()
         self._got = h.digest()
         return n
 
+    def _start_writeback(self) -> None:
+        pos = self.f.tell()
+        if pos - self._synced >= WRITEBACK_BYTES and _START_WRITEBACK is not None and self._fd is not None:
+            self.f.flush()
+            _START_WRITEBACK(self._fd, self._synced, pos - self._synced)
+            self._synced = pos
+
     def check(self, item: Any, what: str, fallback: Callable[[], None]) -> None:
         """After ``item`` was written: its bytes must match the saved checksum (ChecksumMismatchError)."""
+        if self._intact is not None and not self._intact():
+            raise ChecksumMismatchError(
+                f"{item.name} of {what}: a newer save took the memory slot the drain was reading (its hold was "
+                "dropped); this step's drain is abandoned, a newer one is not."
+            )
         if self._expect is item:  # torch.save did not write the storage in one piece: check the source
             self._expect = None
             fallback()
@@ -119,16 +184,24 @@ class FusedFile:
 
 
 class FusedDest:
-    """The step directory as ``write_rank_file`` sees it, with :class:`FusedFile` files."""
+    """The step directory as ``write_rank_file`` sees it, with :class:`FusedFile` files.
 
-    def __init__(self, sd: Any) -> None:
+    ``intact``: None when the source may change under the drain without notice (a slot read
+    without a hold): each block is then copied aside and the copy hashed and written.
+    Otherwise a check that the source did not change (a staged private copy: always; held
+    slots: their holds are intact, as a writer drops a hold before it overwrites the slot),
+    called after each item: blocks are hashed and written in place, with no copy.
+    """
+
+    def __init__(self, sd: Any, intact: Callable[[], bool] | None = None) -> None:
         self.sd = sd
+        self.intact = intact
         self.is_local = sd.is_local
         self.file: FusedFile | None = None
         self._bounce = torch.empty(BLOCK, dtype=torch.uint8)
 
     def open_write(self, rel: str) -> FusedFile:
-        self.file = FusedFile(self.sd.open_write(rel), self._bounce)
+        self.file = FusedFile(self.sd.open_write(rel), self._bounce, local=self.is_local, intact=self.intact)
         return self.file
 
 

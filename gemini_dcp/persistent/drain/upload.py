@@ -32,7 +32,7 @@ from ...core.safe_pickle import restricted_loads
 from ...errors import UntrustedDataError
 from ...ext import loader as ext_loader
 from ...local.records import StepRecord, read_record
-from ...local.slot_holds import release_holds
+from ...local.slot_holds import holds_intact, release_holds
 from ...options.persistent import DrainOptions
 from ..stock_format import items_of_record, try_finalize, write_rank_file
 from ..store import DEFAULT_TIMEOUT_S, SIDE_FILE_GLOBALS, PartMarker, PersistentTier, node_tag
@@ -42,14 +42,23 @@ from .request import DrainRequest, FileResult, Progress, SlotRef, StoredItem
 from .status import StatusBook
 
 __all__ = [
-    "SPLIT_BYTES", "Uploader", "adoption_marker_id", "load_legacy_progress", "load_progress", "prepare_process",
-    "save_progress",
+    "SPLIT_BYTES", "Uploader", "adoption_marker_id", "host_threads", "load_legacy_progress", "load_progress",
+    "prepare_process", "save_progress",
 ]
 
 log = logging.getLogger("gemini_dcp.persistent.drain")
 
 SPLIT_BYTES = 64 << 20  # a rank with more than this is written as several files in parallel
 Outcome = tuple[str, str]  # ("done" | "await" | "abandon" | "retry", detail)
+
+
+def host_threads(wanted: int) -> int:
+    """The data files to write in parallel: ``wanted``, at most one per CPU this process may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(wanted, cpus))
 
 
 def prepare_process() -> None:
@@ -113,7 +122,7 @@ class Uploader:
                     return finished  # the ranks no part marker covers yet (``slots``) are fixed for resumes
             sd.begin(node_id)
             # The file split must not change on resume: the thread count is fixed now.
-            progress = dataclasses.replace(progress, begun=True, threads=self.options.threads, slots=slots)
+            progress = dataclasses.replace(progress, begun=True, threads=host_threads(self.options.threads), slots=slots)
             save_progress(d, progress)
         slots_todo = progress.slots if progress.slots is not None else req.slots
         threads = progress.threads or self.options.threads
@@ -133,9 +142,18 @@ class Uploader:
         lock = threading.Lock()
         state = {"progress": progress}
 
+        # A staged copy is private; held slots are safe while their holds last; a slot read
+        # without a hold (no room to stage) may change under us: copied block by block then.
+        if not direct:
+            intact: Callable[[], bool] | None = lambda: True  # noqa: E731
+        elif req.holds:
+            intact = lambda: holds_intact(req.holds, step)  # noqa: E731
+        else:
+            intact = None
+
         def run(job: tuple[str, Path, list[Any]]) -> None:
             rel, path, items = job
-            dest = FusedDest(sd)
+            dest = FusedDest(sd, intact)
             with _ReadMap(path) as buf:
                 read, checked = fused_reader(dest, buf.mm, what)  # checksum fused into the write (.fused)
                 result = write_rank_file(dest, rel, items, read, progress=checked, throttle_bps=self.options.throttle_bps)
