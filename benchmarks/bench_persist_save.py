@@ -25,6 +25,7 @@ ratio, the first drain against the later ones, and the host's load (``uptime``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -79,6 +80,14 @@ def rank_main(rank: int, world: int, *, total: int, reps: int, disk: str, tier: 
     from gemini_dcp import GeminiStorageWriter
 
     sd = build_state(total, rank, world, layout)
+
+    def wait_durable(w: Any, step: int) -> None:
+        """``wait_persisted``; on a gemini_dcp without it (a baseline run), poll the store for the step."""
+        if hasattr(w, "wait_persisted"):
+            w.wait_persisted()
+            return
+        while step not in w.persistent.committed_steps():
+            time.sleep(0.02)
     job = f"bench-w{world}"
     store = Path(disk, "gemini")
     writer = GeminiStorageWriter(root=tier, job_id=job, persistent=f"file://{store}", persist_every=1, persist_keep=2)
@@ -92,7 +101,7 @@ def rank_main(rank: int, world: int, *, total: int, reps: int, disk: str, tier: 
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=writer, checkpoint_id=step + warmup + 1000)
         t1 = time.perf_counter()
-        writer.wait_persisted()
+        wait_durable(writer, step + warmup + 1000)
         dist.barrier()
         warm_save.append(t1 - t0)
         warm_wait.append(time.perf_counter() - t1)
@@ -113,7 +122,7 @@ def rank_main(rank: int, world: int, *, total: int, reps: int, disk: str, tier: 
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=writer, checkpoint_id=step)
         t1 = time.perf_counter()
-        writer.wait_persisted()
+        wait_durable(writer, step)
         dist.barrier()
         t2 = time.perf_counter()
         save_s.append(t1 - t0)
@@ -126,7 +135,14 @@ def rank_main(rank: int, world: int, *, total: int, reps: int, disk: str, tier: 
     back = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(back, checkpoint_id=str(store / job / f"step-{2000 + reps - 1}"))
     exact = all(torch.equal(_local(back[k]), _local(sd[k])) for k in sd)
-    return {"stock_s": stock_s, "gemini_save_s": save_s, "gemini_durable_s": durable_s, "gemini_wait_s": wait_s,
+    try:  # what the drain server reported per step (stage/write/upload seconds), for the record
+        status = json.loads(Path(tier, job, "persist", "status.json").read_bytes())["steps"]
+        drain = {k: {f: v for f, v in e.items() if f.endswith("seconds") or f == "state"} for k, e in status.items()}
+        staged = {k: json.loads(Path(tier, job, "persist", "stage", f"step-{int(k):012d}", "staged").read_bytes())
+                  for k in status if Path(tier, job, "persist", "stage", f"step-{int(k):012d}", "staged").exists()}
+    except (OSError, ValueError, KeyError):
+        drain, staged = {}, {}
+    return {"drain_status": drain, "staged_pending": staged, "stock_s": stock_s, "gemini_save_s": save_s, "gemini_durable_s": durable_s, "gemini_wait_s": wait_s,
             "warmup_save_s": warm_save, "warmup_wait_s": warm_wait, "bit_exact": exact}
 
 
