@@ -23,6 +23,7 @@ from rich.table import Table
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "info": "cyan"}
 STATUS_MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO"}
 RESTORE_STYLE = {"memory": "green", "memory+persistent": "green", "persistent": "yellow", "no": "red"}
+DRAIN_STYLE = {"durable": "green", "writing": "cyan", "queued": "", "failed": "red"}
 
 
 def bytes_h(n: float | None) -> str:
@@ -115,8 +116,10 @@ def render_inspect(out: Console, info: Any) -> None:
         legend = node_legend(job.steps)
         t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
         show_pst = info.persistent is not None
+        show_drain = job.drain is not None or any(getattr(s, "drain", None) for s in job.steps)
         cols = [("step", {"justify": "right"}), ("state", {}), ("local", {}), ("peer", {})]
         cols += [("persistent", {})] if show_pst else []
+        cols += [("drain", {})] if show_drain else []
         cols += [("size", {"justify": "right"}), ("here", {"justify": "right"}), ("ranks/nodes", {"justify": "right"}),
                  ("age", {"justify": "right"}), ("restorable", {})]
         for col, kw in cols:
@@ -135,7 +138,14 @@ def render_inspect(out: Console, info: Any) -> None:
             restorable = f"[{style}]{st.restorable}[/]" if style else st.restorable
             if st.problem:
                 notes.append(f"step {st.step}: {st.problem}")
+            drain = getattr(st, "drain", None)
+            why = getattr(st, "drain_reason", None)
+            if drain and why:
+                notes.append(f"step {st.step}: drain {drain}: {why}")
+            dstyle = DRAIN_STYLE.get(drain or "", "")
+            dcell = (f"[{dstyle}]{drain}[/]" if dstyle else drain) if drain else "-"
             row = [str(st.step), state, ranges(st.local_ranks), ranges(st.peer_ranks)] + ([pers] if show_pst else [])
+            row += [dcell] if show_drain else []
             row += [bytes_h(st.total_bytes), bytes_h(st.bytes_here) if st.in_memory else "-", rn, age_h(st.age_s), restorable]
             t.add_row(*row)
         out.print(t)
@@ -168,7 +178,7 @@ def render_drain(out: Console, drain: dict[str, Any]) -> None:
         parts = []
         for e in entries:
             state = e.get("state", "?")
-            style = {"done": "green", "committed": "green", "abandoned": "red", "retry": "yellow"}.get(state, "")
+            style = {"done": "green", "committed": "green", "abandoned": "red", "failed": "red", "retry": "yellow"}.get(state, "")
             text = f"[{style}]{state}[/]" if style else state
             age = age_h(time.time() - e["unix"]) if e.get("unix") else "-"
             why = e.get("reason") or e.get("detail")

@@ -51,7 +51,7 @@ from ..core.checksum import as_bytes, checksum, copy_and_checksum, resolve_algo
 from ..core.config import parse_step, resolve_node_id
 from ..core.faults import fault_point
 from ..core.launch import current_launch
-from ..errors import InvalidStepError
+from ..errors import ConfigError, InvalidStepError
 from ..local.records import ShardRef, StepRecord
 from ..local.slots import SlotFile, align
 from ..local.tier import LocalTier, hold_launch_lock
@@ -203,8 +203,9 @@ class GeminiStorageWriter(StorageWriter):
         if self.persistent is not None:
             from ..persistent.drain.client import Drainer  # noqa: PLC0415 - optional tier
 
-            self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain)
+            self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain, keep=self.options.keep)
             self._drainer.resume()  # drains left pending by a previous worker generation
+            self._drainer.start_early()  # the first due step finds its drain running (torch imported)
 
     # What the commit protocol remembers from save to save, readable (as before) on the writer.
     global_step: _Remembered[int | None] = _Remembered()  # newest step known committed on every node
@@ -357,6 +358,21 @@ class GeminiStorageWriter(StorageWriter):
             self._drainer.submit(record, rank)
         except Exception as exc:  # noqa: BLE001 - the in-memory commit stands; a drain request must not fail it
             log.warning("step %s: could not schedule the persistent drain: %s", record.step, exc)
+
+    def wait_persisted(self, step: int | None = None, timeout_s: float | None = None) -> int | None:
+        """Block until ``step`` is durable in the persistent tier; returns the newest durable step.
+
+        Call it after the last ``dcp.save`` and before the trainer exits: the drain runs in the
+        background, and the step is durable only once its ``.metadata`` is committed in the store.
+        ``step`` None: the newest step this writer committed with a drain due (``persist_every``);
+        a step superseded in the drain queue by a newer one is durable when that one is. Bounded:
+        ``timeout_s`` None is the writer's persistent timeout (``persistent_timeout_s``). Raises
+        PersistentTierError with the drain's reason when the drain failed, PersistentTimeoutError
+        (a PersistentTierError) on timeout, ConfigError without ``persistent=``. Any rank may call it.
+        """
+        if self._drainer is None:
+            raise ConfigError("wait_persisted: this writer has no persistent tier; pass persistent=<fsspec URL>.")
+        return self._drainer.wait_persisted(step, timeout_s)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"gemini://{self.job_id}/step-{self._step}")

@@ -35,6 +35,7 @@ from .job_dir import (
     remove_quietly,
 )
 from .records import StepRecord, read_record, write_record
+from .slot_holds import drop_hold, held_slots
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,9 @@ class LocalTier:
 
         Never the slot of ``global_step`` (G, the newest step known committed on every node),
         nor of the newest ``keep - 1`` steps after G and below ``step``: those are what stays
-        after this save commits. Among the other slots it prefers a free one, then one of a
-        step older than G, then one of a step between G and ``step`` (committed here but not
+        after this save commits, nor (unless nothing else is left) a slot a persistent drain
+        still reads in place (:mod:`gemini_dcp.local.slot_holds`). Among the other slots it
+        prefers a free one, then one of a step older than G, then one of a step between G and ``step`` (committed here but not
         known everywhere), then one of a step at or after ``step`` (another timeline, or a
         save of this step that this save replaces). ``step``/``global_step`` default to what
         :meth:`begin_save` set. Older records that still point at the chosen slot are deleted
@@ -177,12 +179,16 @@ class LocalTier:
             if slot is not None:
                 holding.setdefault(slot.slot, []).append(s)
 
+        held = held_slots(self.layout.persist_dir, rank)  # a drain reads them in place (local.slot_holds)
+
         def cost(idx: int) -> tuple[int, int]:
             steps = holding.get(idx, [])
-            if not steps:
-                return (0, 0)
             if any(s in protected for s in steps):
                 return (9, 0)
+            if idx in held:
+                return (8, 0)
+            if not steps:
+                return (0, 0)
             newest = max(steps)
             if global_step is not None and newest < global_step:
                 return (1, newest)
@@ -193,6 +199,12 @@ class LocalTier:
         slot = min(range(keep + 1), key=lambda i: (cost(i), i))
         if cost(slot)[0] == 9:  # cannot happen: at most ``keep`` of keep + 1 slots are protected
             raise AssertionError(f"rank {rank}: every slot holds a protected step {sorted(protected)}")
+        if cost(slot)[0] == 8:
+            log.warning(
+                "rank %s: every free slot is held by a persistent drain still reading it; reusing slot %s "
+                "(that drain finds its bytes changed and abandons its step). Raise keep, or persist less often.",
+                rank, slot,
+            )
         lost = sorted(s for s in holding.get(slot, []))
         if cost(slot)[0] == 3 and step is not None and _not_abandoned(self, [s for s in lost if s > step]):
             log.warning(
@@ -201,6 +213,7 @@ class LocalTier:
             )
         for s in lost:
             self.delete_record(s)
+        drop_hold(self.layout.persist_dir, rank, slot)  # a drain still reading it (stale or forced) sees it gone
         return slot
 
     def slot_path(self, rank: int, slot: int) -> Path:

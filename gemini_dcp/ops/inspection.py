@@ -37,7 +37,7 @@ from ..local.job_files import (
     check_job_dirs, job_usage_bytes, open_job, open_root, rank_extent, read_record_or_reason, slot_size,
 )
 from ..local.job_dir import JobLayout, list_jobs
-from ..persistent.drain.status import drain_summary
+from ..persistent.drain.status import drain_summary, step_states
 from .sizing import plan
 from .verify import ItemCheck, VerifyReport, verify
 
@@ -73,6 +73,8 @@ class StepInfo:
     restorable: str = "no"                # "memory" | "memory+persistent" | "persistent" | "no"
     missing_ranks: list[int] = field(default_factory=list)
     problem: str | None = None
+    drain: str | None = None              # this node's drain of the step: queued | writing | durable | failed
+    drain_reason: str | None = None       # why it failed (or is retrying)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -185,6 +187,20 @@ def _persistent_steps(url: str | None, job_id: str) -> tuple[set[int] | None, st
         return set(), str(exc)
 
 
+def _attach_drain_states(infos: list[StepInfo], layout: JobLayout) -> None:
+    """Each step's drain on this node (queued, writing, durable, failed + why), where one ran."""
+    states = step_states(layout.persist_dir)
+    for info in infos:
+        st = states.get(info.step)
+        if st is None:
+            continue
+        info.drain = st.state
+        if st.state == "failed" and st.retrying:
+            info.drain_reason = f"retrying after: {st.reason}"
+        else:
+            info.drain_reason = st.reason if st.state in ("failed", "writing") else None
+
+
 def inspect_job(layout: JobLayout, persistent: str | None = None, *, now: float | None = None) -> JobInfo:
     """What ``layout``'s job holds here; a job whose directories are not ours is reported, not read."""
     now = time.time() if now is None else now
@@ -198,6 +214,7 @@ def inspect_job(layout: JobLayout, persistent: str | None = None, *, now: float 
     for s in sorted((persisted or set()) - set(steps)):
         infos.append(StepInfo(step=s, committed=True, in_memory=False, in_persistent=True, restorable="persistent"))
     infos.sort(key=lambda i: i.step)
+    _attach_drain_states(infos, layout)
     return JobInfo(job_id=layout.job_id, path=str(layout.job_dir), usage_bytes=job_usage_bytes(layout),
                    steps=infos, persistent_error=perr, drain=drain_summary(layout.persist_dir))
 

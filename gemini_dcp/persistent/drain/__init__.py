@@ -3,18 +3,19 @@
 How a step gets from CPU memory to the store (per node, no funnel through rank 0):
 
 1. **Request** (training path, ~1 ms): once a step is committed in memory, the
-   node's leader rank (its lowest rank) writes ``persist/requests/step-N.json``
-   (a :class:`~.request.DrainRequest`: the slots of the saving ranks that *ran on
-   this node*), hard-links the step record next to it, and makes sure a drain
-   server runs (:mod:`.client`). Nothing else happens in the training process.
-2. **Stage** (server, at once): the server copies those slot bytes into
-   ``persist/stage/step-N/`` on the same tmpfs (:mod:`.stage`, ``copy_file_range``),
-   so the memory tier may reuse the slots for newer steps while the upload runs.
-   The server imports no torch for this, so it starts within ~0.1 s.
-3. **Upload** (:mod:`.upload`): each item is verified against its saved checksum,
-   then written as ``torch.save`` bytes into ``__<rank>_0.distcp`` in the store
-   (progress is recorded per file in ``progress.json``, so a killed server resumes
-   where it stopped). Then the node writes its part marker ``.gemini/part-<node>.pkl``.
+   node's leader rank (its lowest rank) *holds* the step's slots of the saving ranks that
+   ran on this node (:mod:`gemini_dcp.local.slot_holds`: the writer's slot choice leaves
+   them alone), writes ``persist/requests/step-N.json`` (a :class:`~.request.DrainRequest`
+   naming those slots and holds), hard-links the step record next to it, and makes sure a
+   drain server runs (:mod:`.client`; the writer already started one when it was built).
+2. **Stage** (server, at once, no torch): a request the server can upload now is read in
+   place from its held slots; one that waits behind another upload is copied into
+   ``persist/stage/step-N/`` (:mod:`.stage`, ``copy_file_range``) and its holds dropped.
+3. **Upload** (:mod:`.upload`): each item is written as ``torch.save`` bytes into
+   ``__<rank>_<k>.distcp`` in the store, its checksum computed in the pass that writes it
+   and compared with the saved one (:mod:`.fused`; progress is recorded per file in
+   ``progress.json``, so a killed server resumes where it stopped). Then the holds are
+   dropped and the node writes its part marker ``.gemini/part-<node>.pkl``.
 4. **Commit**: a node that finds every item of the step covered by the markers
    writes ``.metadata`` (last); the node of saving rank 0 also polls for late
    parts. Then retention runs.
@@ -24,14 +25,15 @@ The server (:mod:`.server`) is a **detached process** started by module name
 the worker group does not stop it, and it shares no GIL with training). It holds an
 ``flock`` on ``persist/daemon.lock`` (:mod:`.lock`; one per node and job), exits after
 ``DrainOptions.idle_s`` (``$GEMINI_DCP_DRAIN_IDLE_S``, 60 s) with nothing to do, and is
-started again by the next request or by a writer constructed after a restart (which
+started again by the next request or by a writer constructed (after a restart, it
 resumes any request left on tmpfs). A SIGKILLed server holds its lock until the kernel
 has closed its files, which can outlast a worker restart: a writer that resumes pending
 requests while the lock is held starts a *standby* server (at most one) that waits for
 the lock. ``memory://`` stores live inside one process, so for them (or with drain mode
 ``thread``) the server is a thread of the training process instead. If a drain is
 slower than the save cadence, a newer request supersedes an older one that has not
-started uploading (coalescing). :mod:`.status` reads what the drain did, for ``inspect``.
+started uploading (coalescing). :mod:`.status` reads what the drain did, for ``inspect``;
+:func:`.client.wait_durable` (``GeminiStorageWriter.wait_persisted``) waits for a step's commit.
 
 This face imports no torch: the trainer-side and upload names resolve on first use.
 """

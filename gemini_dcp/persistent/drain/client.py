@@ -1,11 +1,14 @@
-"""The trainer's side of the drain: requesting a step's upload and making sure a server runs.
+"""The trainer's side of the drain: requesting a step's upload, making sure a server runs, waiting for durability.
 
 :class:`Drainer` (held by the writer) writes a :class:`~.request.DrainRequest` for every
 ``persist_every``-th committed step from the node leader (~1 ms, nothing else on the
 training path), and starts a server (:func:`ensure_server`): a detached process
 ``python -m gemini_dcp.persistent.drain.server`` in its own session (a kill of the worker
 group does not reach it), or a thread for ``memory://`` stores. The server gets the
-writer's validated :class:`~gemini_dcp.options.DrainOptions` on its command line.
+writer's validated :class:`~gemini_dcp.options.DrainOptions` on its command line. The
+request holds the slots it names (:mod:`gemini_dcp.local.slot_holds`): the server reads them
+in place. :func:`wait_durable` (``GeminiStorageWriter.wait_persisted``) blocks, bounded, until
+a step's ``.metadata`` is committed in the store.
 """
 
 from __future__ import annotations
@@ -16,20 +19,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...errors import PersistentTierError
 from ...local.records import StepRecord, write_record
+from ...local.slot_holds import take_holds
 from ...options.persistent import DrainOptions
+from ..store_calls import PersistentTimeoutError
 from .lock import lock_free
 from .paths import Paths, private_dir, write_atomic
 from .request import DrainConfig, DrainRequest, SlotRef, StoreTarget
 from .server import serve
-from .status import wait_idle
+from .status import step_states, wait_idle
 
-__all__ = ["SERVER_MODULE", "Drainer", "ensure_server", "server_command", "write_request"]
+__all__ = ["DEFAULT_WAIT_S", "SERVER_MODULE", "Drainer", "ensure_server", "server_command", "wait_durable", "write_request"]
 
 SERVER_MODULE = "gemini_dcp.persistent.drain.server"
+DEFAULT_WAIT_S = 300.0  # wait_persisted's bound when the store has no timeout of its own
 
 _THREADS: dict[str, threading.Thread] = {}
 _THREADS_LOCK = threading.Lock()
@@ -39,16 +47,21 @@ class Drainer:
     """Schedules drains of committed steps from the writer (``_after_commit``); never blocks training.
 
     ``options`` None: :meth:`DrainOptions.from_env` (validated here, before anything is written).
+    ``keep``: the memory tier's ``keep``. With ``keep >= 2`` a request holds its slots and the
+    drain reads them in place; with ``keep=1`` (two slots, one always protected) the server
+    copies them first, as a held slot could not be spared.
     """
 
     def __init__(self, tier: Any, persistent: Any, every: int, mode: str | None = None,
-                 options: DrainOptions | None = None) -> None:
+                 options: DrainOptions | None = None, keep: int = 2) -> None:
         self.options = DrainOptions.from_env() if options is None else options
         self.tier = tier
         self.persistent = persistent
         self.every = every
         self.paths = Paths(tier.layout.persist_dir)
         self.mode = mode or self.options.resolved_mode(persistent.protocol)
+        self.last_due: int | None = None
+        self.hold = keep >= 2
         self.store = StoreTarget(
             url=persistent.url, job_id=persistent.job_id, keep=persistent.keep, keep_every=persistent.keep_every,
             timeout_s=persistent.timeout_s,
@@ -92,17 +105,36 @@ class Drainer:
         """
         if not self.due(record.step):
             return False
+        self.last_due = record.step  # on every rank: what wait_persisted() waits for by default
         own = record.ranks_of(record.node_id)
         if not own or rank != min(own):
             return False
-        slots = tuple(
-            SlotRef(rank=s.rank, path=str(self.tier.slot_path(s.rank, s.slot)), nbytes=int(s.nbytes))
-            for s in record.slots if s.rank in own
-        )
+        mine = [s for s in record.slots if s.rank in own]
+        slots = tuple(SlotRef(rank=s.rank, path=str(self.tier.slot_path(s.rank, s.slot)), nbytes=int(s.nbytes)) for s in mine)
+        # The drain reads these slots in place: the slot choice leaves them alone until it is done.
+        holds = take_holds(self.paths.dir, record.step, [(s.rank, s.slot) for s in mine]) if self.hold else []
         rank0_node = bool(record.rank_nodes and record.rank_nodes[0] == record.node_id)
-        write_request(self.paths, self.tier, record, slots, self.store, rank0_node=rank0_node)
+        write_request(self.paths, self.tier, record, slots, self.store, rank0_node=rank0_node,
+                      holds=tuple(str(h) for h in holds))
         self.ensure_server()
         return True
+
+    def start_early(self) -> None:
+        """Start this node's drain server now (at writer construction), off the save path: the
+        first due step then finds it running with its upload side imported. Any rank may call it;
+        one server per node runs (the others exit at the lock)."""
+        if self.mode == "process":
+            self.ensure_server()
+
+    def wait_persisted(self, step: int | None = None, timeout_s: float | None = None, poll_s: float = 0.02) -> int | None:
+        """Block until ``step`` (default: the newest step this process submitted as due) is durable.
+
+        See :meth:`gemini_dcp.GeminiStorageWriter.wait_persisted`; the logic lives in
+        :func:`wait_durable`. Returns the newest durable step of the store.
+        """
+        target = self.last_due if step is None else int(step)
+        limit = float(self.store.timeout_s or DEFAULT_WAIT_S) if timeout_s is None else float(timeout_s)
+        return wait_durable(self.paths, self.persistent, target, limit, poll_s=poll_s, revive=self.ensure_server)
 
     def resume(self) -> None:
         """Start a server for requests left by a previous worker generation (after a restart).
@@ -121,14 +153,76 @@ class Drainer:
         return wait_idle(self.paths.dir, timeout_s)
 
 
+def wait_durable(
+    paths: Paths, store: Any, step: int | None, timeout_s: float, *, poll_s: float = 0.02,
+    revive: Callable[[], None] | None = None,
+) -> int | None:
+    """Wait until ``step`` (or a newer step that superseded it in the drain) is durable in ``store``.
+
+    Durable: ``.metadata`` committed, seen in this node's drain status (the committing node) or
+    in ``store.committed_steps()`` (any node). Returns the newest committed step of the store
+    (``step`` None: at once, nothing is waited for). Raises :class:`PersistentTierError` with the
+    drain's reason when the step's drain failed for good, and :class:`PersistentTimeoutError`
+    (a ``PersistentTierError``) after ``timeout_s``, with the last failed attempt if any.
+    ``revive`` (the server start) is called now and then while the step's request is pending,
+    so a drain server that died meanwhile is replaced.
+    """
+    if step is None:
+        return _newest_durable(store)
+    deadline = time.monotonic() + timeout_s
+    watch = step
+    store_every = 0.1 if getattr(store, "is_local", False) or getattr(store, "protocol", "") == "memory" else 1.0
+    next_store = next_revive = 0.0
+    last_failure: str | None = None
+    while True:
+        st = step_states(paths.dir).get(watch)
+        if st is not None:
+            if st.superseded_by is not None and st.superseded_by > watch:
+                watch = st.superseded_by
+                continue
+            if st.state == "durable":
+                newest = _newest_durable(store)
+                return watch if newest is None else max(newest, watch)
+            if st.state == "failed":
+                if not st.retrying:
+                    raise PersistentTierError(
+                        f"step {watch}: its drain to the persistent tier {store.url} failed: {st.reason}. It will not be "
+                        f"retried; the step stays in memory. See {paths.log} and `gemini-dcp inspect`; save again to "
+                        "drain a newer step."
+                    )
+                last_failure = st.reason
+        now = time.monotonic()
+        if now >= next_store:
+            next_store = now + store_every
+            newest = _newest_durable(store)
+            if newest is not None and newest >= watch:
+                return newest
+        if now >= deadline:
+            tail = f" The last attempt failed: {last_failure}." if last_failure else ""
+            raise PersistentTimeoutError(
+                f"step {watch} was not durable in the persistent tier {store.url} within {timeout_s:g} s "
+                f"(its drain is {st.state if st is not None else 'not requested on this node'}).{tail} Pass a larger "
+                f"timeout_s, or see {paths.log} and `gemini-dcp inspect`."
+            )
+        if revive is not None and now >= next_revive and watch in paths.pending():
+            next_revive = now + 1.0
+            revive()
+        time.sleep(min(poll_s, max(0.0, deadline - now)))
+
+
+def _newest_durable(store: Any) -> int | None:
+    steps = store.committed_steps()
+    return max(steps) if steps else None
+
+
 def write_request(
     p: Paths, tier: Any, record: StepRecord, slots: tuple[SlotRef, ...], store: StoreTarget, *,
-    rank0_node: bool = False, adopted_from: tuple[str, ...] = (),
+    rank0_node: bool = False, adopted_from: tuple[str, ...] = (), holds: tuple[str, ...] = (),
 ) -> DrainRequest:
     """Write the drain request of ``record``'s step into ``p`` (staging dir, record snapshot, request).
 
     ``slots`` are the bytes to upload; ``store`` where to; ``rank0_node`` / ``adopted_from``
-    the request's role (see :class:`DrainRequest`).
+    the request's role; ``holds`` the slot holds taken for it (see :class:`DrainRequest`).
     """
     private_dir(p.requests)
     stage = p.stage(record.step)
@@ -143,7 +237,7 @@ def write_request(
     req = DrainRequest(
         step=record.step, root=str(tier.root), record_path=str(src), node_id=record.node_id,
         fingerprint=record.fingerprint(), slots=tuple(slots), store=store, rank0_node=rank0_node,
-        adopted_from=tuple(adopted_from), created_unix=time.time(),
+        adopted_from=tuple(adopted_from), created_unix=time.time(), holds=tuple(holds),
     )
     write_atomic(p.request(record.step), req.to_json().encode())
     return req

@@ -121,6 +121,8 @@ class DrainRequest:
 
     ``rank0_node``: this node holds saving rank 0 and waits for the other nodes' parts to
     commit the step. ``adopted_from``: the lost nodes whose ranks this node uploads.
+    ``holds``: the slot hold files (:mod:`gemini_dcp.local.slot_holds`) that keep the writer
+    off ``slots`` while the drain reads them in place; none: the server stages a copy first.
     """
 
     step: int
@@ -133,6 +135,7 @@ class DrainRequest:
     rank0_node: bool = False
     adopted_from: tuple[str, ...] = ()
     created_unix: float = 0.0
+    holds: tuple[str, ...] = ()
     version: int = REQUEST_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,7 +143,7 @@ class DrainRequest:
             "version": REQUEST_VERSION, "step": self.step, "root": self.root, "record_path": self.record_path,
             "node_id": self.node_id, "fingerprint": self.fingerprint, "slots": [s.to_list() for s in self.slots],
             "store": self.store.to_dict(), "rank0_node": self.rank0_node, "adopted_from": list(self.adopted_from),
-            "created_unix": self.created_unix,
+            "created_unix": self.created_unix, "holds": list(self.holds),
         }
 
     def to_json(self) -> str:
@@ -154,12 +157,16 @@ class DrainRequest:
         adopted = data.get("adopted_from") or ()
         if not isinstance(adopted, (list, tuple)) or not all(isinstance(n, str) for n in adopted):
             raise IncompatibleCheckpointError(f"{source}: adopted_from {adopted!r} is not a list of node ids.")
+        holds = data.get("holds") or ()
+        if not isinstance(holds, (list, tuple)) or not all(isinstance(h, str) for h in holds):
+            raise IncompatibleCheckpointError(f"{source}: holds {holds!r} is not a list of paths.")
         return cls(
             step=_field(data, "step", int, source), root=_field(data, "root", str, source),
             record_path=_field(data, "record_path", str, source), node_id=_field(data, "node_id", str, source),
             fingerprint=_field(data, "fingerprint", str, source), slots=_slots(data.get("slots"), source),
             store=StoreTarget.from_dict(store, source), rank0_node=bool(data.get("rank0_node")),
-            adopted_from=tuple(adopted), created_unix=float(data.get("created_unix") or 0.0), version=version,
+            adopted_from=tuple(adopted), created_unix=float(data.get("created_unix") or 0.0), holds=tuple(holds),
+            version=version,
         )
 
 

@@ -4,10 +4,12 @@ Started by module name — ``python -m gemini_dcp.persistent.drain.server <persi
 --options <DrainOptions JSON> [--standby]`` — by :func:`gemini_dcp.persistent.drain.client.ensure_server`,
 or run as a thread of the training process (``memory://`` stores, or drain mode ``thread``).
 It parses no environment variable: the trainer validated its :class:`DrainOptions` and passes
-them on the command line. It holds ``daemon.lock`` (one server per node and job), stages each
-new request at once (no torch), coalesces requests it cannot start yet (the newest wins),
-uploads one step at a time in a thread (:mod:`.upload`, which imports torch on the first
-upload), retries a failed upload with backoff up to ``attempts`` times, waits up to
+them on the command line. It holds ``daemon.lock`` (one server per node and job), readies its
+upload side in the background as it starts (:func:`_prewarm`), takes each new request at once
+(no torch): one it can upload now is read in place from its held memory slots, one that
+waits behind another upload is copied aside and its holds dropped; it coalesces requests it
+cannot start yet (the newest wins), uploads one step at a time in a thread (:mod:`.upload`),
+keeps the slot holds of pending requests fresh, retries a failed upload with backoff up to ``attempts`` times, waits up to
 ``peer_timeout_s`` for the other nodes' parts on the node of rank 0, and exits after
 ``idle_s`` with nothing to do.
 """
@@ -27,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from ...errors import ChecksumMismatchError, GeminiError, PersistentTierError, UntrustedDataError
+from ...local.slot_holds import HOLD_S, refresh_holds, release_holds
 from ...options.persistent import DrainOptions
 from .lock import STANDBY_S, take_lock
 from .paths import Paths, private_dir, write_atomic
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     options = DrainOptions.from_json(args.options) if args.options else DrainOptions()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s drain[{os.getpid()}] %(levelname)s %(message)s")
     lower_priority(options.nice)
-    serve(args.persist_dir, options=options, idle_s=options.idle_s, standby_s=STANDBY_S if args.standby else 0.0)
+    serve(args.persist_dir, options=options, idle_s=options.idle_s, standby_s=STANDBY_S if args.standby else 0.0,
+          prewarm=True)
 
 
 def lower_priority(setting: int | str) -> None:
@@ -69,11 +73,16 @@ def lower_priority(setting: int | str) -> None:
         log.warning("drain: could not lower priority to %r (%s); running at normal priority", setting, exc)
 
 
-def serve(persist_dir: str, *, options: DrainOptions | None = None, idle_s: float = 60.0, standby_s: float = 0.0) -> None:
+def serve(
+    persist_dir: str, *, options: DrainOptions | None = None, idle_s: float = 60.0, standby_s: float = 0.0,
+    prewarm: bool = False,
+) -> None:
     """Run the drain server of ``persist_dir`` until idle.
 
     Returns at once if another server holds the lock, unless ``standby_s > 0``: then it waits
     for the lock (up to ``standby_s``) while requests are pending and no other standby waits.
+    ``prewarm`` (the detached process only): once the lock is ours, ready the upload side in
+    the background (:func:`_prewarm`).
     """
     p = Paths(persist_dir)
     try:
@@ -84,6 +93,8 @@ def serve(persist_dir: str, *, options: DrainOptions | None = None, idle_s: floa
     if not take_lock(p, fd, standby_s):
         os.close(fd)
         return
+    if prewarm:
+        threading.Thread(target=_prewarm, name="gemini-drain-prewarm", daemon=True).start()
     try:
         write_atomic(p.pid, str(os.getpid()).encode())
         _Server(p, fd, idle_s, options or DrainOptions()).run()
@@ -110,6 +121,18 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "retry", text
 
 
+def _prewarm() -> None:
+    """Import the upload side (torch) while the server waits for its first request, so the first
+    due step of a process uploads as fast as later ones; staging never waits for it. In this
+    process of its own the drain also turns off the zip CRC32 of ``torch.save`` (stock ``dcp.load``
+    reads such files; each item keeps its crc32c in the step's index)."""
+    try:
+        upload = _uploader_module()
+        upload.prepare_process()
+    except Exception as exc:  # noqa: BLE001 - the first upload imports it again and reports
+        log.warning("drain: preloading the upload side failed: %s", exc)
+
+
 def _uploader_module() -> ModuleType:
     """:mod:`.upload`, imported on the first upload: it brings torch, which staging does without."""
     from . import upload  # noqa: PLC0415 - torch, only once a step uploads (the server starts light)
@@ -132,6 +155,7 @@ class _Server:
         self.attempts: dict[int, int] = {}
         self.retry_at: dict[int, float] = {}
         self.last_await_poll = 0.0
+        self.last_hold_refresh = 0.0
 
     def _upload_side(self) -> Any:
         if self.uploader is None:
@@ -146,9 +170,12 @@ class _Server:
                 log.info("drain state %s is gone; exiting", self.p.dir)
                 return
             reqs = self._requests()
-            for step, req in reqs.items():
+            busy = self.upload_thread is not None
+            for step, req in sorted(reqs.items()):
                 if step not in self.awaiting and step != self.uploading and not (self.p.stage(step) / "staged").exists():
-                    self._stage(req)
+                    self._stage(req, copy=busy)
+                    busy = True
+            self._refresh_holds(reqs)
             reqs = self._requests()
             self._coalesce(reqs)
             self._reap_upload()
@@ -189,30 +216,46 @@ class _Server:
         return out
 
     # -- staging (no torch) -------------------------------------------------------------------
-    def _stage(self, req: DrainRequest) -> None:
+    def _stage(self, req: DrainRequest, *, copy: bool) -> None:
+        """Make ``req`` ready to upload: read in place from its held slots when it uploads next
+        (``copy`` False and the request holds its slots), else copy the slot bytes beside it and
+        release the holds, so a request that waits behind another upload never pins memory slots."""
         step = req.step
         d = self.p.stage(step)
         t0 = time.monotonic()
         try:
             private_dir(d)
             need = sum(s.nbytes for s in req.slots)
-            st = os.statvfs(d)
-            free = st.f_bavail * st.f_frsize
-            direct = need > free - (64 << 20)
-            if direct:
-                log.warning(
-                    "step %d: not enough tmpfs for a staging copy (%.3f GiB needed, %.3f free): draining straight "
-                    "from the memory slots (fails if a newer save reuses them first)", step, need / 2**30, free / 2**30,
-                )
-            else:
-                for s in req.slots:
-                    copy_prefix(Path(s.path), d / f"rank-{s.rank:05d}.bin", s.nbytes)
-            write_atomic(d / "staged", json.dumps({"direct": direct, "seconds": time.monotonic() - t0}).encode())
+            direct = bool(req.holds) and not copy
+            if not direct:
+                st = os.statvfs(d)
+                free = st.f_bavail * st.f_frsize
+                direct = need > free - (64 << 20)
+                if direct:
+                    log.warning(
+                        "step %d: not enough tmpfs for a staging copy (%.3f GiB needed, %.3f free): draining straight "
+                        "from the memory slots (abandoned if a newer save reuses them first)",
+                        step, need / 2**30, free / 2**30,
+                    )
+                else:
+                    for s in req.slots:
+                        copy_prefix(Path(s.path), d / f"rank-{s.rank:05d}.bin", s.nbytes)
+                    release_holds(req.holds, step)
+            write_atomic(d / "staged", json.dumps({"direct": direct, "held": direct and bool(req.holds),
+                                                   "seconds": time.monotonic() - t0}).encode())
             self.status.set(step, "staged", bytes=need, stage_seconds=round(time.monotonic() - t0, 4))
         except FileNotFoundError as exc:
             self._abandon(step, f"its memory slot is gone before it could be staged ({exc})")
         except OSError as exc:
             self._abandon(step, f"staging failed: {exc}")
+
+    def _refresh_holds(self, reqs: dict[int, DrainRequest]) -> None:
+        """Keep the holds of the steps still to be read alive (a dead server's lapse after ``HOLD_S``)."""
+        now = time.monotonic()
+        if now - self.last_hold_refresh < HOLD_S / 8:
+            return
+        self.last_hold_refresh = now
+        refresh_holds(h for req in reqs.values() for h in req.holds)
 
     def _coalesce(self, reqs: dict[int, DrainRequest]) -> None:
         waiting = [
@@ -224,7 +267,8 @@ class _Server:
         newest = max(waiting)
         for s in waiting:
             if s != newest:
-                self._abandon(s, f"superseded by step {newest} (the drain is slower than the save cadence)")
+                self._abandon(s, f"superseded by step {newest} (the drain is slower than the save cadence)",
+                              superseded_by=newest)
 
     # -- uploading (torch, in a thread) ---------------------------------------------------------
     def _start_upload(self, reqs: dict[int, DrainRequest]) -> None:
@@ -315,15 +359,21 @@ class _Server:
         self.status.set(step, "done")
         self._cleanup(step)
 
-    def _abandon(self, step: int, reason: str) -> None:
+    def _abandon(self, step: int, reason: str, *, superseded_by: int | None = None) -> None:
         log.warning("step %d: drain abandoned: %s", step, reason)
-        self.status.set(step, "abandoned", reason=reason)
+        info = {"superseded_by": superseded_by} if superseded_by is not None else {}
+        self.status.set(step, "abandoned", reason=reason, **info)
         self.awaiting.pop(step, None)
         self._cleanup(step)
 
     def _cleanup(self, step: int) -> None:
+        path = self.p.request(step)
         try:
-            os.unlink(self.p.request(step))
+            release_holds(DrainRequest.from_json(path.read_bytes(), str(path)).holds, step)
+        except (OSError, GeminiError):
+            pass
+        try:
+            os.unlink(path)
         except FileNotFoundError:
             pass
         shutil.rmtree(self.p.stage(step), ignore_errors=True)

@@ -2,7 +2,9 @@
 
 Reads only (torch-free): the drain settings a writer left (:func:`read_config`), the outcome
 of each step (:func:`drain_status`: queued, staged, uploading, part-written, committed, done,
-failed / abandoned with the reason), the summary shown by ``inspect`` (:func:`drain_summary`),
+failed / abandoned with the reason), the same folded into the four states an operator sees
+(:func:`step_states`: queued, writing, durable, failed + why), the summary shown by
+``inspect`` (:func:`drain_summary`),
 the server's pid, and :func:`wait_idle`. :class:`StatusBook` is the server's writer of
 ``status.json``.
 """
@@ -14,13 +16,17 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import GeminiError
 from .paths import Paths, write_atomic
 from .request import DrainConfig
 
-__all__ = ["STATUS_KEEP", "StatusBook", "drain_status", "drain_summary", "read_config", "server_pid", "wait_idle"]
+__all__ = [
+    "DRAIN_STATES", "STATUS_KEEP", "StatusBook", "StepDrain", "drain_status", "drain_summary", "read_config", "server_pid",
+    "step_states", "wait_idle",
+]
 
 log = logging.getLogger("gemini_dcp.persistent.drain")
 
@@ -90,6 +96,61 @@ def drain_summary(persist_dir: str | os.PathLike[str], recent: int = 3) -> dict[
         "pending": own["pending"], "recent": latest(own),
         "adopt_pending": adopt["pending"], "adopt_recent": latest(adopt),
     }
+
+
+DRAIN_STATES = ("queued", "writing", "durable", "failed")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDrain:
+    """One step's drain as an operator or a waiting trainer sees it.
+
+    ``state``: ``queued`` (requested, not uploading yet), ``writing`` (uploading, or its part is
+    written and another node commits), ``durable`` (this node committed its ``.metadata``), or
+    ``failed`` (``reason`` says why; ``retrying`` when another attempt follows).
+    ``superseded_by``: a newer step that replaced this one in the drain queue.
+    """
+
+    step: int
+    state: str
+    reason: str | None = None
+    retrying: bool = False
+    superseded_by: int | None = None
+    unix: float | None = None
+
+
+def step_states(persist_dir: str | os.PathLike[str]) -> dict[int, StepDrain]:
+    """Each step's drain state on this node (from ``status.json`` and the pending requests)."""
+    status = drain_status(persist_dir)
+    pending = set(status["pending"])
+    out: dict[int, StepDrain] = {}
+    for key, entry in status["steps"].items():
+        try:
+            step = int(key)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict):
+            continue
+        raw = entry.get("state")
+        why = entry.get("reason") or entry.get("detail") or None
+        sup = entry.get("superseded_by")
+        sup = sup if isinstance(sup, int) and not isinstance(sup, bool) else None
+        if raw == "committed" or raw == "done" and (entry.get("committed_unix") or "already holds" in str(why)):
+            state, why = "durable", None
+        elif raw == "abandoned" or (raw == "failed" and step not in pending):
+            state = "failed"
+        elif raw == "failed":
+            out[step] = StepDrain(step=step, state="failed", reason=why, retrying=True, unix=entry.get("unix"))
+            continue
+        elif raw in ("uploading", "part-written", "done"):
+            state = "writing"
+        else:
+            state = "queued"
+        out[step] = StepDrain(step=step, state=state, reason=why if state != "writing" or raw == "done" else None,
+                              superseded_by=sup, unix=entry.get("unix"))
+    for step in pending - set(out):
+        out[step] = StepDrain(step=step, state="queued")
+    return out
 
 
 def server_pid(persist_dir: str | os.PathLike[str]) -> int | None:

@@ -1,9 +1,11 @@
-"""Uploading a staged step: each saving rank's items, verified, written into the store as DCP data files.
+"""Uploading a step: each saving rank's items, verified as they are written into the store as DCP data files.
 
 The torch side of the drain server, imported by it only when a step uploads (the server
 stages without torch). For one request: check the staged record, decide what is left (a
 resume, an adoption), write one or more ``__<rank>_<k>.distcp`` files per rank in parallel
-(progress recorded per file in ``progress.json``), write the node's part marker, then commit
+from the held memory slots themselves or from the staged copy (each item's checksum computed
+in the pass that writes it, :mod:`.fused`; progress recorded per file in ``progress.json``),
+release the slot holds, write the node's part marker, then commit
 ``.metadata`` if every node's part is there and apply the store's retention.
 """
 
@@ -25,24 +27,51 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ...core.checksum import copy_and_checksum
 from ...core.faults import fault_point
 from ...core.safe_pickle import restricted_loads
-from ...errors import ChecksumMismatchError, UntrustedDataError
+from ...errors import UntrustedDataError
+from ...ext import loader as ext_loader
 from ...local.records import StepRecord, read_record
+from ...local.slot_holds import holds_intact, release_holds
 from ...options.persistent import DrainOptions
-from ..stock_format import exact_view, items_of_record, try_finalize, typed, verify, write_rank_file
+from ..stock_format import items_of_record, try_finalize, write_rank_file
 from ..store import DEFAULT_TIMEOUT_S, SIDE_FILE_GLOBALS, PartMarker, PersistentTier, node_tag
+from .fused import FusedDest, fused_reader
 from .paths import Paths, write_atomic
 from .request import DrainRequest, FileResult, Progress, SlotRef, StoredItem
 from .status import StatusBook
 
-__all__ = ["SPLIT_BYTES", "Uploader", "adoption_marker_id", "load_legacy_progress", "load_progress", "save_progress"]
+__all__ = [
+    "SPLIT_BYTES", "Uploader", "adoption_marker_id", "host_threads", "load_legacy_progress", "load_progress",
+    "prepare_process", "save_progress",
+]
 
 log = logging.getLogger("gemini_dcp.persistent.drain")
 
 SPLIT_BYTES = 64 << 20  # a rank with more than this is written as several files in parallel
 Outcome = tuple[str, str]  # ("done" | "await" | "abandon" | "retry", detail)
+
+
+def host_threads(wanted: int) -> int:
+    """The data files to write in parallel: ``wanted``, at most one per CPU this process may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(wanted, cpus))
+
+
+def prepare_process() -> None:
+    """Ready a detached drain process for uploads before its first request (``server._prewarm``).
+
+    Turns off the zip CRC32 of ``torch.save`` for this process (a second pass over every byte;
+    stock ``dcp.load`` reads such files, and each item keeps its own checksum in the step's
+    index) and loads the checksum extension. Never called in a training process (thread mode).
+    """
+    set_crc32 = getattr(torch.serialization, "set_crc32_options", None)
+    if set_crc32 is not None:
+        set_crc32(False)
+    ext_loader.load()
 
 
 def adoption_marker_id(node_id: str, adopted_from: Sequence[str]) -> str:
@@ -93,7 +122,7 @@ class Uploader:
                     return finished  # the ranks no part marker covers yet (``slots``) are fixed for resumes
             sd.begin(node_id)
             # The file split must not change on resume: the thread count is fixed now.
-            progress = dataclasses.replace(progress, begun=True, threads=self.options.threads, slots=slots)
+            progress = dataclasses.replace(progress, begun=True, threads=host_threads(self.options.threads), slots=slots)
             save_progress(d, progress)
         slots_todo = progress.slots if progress.slots is not None else req.slots
         threads = progress.threads or self.options.threads
@@ -113,17 +142,21 @@ class Uploader:
         lock = threading.Lock()
         state = {"progress": progress}
 
+        # A staged copy is private; held slots are safe while their holds last; a slot read
+        # without a hold (no room to stage) may change under us: copied block by block then.
+        if not direct:
+            intact: Callable[[], bool] | None = lambda: True  # noqa: E731
+        elif req.holds:
+            intact = lambda: holds_intact(req.holds, step)  # noqa: E731
+        else:
+            intact = None
+
         def run(job: tuple[str, Path, list[Any]]) -> None:
             rel, path, items = job
+            dest = FusedDest(sd, intact)
             with _ReadMap(path) as buf:
-                if direct:
-                    read = _private_reader(buf, what)
-                else:
-                    def read(it: Any, _buf: Any = buf) -> torch.Tensor:
-                        t = exact_view(_buf.mm, it.offset, it.length)
-                        verify(t, it, what)  # checksums verified before upload
-                        return typed(t, it)
-                result = write_rank_file(sd, rel, items, read, throttle_bps=self.options.throttle_bps)
+                read, checked = fused_reader(dest, buf.mm, what)  # checksum fused into the write (.fused)
+                result = write_rank_file(dest, rel, items, read, progress=checked, throttle_bps=self.options.throttle_bps)
             with lock:
                 state["progress"] = state["progress"].with_file(rel, encode_file(*result))
                 save_progress(d, state["progress"])
@@ -140,6 +173,7 @@ class Uploader:
                 for fut in [ex.submit(run, j) for j in todo]:
                     fut.result()
         progress = state["progress"]
+        release_holds(req.holds, step)  # the slots are read: the writer may reuse them
         if not direct:
             drop_stage_bytes(d)  # give the tmpfs back as soon as the bytes are in the store
         storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -351,17 +385,3 @@ class _ReadMap:
             except BufferError:
                 pass  # a tensor view is still alive; the mapping goes with it
         os.close(self._fd)
-
-
-def _private_reader(buf: _ReadMap, what: str) -> Callable[[Any], torch.Tensor]:
-    """Read straight from a live slot: copy out, hash the copy, compare (race-safe)."""
-
-    def read(it: Any) -> torch.Tensor:
-        out = torch.empty(it.length, dtype=torch.uint8)
-        if it.length:
-            got = copy_and_checksum(out, exact_view(buf.mm, it.offset, it.length), it.algo)
-            if got != it.checksum:
-                raise ChecksumMismatchError(f"{it.name} of {what}: its memory slot was reused before the drain read it.")
-        return typed(out, it)
-
-    return read
