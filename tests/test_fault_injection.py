@@ -17,12 +17,12 @@ import os
 import signal
 from typing import Any
 
+import fault_harness as fh
 import pytest
 
-import fault_harness as fh
 from gemini_dcp.core import faults
-from gemini_dcp.options.faults import fault_settings
 from gemini_dcp.core.faults import PHASES
+from gemini_dcp.options.faults import fault_settings
 
 
 def _check(record: dict) -> None:
@@ -147,7 +147,8 @@ def test_sibling_probe_of_a_dead_launch_is_not_a_live_launch(tmp_path) -> None:
     import threading
 
     from gemini_dcp.core.launch import LaunchInfo
-    from gemini_dcp.local.tier import LocalTier, hold_launch_lock
+    from gemini_dcp.local.launch_lock import hold_launch_lock
+    from gemini_dcp.local.tier import LocalTier
 
     root = tmp_path / "root"
     root.mkdir(mode=0o700)
@@ -172,7 +173,8 @@ def test_sibling_probe_of_a_dead_launch_is_not_a_live_launch(tmp_path) -> None:
 
 def _hold_and_exit(root: str) -> None:
     from gemini_dcp.core.launch import LaunchInfo
-    from gemini_dcp.local.tier import LocalTier, hold_launch_lock
+    from gemini_dcp.local.launch_lock import hold_launch_lock
+    from gemini_dcp.local.tier import LocalTier
 
     tier = LocalTier(root, "j")
     hold_launch_lock(tier, LaunchInfo("deadbeefdeadbeef", "crashed run", "vm", os.getpid(), 0.0), tier)

@@ -395,7 +395,7 @@ def test_no_checkpoint_message_does_not_claim_a_persistent_tier(root: str) -> No
 def test_a_writer_collected_while_the_launch_lock_is_taken_does_not_deadlock(root: str, launch: Any) -> None:
     """A writer in a reference cycle is finalized by whatever garbage collection comes next,
     which may run inside hold_launch_lock with its guard held (it hung the suite once)."""
-    import gemini_dcp.local.tier as lt
+    import gemini_dcp.local.launch_lock as lt
 
     launch(1)
     w = GeminiStorageWriter(root=root, job_id="cyc")

@@ -52,9 +52,10 @@ from ..core.config import parse_step, resolve_node_id
 from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..errors import ConfigError, InvalidStepError
+from ..local.launch_lock import hold_launch_lock
 from ..local.records import ShardRef, StepRecord
 from ..local.slots import SlotFile, align
-from ..local.tier import LocalTier, hold_launch_lock
+from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
 from ..peer.push import replicate
 from ..transport.comm import Comm, get_comm

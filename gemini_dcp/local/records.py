@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import pickle  # noqa: F401 - kept as an attribute: tests count calls through records.pickle.dumps
 
-from . import record_caches as _caches
-from . import record_codec as _codec
-from . import record_types as _types
+from . import record_caches as _caches, record_codec as _codec, record_types as _types
 from .record_caches import metadata_shell_blob
 from .record_codec import (
     RECORD_FORMAT,
