@@ -70,6 +70,7 @@ class RecordingSavePlanner(DefaultSavePlanner):
 
     local_plan: SavePlan | None = None
     final_plan: SavePlan | None = None
+    direct_lookup = True  # lookup_object below is DCP's, faster: the writer may resolve items itself
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
