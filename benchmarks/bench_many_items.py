@@ -151,7 +151,7 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                     dcp.save(sd, storage_writer=_noop_writer(), process_group=group)
                 elif mode.startswith("stock"):
                     path = os.path.join(stock_dir, job, f"step-{step % 2}")
-                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), planner=planner, process_group=group)
+                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, overwrite=True), planner=planner, process_group=group)
                     where = path
                 elif mode.startswith("gemini"):
                     dcp.save(sd, storage_writer=writer, checkpoint_id=step, planner=planner, process_group=group)
@@ -174,7 +174,8 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                 assert ckpt is not None
                 row["blocked"] = blocked
                 row["plans"] = ckpt.stats().get("plans")
-                row["structure"] = {"walks": ckpt.structure.walks, "reuses": ckpt.structure.reuses}
+                cache = getattr(ckpt, "structure", None)  # None: a gemini_dcp from before the structure cache
+                row["structure"] = None if cache is None else {"walks": cache.walks, "reuses": cache.reuses}
                 ckpt.close()
             if mode != "noop":
                 row["exact"] = _restore_exact(sd, mode, where, group)

@@ -337,6 +337,7 @@ class AsyncCheckpointer:
             if self.profiler is not None:
                 self.profiler.remove()
             self.writer.hooks = NO_HOOKS
+            self.structure.forget()  # the cached walk holds the last state's tensors
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
