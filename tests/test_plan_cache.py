@@ -115,3 +115,42 @@ def test_plan_cache_with_gemini_writer_is_bit_exact_across_saves_and_a_structure
         # One copy program while the plan holds (DCP's cached plan is reused), a new one for the
         # structure change at step 4, then reused again.
         assert built == [1, 1, 1, 2, 2, 2, 2], built
+
+
+# ---- the writer's copy program, one process (no collectives) -------------------------------------
+@pytest.mark.parametrize("algo", ["crc32c", "xxh3"])
+def test_copy_program_checksums_match_and_a_changed_tensor_builds_a_new_program(tmp_path: Any, algo: str) -> None:
+    from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
+    from gemini_dcp.core.checksum import checksum
+
+    writer = GeminiStorageWriter(root=tmp_path, job_id="program", keep=2, checksum=algo)
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, Any] = {f"w{i}": torch.randn(5, 3, generator=g) for i in range(40)}
+    sd["big"] = torch.randn(300_000, generator=g)  # >= 1 MiB: the fused copy, one item
+    sd["t"] = torch.randn(4, 4, generator=g).t()  # not contiguous: copied by _foreach_copy_ all the same
+    sd["p"] = torch.nn.Parameter(torch.randn(7, generator=g))
+    sd["step"] = 0
+    for step in range(1, 4):
+        sd["step"] = step
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                with torch.no_grad():
+                    v.add_(1)
+        dcp.save(sd, storage_writer=writer, checkpoint_id=step, no_dist=True)
+        rec = writer.tier.record(step)
+        assert rec is not None
+        rs = rec.slot_of(0)
+        assert rs is not None
+        slot = writer.slot(0, rs.slot)
+        for ref in rec.metadata.storage_data.values():
+            assert ref.algo == algo and checksum(slot.view(ref.offset, ref.length), algo) == ref.checksum
+        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in sd.items()}
+        dcp.load(out, storage_reader=GeminiStorageReader(root=tmp_path, job_id="program"), checkpoint_id=step, no_dist=True)
+        assert all(torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v for k, v in sd.items())
+    assert writer.local_writer.programs_built == 1
+    sd["w3"].data = torch.randn(6, 3, generator=g)  # the same object, another shape: a new program
+    dcp.save(sd, storage_writer=writer, checkpoint_id=4, no_dist=True)
+    assert writer.local_writer.programs_built == 2
+    out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in sd.items()}
+    dcp.load(out, storage_reader=GeminiStorageReader(root=tmp_path, job_id="program"), checkpoint_id=4, no_dist=True)
+    assert torch.equal(out["w3"], sd["w3"])

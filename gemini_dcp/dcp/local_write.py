@@ -100,7 +100,7 @@ def _bytes_of(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class _Group:
     """Small tensor items copied by one ``_foreach_copy_`` call: their positions and typed slot views."""
 
@@ -112,9 +112,9 @@ class _Group:
     nbytes: int
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class _Program:
-    """What a save of ``plan`` into ``slot_tensor`` does, computed once (module docstring)."""
+    """What a save of ``plan`` does, computed once (module docstring); compared by identity."""
 
     plan: SavePlan  # held: the key is its identity
     algo: str

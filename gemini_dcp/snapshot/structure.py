@@ -114,7 +114,7 @@ def snapshot_structure(
     return out
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class _Node:
     """The remembered walk of one container: what to compare, and what to visit in Python."""
 
