@@ -56,6 +56,8 @@ _device = operator.attrgetter("device")
 _layout = operator.attrgetter("layout")
 _index = operator.attrgetter("index")
 _type = operator.attrgetter("type")
+_fqn = operator.attrgetter("index.fqn")
+_offset = operator.attrgetter("index.offset")
 _CPU = torch.device("cpu")
 _HASHERS: dict[str, Callable[[Any], int]] = {"crc32c": _crc32c_pkg.crc32c, "xxh3": xxhash.xxh3_64_intdigest}
 Pacer = Callable[[int], None]
@@ -125,6 +127,8 @@ class _Program:
     templates: list[ShardRef]  # the results' storage_data, checksum 0
     indexes: list[MetadataIndex]
     types: list[WriteItemType]
+    fqns: list[str]
+    index_offsets: list[Any]
     tensor_pos: list[int]
     getter: Callable[[Sequence[Any]], Any] | None  # the tensor items of the resolved entries
     shapes: list[Any]
@@ -203,7 +207,13 @@ class LocalWriter:
             return False
         if prog.plan is not plan:  # plain dcp.save plans anew every save: the same items?
             items = plan.items
-            if len(items) != len(prog.indexes) or list(map(_index, items)) != prog.indexes or list(map(_type, items)) != prog.types:
+            # MetadataIndex equality is (fqn, offset): compared as two C-level lists, not per item in Python.
+            if (
+                len(items) != len(prog.indexes)
+                or list(map(_fqn, items)) != prog.fqns
+                or list(map(_offset, items)) != prog.index_offsets
+                or list(map(_type, items)) != prog.types
+            ):
                 return False
             prog.plan = plan
         if prog.getter is None:
@@ -256,7 +266,8 @@ class LocalWriter:
             (lambda v, i=tensor_pos[0]: (v[i],)) if tensor_pos else None)
         return _Program(
             plan=plan, algo=algo, block=block, offsets=offsets, sizes=sizes, total=total,
-            templates=templates, indexes=list(map(_index, items)), types=list(map(_type, items)), tensor_pos=tensor_pos, getter=getter,
+            templates=templates, indexes=list(map(_index, items)), types=list(map(_type, items)),
+            fqns=list(map(_fqn, items)), index_offsets=list(map(_offset, items)), tensor_pos=tensor_pos, getter=getter,
             shapes=list(map(_shape, ts)), dtypes=list(map(_dtype, ts)), groups=groups, single=single, byte_pos=byte_pos,
         )
 

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -417,10 +417,7 @@ class GeminiStorageWriter(StorageWriter):
 def _planned_bytes(item: WriteItem) -> int:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 0
-    numel = 1
-    for d in item.tensor_data.chunk.sizes:
-        numel *= d
-    return numel * item.tensor_data.properties.dtype.itemsize
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 def _default_rank() -> int:
