@@ -16,7 +16,8 @@ every N, plus a step counter. For each N, in the same processes, the modes in tu
 * ``async`` — ``AsyncCheckpointer``: the time ``save()`` blocks the caller, and save →
   committed (``handle.wait()``).
 
-Each mode: 3 warm-up saves, then ``--saves`` timed ones; a figure is the median over saves
+The modes take turns save by save, in a rotating order, so that on a shared host every mode
+sees the same load. Each mode: 3 warm-up saves, then ``--saves`` timed ones; a figure is the median over saves
 of the slowest rank (wall time barrier to barrier; for ``async`` the handle's own
 ``blocked_s`` / ``total_s``). After the timed saves every mode's last step is loaded into
 zeroed tensors and compared bit-exact with the state. Writes
@@ -127,19 +128,23 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
     step = 0
     for n in items:
         sd = _state(n, per_rank_bytes, rank, world, mesh)
-        res: dict[str, Any] = {}
+        writers: dict[str, Any] = {}
+        ckpt = None
         for mode in modes:
             job = f"many-{mode}-{n}"
-            walls: list[float] = []
-            blocked: list[float] = []
-            where: Any = None
-            ckpt = None
             if mode == "async":
                 ckpt = AsyncCheckpointer(GeminiStorageWriter(root=roots[rank], job_id=job, keep=2, process_group=group),
                                          interleave=False)
             elif mode.startswith("gemini"):
-                writer = GeminiStorageWriter(root=roots[rank], job_id=job, keep=2, process_group=group)
-            for i in range(warmup + saves):
+                writers[mode] = GeminiStorageWriter(root=roots[rank], job_id=job, keep=2, process_group=group)
+        walls: dict[str, list[float]] = {m: [] for m in modes}
+        blocked: list[float] = []
+        where: dict[str, Any] = {}
+        saved_step: dict[str, int] = {}
+        for i in range(warmup + saves):
+            # The modes take turns, in a rotating order: on a shared host each sees the same load.
+            for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
+                job = f"many-{mode}-{n}"
                 sd["step"] = step
                 planner = None
                 if mode.endswith("_cache"):
@@ -151,25 +156,29 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                     dcp.save(sd, storage_writer=_noop_writer(), process_group=group)
                 elif mode.startswith("stock"):
                     path = os.path.join(stock_dir, job, f"step-{step % 2}")
-                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, overwrite=True), planner=planner, process_group=group)
-                    where = path
+                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, overwrite=True), planner=planner,
+                             process_group=group)
+                    where[mode] = path
                 elif mode.startswith("gemini"):
-                    dcp.save(sd, storage_writer=writer, checkpoint_id=step, planner=planner, process_group=group)
-                    where = (roots[rank], job)
+                    dcp.save(sd, storage_writer=writers[mode], checkpoint_id=step, planner=planner, process_group=group)
+                    where[mode] = (roots[rank], job)
                 else:
                     assert ckpt is not None
                     h = ckpt.save(sd, step)
                     h.wait()
-                    where = (roots[rank], job)
+                    where[mode] = (roots[rank], job)
                 wall = time.perf_counter() - t0
+                saved_step[mode] = step
                 if i >= warmup:
                     if mode == "async":
-                        walls.append(h.total_s)
+                        walls[mode].append(h.total_s)
                         blocked.append(h.blocked_s)
                     else:
-                        walls.append(wall)
+                        walls[mode].append(wall)
                 step += 1
-            row: dict[str, Any] = {"wall": walls}
+        res: dict[str, Any] = {}
+        for mode in modes:
+            row: dict[str, Any] = {"wall": walls[mode]}
             if mode == "async":
                 assert ckpt is not None
                 row["blocked"] = blocked
@@ -178,7 +187,9 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                 row["structure"] = None if cache is None else {"walks": cache.walks, "reuses": cache.reuses}
                 ckpt.close()
             if mode != "noop":
-                row["exact"] = _restore_exact(sd, mode, where, group)
+                # The tensors are the same for every mode; the step counter is the mode's last save's.
+                last = dict(sd, step=saved_step[mode])
+                row["exact"] = _restore_exact(last, mode, where[mode], group)
             res[mode] = row
         out[str(n)] = res
         dist.barrier(group=group)
