@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from .gaps import DEFAULT_ALPHA, DEFAULT_MAX_CHUNK, MIN_CHUNK, Where, span_capacity
 
+
 # ---- run time --------------------------------------------------------------------------------
 class LiveTimeline:
     """The current period of the running iteration, fed by the collective wrappers."""

@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from ..core.compat import HAS_CHECKPOINTABLE_TENSOR, checkpointable_fields
-from ..local.records import ShardRef
 from ..dcp.writer import GeminiStorageWriter
+from ..local.records import ShardRef
 from ..transport.comm import Comm
 from ..transport.p2p import Transport, transport_for
 from .replay_check import FastCheck
