@@ -130,10 +130,8 @@ def test_retention_keeps_last_k_and_slot_ring(root: str) -> None:
 
 def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> None:
     """Save step 1 cleanly, then SIGKILL this rank at ``point`` while saving step 2."""
-    import gemini_dcp.core.checksum as ck
     import gemini_dcp.local.job_dir as layout_mod
     import gemini_dcp.local.records as rec_mod
-    import gemini_dcp.dcp.writer as wmod
     from workloads import dtensor_state
 
     dcp.save(dtensor_state(1, world_size), storage_writer=GeminiStorageWriter(root=root, job_id=job), checkpoint_id=1)
@@ -142,17 +140,17 @@ def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> N
         os.kill(os.getpid(), signal.SIGKILL)
 
     if point == "mid-copy":
-        orig = ck.copy_and_checksum
-        calls = {"n": 0}
+        # The copy lives in gemini_dcp.dcp.local_write (small items batched): die at its mid-copy point.
+        import gemini_dcp.dcp.local_write as lw
 
-        def copy_then_die(dst, src, algo, *args, **kwargs):  # type: ignore[no-untyped-def]
-            calls["n"] += 1
-            if calls["n"] == 2:
-                dst[: dst.numel() // 2].copy_(src[: src.numel() // 2])
+        orig = lw.fault_point
+
+        def die_mid_copy(phase: str) -> None:
+            if phase == "save.mid_copy":
                 die()
-            return orig(dst, src, algo, *args, **kwargs)
+            orig(phase)
 
-        wmod.copy_and_checksum = copy_then_die
+        lw.fault_point = die_mid_copy  # type: ignore[assignment]
     elif point == "before-seal":
         import gemini_dcp.commit.protocol as protocol_mod
 

@@ -25,14 +25,13 @@ pacers in one :class:`~gemini_dcp.commit.hooks.SaveHooks` value (``writer.hooks`
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -44,22 +43,22 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..commit import reports as _reports
-from ..commit.hooks import NO_HOOKS, Pacer, SaveHooks, block_bytes
+from ..commit.hooks import NO_HOOKS, Pacer, SaveHooks
 from ..commit.protocol import CommitProtocol, LocalWrite, NodeIdentity, SaveSpec
 from ..commit.slot_pool import SlotPool
-from ..core.checksum import as_bytes, checksum, copy_and_checksum, resolve_algo
+from ..core.checksum import resolve_algo
 from ..core.config import parse_step, resolve_node_id
-from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..errors import ConfigError, InvalidStepError
 from ..local.launch_lock import hold_launch_lock
 from ..local.records import ShardRef, StepRecord
-from ..local.slots import SlotFile, align
+from ..local.slots import SlotFile
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
 from ..peer.push import replicate
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
+from .local_write import LocalWriter
 
 # The names this module had before the commit package (tests and benchmarks import them).
 INLINE_METADATA_PADDING = _reports.INLINE_METADATA_PADDING
@@ -179,6 +178,8 @@ class GeminiStorageWriter(StorageWriter):
         self.commit = CommitProtocol(self.tier, node, self.options)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
         self.slot_pool = SlotPool(self.tier, keep=self.options.keep, capacity_bytes=self.options.capacity_bytes)
+        self.local_writer = LocalWriter(self.slot_pool)  # step 2, with its per-plan programs
+        self._planned_total: tuple[SavePlan, int] | None = None  # (plan, its tensor bytes), for _check_space
         # The async path's pacers and copy-done callback for the next save (see SaveHooks).
         self.hooks: SaveHooks = NO_HOOKS
         self.process_group = process_group
@@ -418,61 +419,22 @@ class GeminiStorageWriter(StorageWriter):
 
     def _check_space(self, plan: SavePlan) -> None:
         """Fail before writing when the ring of slots cannot fit in the tier root."""
-        self.slot_pool.check_space(self._rank, sum(_planned_bytes(item) for item in plan.items), len(plan.items))
+        held = self._planned_total
+        if held is None or held[0] is not plan:  # a replayed plan is the same object save after save
+            held = self._planned_total = (plan, sum(_planned_bytes(item) for item in plan.items))
+        self.slot_pool.check_space(self._rank, held[1], len(plan.items))
 
     def _write_local(self, plan: SavePlan, planner: SavePlanner, step: int, rank: int) -> LocalWrite:
         """Step 2 of the commit protocol: resolve this rank's DCP items and copy them, checksummed,
-        into a slot of the node's tier (paced by ``hooks.pace`` when set). Local work."""
-        algo = self._algo
-        entries: list[tuple[WriteItem, torch.Tensor, str | None, tuple[int, ...] | None]] = []
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
-                entries.append((item, torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8), None, None))
-            else:
-                t = planner.resolve_data(item)
-                assert isinstance(t, torch.Tensor)
-                t = t.detach()
-                entries.append((item, t, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
-        offsets: list[int] = []
-        total = 0
-        for _, t, _, _ in entries:
-            offsets.append(total)
-            total = align(total + t.numel() * t.element_size())
-        slot_idx = self.slot_pool.choose(rank)
-        slot = self.slot_pool.slot(rank, slot_idx)
-        # --- async snapshot pacing: default (pace None) is the unpaced 4 MiB-block copy ---
-        pace = self.hooks.pace
-        block = block_bytes(pace)
-        with slot.lock:
-            self.slot_pool.grow(slot, total)
-            results: list[WriteResult] = []
-            for (item, t, dtype, shape), off in zip(entries, offsets):
-                n = t.numel() * t.element_size()
-                dst = slot.view(off, n)
-                src = as_bytes(t)
-                if src is not None:
-                    cs = copy_and_checksum(dst, src, algo, block, pace=pace)
-                else:
-                    if pace is not None and n:
-                        pace(n)
-                    dst.view(t.dtype).view(t.shape).copy_(t)
-                    cs = checksum(dst, algo)
-                ref = ShardRef(rank=rank, offset=off, length=n, checksum=cs, algo=algo, dtype=dtype, shape=shape)
-                results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=ref))
-                if len(results) == max(1, len(entries) // 2): fault_point("save.mid_copy")
-        return LocalWrite(slot=slot_idx, results=tuple(results), nbytes=total)
+        into a slot of the node's tier (paced by ``hooks.pace`` when set; see
+        :mod:`gemini_dcp.dcp.local_write`). Local work."""
+        return self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
 
 
 def _planned_bytes(item: WriteItem) -> int:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 0
-    numel = 1
-    for d in item.tensor_data.chunk.sizes:
-        numel *= d
-    dtype = item.tensor_data.properties.dtype
-    return numel * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 def _default_rank() -> int:

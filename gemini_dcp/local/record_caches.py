@@ -45,9 +45,22 @@ def metadata_shell_blob(meta: Metadata) -> bytes:
     cached_parts, cached_blob = _blob_cache
     if len(parts) == len(cached_parts) and all(a is b for a, b in zip(parts, cached_parts)):
         return cached_blob
+    # A plain dcp.save plans new metadata objects every save, usually equal to the last ones:
+    # comparing them (~5 us per tensor) is ~10x cheaper than pickling them again.
+    if len(parts) == len(cached_parts) and _equal_parts(parts, cached_parts):
+        _blob_cache = (parts, cached_blob)
+        return cached_blob
     blob = pickle.dumps(shell, protocol=pickle.HIGHEST_PROTOCOL)
     _blob_cache = (parts, blob)
     return blob
+
+
+def _equal_parts(parts: tuple[object, ...], cached: tuple[object, ...]) -> bool:
+    """The metadata fields are equal (dataclass equality: what a restore reads of them)."""
+    try:
+        return all(a is b or (type(a) is type(b) and bool(a == b)) for a, b in zip(parts, cached))
+    except Exception:  # noqa: BLE001 - an uncomparable value (a tensor in planner_data): pickle it
+        return False
 
 
 # Decoding, the other way round: the records of one plan carry the same metadata shell and

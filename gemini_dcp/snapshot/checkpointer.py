@@ -69,8 +69,12 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from ..core.compat import copy_checkpointable_fields
-from ..errors import ConfigError, GeminiError
+from ..commit.hooks import NO_HOOKS, SaveHooks
+from ..core.config import parse_step
+from ..dcp.writer import GeminiStorageWriter
+from ..errors import ConfigError
+from .async_writer import AsyncGeminiStorageWriter
+from .handles import AsyncCheckpointError, SnapshotHandle, checkpoint_group
 from .interleave import (
     DEFAULT_ALPHA,
     DEFAULT_MAX_CHUNK,
@@ -82,8 +86,7 @@ from .interleave import (
     choose_chunk_bytes,
 )
 from .replay import PlanReplay
-from ..commit.hooks import NO_HOOKS, SaveHooks
-from ..dcp.writer import GeminiStorageWriter
+from .structure import StructureCache, buffer_storages, clone_tensor, snapshot_structure, storage_key
 
 log = logging.getLogger(__name__)
 
@@ -91,178 +94,19 @@ __all__ = [
     "AsyncCheckpointer",
     "AsyncCheckpointError",
     "AsyncGeminiStorageWriter",
+    "InterleaveOptions",
     "SnapshotHandle",
     "checkpoint_group",
     "snapshot_structure",
 ]
 
+# The names the structural snapshot had here before it moved to .structure (tests import them).
+_storage_key = storage_key
+_clone = clone_tensor
+_buffer_storages = buffer_storages
+
 DEFAULT_BANDWIDTH = 4e9  # bytes/s; replaced by the measured copy rate after the first chunks
 DEFAULT_NET_BANDWIDTH = 1e9  # bytes/s of the peer replication; replaced by its measured rate likewise
-
-
-class AsyncCheckpointError(GeminiError):
-    """A background checkpoint failed; ``__cause__`` is the original error."""
-
-
-def checkpoint_group(process_group: Any = None, timeout_s: float = 300.0) -> Any:
-    """The dedicated gloo control group for the ranks of ``process_group`` (default WORLD).
-
-    Collective on first use (``new_group``): call it on every rank, from the
-    training thread, before the first async save. Returns None without an
-    initialized process group or with a single rank.
-    """
-    from ..transport.comm import get_comm  # noqa: PLC0415
-
-    return get_comm(timeout_s, process_group).group
-
-
-# ---- the structural snapshot ---------------------------------------------------------------
-def _storage_key(t: torch.Tensor) -> int | None:
-    # No torch op here (each one releases and re-takes the GIL): DTensor's local tensor by attribute.
-    local = getattr(t, "_local_tensor", t)
-    try:
-        return local.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    if hasattr(t, "to_local") and hasattr(t, "device_mesh"):
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-        local = t.to_local().detach().clone()
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    # A CheckpointableTensor's shard layout is in its attributes, which clone() does not carry.
-    return copy_checkpointable_fields(t, t.detach().clone())
-
-
-def snapshot_structure(
-    obj: Any, clone_storages: set[int] | frozenset[int] = frozenset(), devices: set[torch.device] | None = None
-) -> Any:
-    """Copy the containers of a state dict, keep tensors by reference (zero copy),
-    clone the tensors whose storage is in ``clone_storages``; top-level ``Stateful``
-    values become their ``state_dict()``. The tensors' devices are added to ``devices``."""
-    from torch.distributed.checkpoint.stateful import Stateful  # noqa: PLC0415
-
-    def walk(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            if devices is not None:
-                devices.add(getattr(o, "_local_tensor", o).device)
-            if clone_storages and _storage_key(o) in clone_storages:
-                return _clone(o)
-            return o
-        if isinstance(o, dict):
-            return type(o)((k, walk(v)) for k, v in o.items()) if type(o) is not dict else {k: walk(v) for k, v in o.items()}
-        if isinstance(o, list):
-            return [walk(v) for v in o]
-        if isinstance(o, tuple) and not hasattr(o, "_fields"):
-            return tuple(walk(v) for v in o)
-        return o
-
-    if not isinstance(obj, dict):
-        raise TypeError(f"state_dict must be a dict, got {type(obj).__name__}")
-    out = {}
-    for k, v in obj.items():
-        out[k] = walk(v.state_dict() if isinstance(v, Stateful) else v)
-    return out
-
-
-def _buffer_storages(model: Any) -> set[int]:
-    keys: set[int] = set()
-    if model is None:
-        return keys
-    models = model if isinstance(model, (list, tuple)) else [model]
-    for m in models:
-        for b in m.buffers():
-            k = _storage_key(b)
-            if k is not None and k != 0:
-                keys.add(k)
-    return keys
-
-
-# ---- handles ---------------------------------------------------------------------------------
-class SnapshotHandle:
-    """One asynchronous save. ``wait_copied()``: this rank's bytes are in the tier;
-    ``wait()``: the step is committed on every node (returns DCP's Metadata)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.copied = threading.Event()
-        self.finished = threading.Event()
-        self.error: BaseException | None = None
-        self.metadata: Any = None
-        self.skipped = False
-        self.t_submit = time.perf_counter()
-        self.blocked_s: float = 0.0  # time save() held the caller
-        self.started_s: float | None = None  # submit -> background save started
-        self.copy_s: float | None = None  # background start -> local copy done
-        self.total_s: float | None = None  # submit -> committed
-        self.guard_wait_s: float = 0.0  # time the training thread waited for this copy
-        self.cpu_s: float | None = None  # CPU time of the background save thread
-        self.pacer_stats: dict[str, Any] | None = None
-        self.replication_pacer_stats: dict[str, Any] | None = None
-        self._surfaced = False
-        self._pacer: Pacer | None = None
-        self._replication_pacer: Pacer | None = None
-        self._hurry = False  # someone is blocked on this save's copy: do not pace it
-        self._hurry_replication = False  # someone is blocked on its commit: do not pace anything
-
-    def hurry(self, *, replication: bool = True) -> None:
-        """Copy (and, with ``replication``, send to peers) the rest at full speed.
-
-        Flags are set before the pacers are read; the worker checks them after setting a pacer.
-        """
-        self._hurry = True
-        if replication:
-            self._hurry_replication = True
-        for p in (self._pacer, self._replication_pacer if replication else None):
-            if p is not None:
-                p.hurry()
-
-    def done(self) -> bool:
-        return self.finished.is_set()
-
-    def _raise(self) -> None:
-        if self.error is not None and not self._surfaced:
-            self._surfaced = True
-            raise AsyncCheckpointError(
-                f"asynchronous checkpoint of step {self.step} failed: {type(self.error).__name__}: {self.error}"
-            ) from self.error
-
-    def wait_copied(self, timeout: float | None = None, *, surface: bool = True) -> None:
-        if not self.copied.is_set():
-            self.hurry(replication=False)
-            t = time.perf_counter()
-            ok = self.copied.wait(timeout)
-            self.guard_wait_s += time.perf_counter() - t
-            if not ok:
-                raise AsyncCheckpointError(
-                    f"step {self.step}: the local copy did not finish within {timeout} s "
-                    "(a rank stopped checkpointing, or the save failed before its copy started)"
-                )
-        if surface and self.finished.is_set():
-            self._raise()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        if not self.finished.wait(timeout):
-            raise AsyncCheckpointError(f"step {self.step}: the checkpoint did not commit within {timeout} s")
-        self._raise()
-        return self.metadata
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "skipped": self.skipped,
-            "blocked_s": self.blocked_s,
-            "started_s": self.started_s,
-            "copy_s": self.copy_s,
-            "total_s": self.total_s,
-            "guard_wait_s": self.guard_wait_s,
-            "cpu_s": self.cpu_s,
-            "pacer": self.pacer_stats,
-            "replication_pacer": self.replication_pacer_stats,
-            "error": None if self.error is None else repr(self.error),
-        }
 
 
 # ---- the checkpointer ------------------------------------------------------------------------
@@ -370,7 +214,8 @@ class AsyncCheckpointer:
         self._bandwidth = self.opts.bandwidth or DEFAULT_BANDWIDTH
         self._net_bandwidth = DEFAULT_NET_BANDWIDTH
         self.pacing = True  # False: copy as fast as possible even with a profile (A/B runs)
-        self._clone_storages = _buffer_storages(model)
+        self._clone_storages = buffer_storages(model)
+        self.structure = StructureCache(self._clone_storages)  # save()'s walk, remembered
         self._model = model
         self._optimizers = [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
         self._hooks: list[Any] = []
@@ -422,19 +267,17 @@ class AsyncCheckpointer:
         if self._closed:
             raise AsyncCheckpointError("save() after close()")
         self._raise_pending()
-        from ..core.config import parse_step  # noqa: PLC0415
-
         step = parse_step(step)
         handle = SnapshotHandle(step)
-        devices: set[torch.device] = set()
-        sd = snapshot_structure(state_dict, self._clone_storages, devices)
+        snap = self.structure.snapshot(state_dict)
         ready = None
-        if any(d.type == "cuda" for d in devices):
+        if snap.devices and any(d.type == "cuda" for d in snap.devices):
             # The copy runs on a side stream of the background thread: order it after the
             # work queued so far (the optimizer step that produced this state).
             ready = torch.cuda.Event()
             ready.record()
-        job = (handle, sd, ready)
+        sd = snap.state_dict
+        job = (handle, sd, ready, snap.generation)
         with self._lock:
             self._outstanding.append(handle)
             self.history.append(handle)
@@ -494,6 +337,7 @@ class AsyncCheckpointer:
             if self.profiler is not None:
                 self.profiler.remove()
             self.writer.hooks = NO_HOOKS
+            self.structure.forget()  # the cached walk holds the last state's tensors
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -573,7 +417,7 @@ class AsyncCheckpointer:
             job = self._queue.get()
             if job is _STOP:
                 return
-            handle, sd, ready = job
+            handle, sd, ready, generation = job
             t_start = time.perf_counter()
             c_start = time.thread_time()
             handle.started_s = t_start - handle.t_submit
@@ -593,7 +437,7 @@ class AsyncCheckpointer:
             try:
                 with self._copy_stream(ready):
                     if self.replay is not None:
-                        handle.metadata = self.replay.save(sd, handle.step)
+                        handle.metadata = self.replay.save(sd, handle.step, generation=generation)
                     else:
                         handle.metadata = dcp.save(
                             sd,
@@ -621,87 +465,3 @@ class AsyncCheckpointer:
                 handle.cpu_s = time.thread_time() - c_start
                 del sd
                 self._finish(handle)
-
-
-# ---- dcp.async_save ------------------------------------------------------------------------
-class AsyncGeminiStorageWriter(GeminiStorageWriter):
-    """A GeminiStorageWriter that is also DCP's ``AsyncStager``, for ``dcp.async_save``::
-
-        writer = AsyncGeminiStorageWriter(job_id="run1", model=model)
-        writer.install_guard(opt)                     # optimizer.step() waits for the local copy
-        fut = None
-        for step in ...:
-            ...; opt.step()
-            if fut is not None:
-                fut.result()                          # rule 2
-            fut = writer.track(dcp.async_save(sd, storage_writer=writer, checkpoint_id=step,
-                                              process_group=writer.checkpoint_group))   # rule 1
-
-    ``stage()`` is the zero-copy structural snapshot (no tensor is copied; the
-    guard keeps the optimizer from changing them until this rank's bytes are in
-    the tier), so ``async_save`` returns in about a millisecond. Two rules are
-    the caller's, because DCP gives the stager no say over them:
-
-    1. pass ``process_group=writer.checkpoint_group``: DCP otherwise runs its
-       planning collectives on WORLD from its background thread, concurrently
-       with training collectives on the same group (a hang or mixed-up data);
-    2. wait for the previous ``async_save`` future before the next call: DCP
-       starts a new thread per call, and two saves on one writer and one group
-       at the same time would interleave their collectives.
-
-    ``track(future)`` lets the guard give up when the save fails before its copy
-    (DCP's planning collectives), instead of waiting for ``timeout_s``; the
-    error itself is in the future, as with any ``async_save``.
-    :class:`AsyncCheckpointer` follows both rules for you, paces the copy
-    (interleaving) and surfaces errors itself.
-    """
-
-    _synchronize_after_execute: bool = False
-
-    def __init__(self, *args: Any, model: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._clone_storages = _buffer_storages(model)
-        self._handle: SnapshotHandle | None = None
-        self.checkpoint_group = checkpoint_group(self.process_group, self.options.timeout_s)
-        self.hooks = SaveHooks(on_local_copy_done=self._copied)
-        self._guard_hooks: list[Any] = []
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Zero-copy staging: copy the containers, keep the tensors, arm the guard."""
-        self._handle = SnapshotHandle(-1)
-        return snapshot_structure(state_dict, self._clone_storages)
-
-    def synchronize_staging(self) -> None:
-        """Nothing to do: staging is the structural snapshot; use ``wait_copied()``."""
-
-    def close(self) -> None:
-        for h in self._guard_hooks:
-            h.remove()
-        self._guard_hooks.clear()
-
-    def install_guard(self, optimizer: Any) -> None:
-        """Make ``optimizer.step()`` wait for the outstanding local copy."""
-        self._guard_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_copied()))
-
-    def track(self, future: Any) -> Any:
-        """Release the guard if ``future`` (from ``dcp.async_save``) ends before the copy did."""
-        h = self._handle
-        if h is not None and hasattr(future, "add_done_callback"):
-            future.add_done_callback(lambda _f: h.copied.set())
-        return future
-
-    def wait_copied(self, timeout: float | None = None) -> None:
-        """Block until this rank's bytes of the last staged save are in the tier."""
-        h = self._handle
-        if h is not None:
-            h.wait_copied(self.options.timeout_s if timeout is None else timeout, surface=False)
-
-    def _copied(self, step: int) -> None:
-        h = self._handle
-        if h is not None:
-            h.step = step
-            h.copied.set()

@@ -48,10 +48,11 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from ..core.compat import HAS_CHECKPOINTABLE_TENSOR, checkpointable_fields
-from ..local.records import ShardRef
 from ..dcp.writer import GeminiStorageWriter
+from ..local.records import ShardRef
 from ..transport.comm import Comm
 from ..transport.p2p import Transport, transport_for
+from .replay_check import FastCheck
 
 __all__ = ["PlanReplay", "RecordingSavePlanner", "same_plan", "structure_key"]
 
@@ -69,6 +70,7 @@ class RecordingSavePlanner(DefaultSavePlanner):
 
     local_plan: SavePlan | None = None
     final_plan: SavePlan | None = None
+    direct_lookup = True  # lookup_object below is DCP's, faster: the writer may resolve items itself
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -143,6 +145,10 @@ class _Recorded:
     key: tuple[Any, ...] | None = None  # structure_key of the recorded state dict (None: compare plans)
     meshes: tuple[Any, ...] = ()  # keeps the meshes in ``key`` alive
     layout: Mapping[MetadataIndex, ShardRef] | None = None  # the recorded save's committed_layout: replays send only checksums
+    # The snapshot generation (:class:`~gemini_dcp.snapshot.structure.StructureCache`) the recorded
+    # save was planned from, with what a snapshot of that generation needs to skip DCP's
+    # flattening and the structure key (None: compare as above).
+    fast: FastCheck | None = None
 
 
 def same_plan(a: SavePlan, b: SavePlan) -> bool:
@@ -165,9 +171,15 @@ class PlanReplay:
         self._transport: Transport | None = None  # over ``group``, made at the first agreement
         self.replayed = 0  # saves that skipped planning
         self.planned = 0  # saves that went through dcp.save
+        self.fast_checked = 0  # replays whose plan was checked by FastCheck (same snapshot generation)
 
-    def save(self, state_dict: dict[str, Any], step: int) -> Metadata:
-        """Save ``state_dict`` as ``step``; returns the global metadata. Collective."""
+    def save(self, state_dict: dict[str, Any], step: int, *, generation: int | None = None) -> Metadata:
+        """Save ``state_dict`` as ``step``; returns the global metadata. Collective.
+
+        ``generation``: the :class:`~gemini_dcp.snapshot.structure.StructureCache` generation
+        of ``state_dict`` (a snapshot of it); when the recorded save was planned from the same
+        generation, the plan is checked by :class:`FastCheck` (no flattening, no structure key).
+        """
         rank = 0 if self.no_dist or self.group is None else dist.get_rank(self.group)
         is_coordinator = rank == 0
         w = self.writer
@@ -175,7 +187,11 @@ class PlanReplay:
         planner = RecordingSavePlanner()
         rec = self._recorded
         hit = False
-        if rec is not None:
+        if rec is not None and generation is not None and rec.fast is not None and rec.fast.generation == generation:
+            hit = rec.fast.set_up(planner, state_dict, is_coordinator)
+            if hit:
+                self.fast_checked += 1
+        if rec is not None and not hit:
             try:
                 planner.set_up_planner(state_dict, w.storage_meta(), is_coordinator)
                 key = structure_key(planner.state_dict, planner.mappings)
@@ -184,6 +200,9 @@ class PlanReplay:
                     hit = same_plan(planner.create_local_plan(), rec.local_plan)
                     if hit and key is not None:
                         self._recorded = rec = dataclasses.replace(rec, key=key, meshes=_meshes(planner.state_dict))
+                if hit and key is not None and generation is not None:  # this generation checks fast from now on
+                    fast = FastCheck.of(generation, planner.state_dict, planner.mappings)
+                    self._recorded = rec = dataclasses.replace(rec, fast=fast)
             except Exception:  # noqa: BLE001 - planned again below by dcp.save, which reports it to every rank
                 log.debug("step %s: local planning failed; dcp.save will plan and report it", step, exc_info=True)
         # The writer's pre-write agreement (the step committed on every node, a repeated step)
@@ -198,9 +217,9 @@ class PlanReplay:
             w.write_replayed(rec.final_plan, planner, meta, rec.layout, agreed=pre)
             self.replayed += 1
             return meta
-        return self._plan_and_save(state_dict, step)
+        return self._plan_and_save(state_dict, step, generation)
 
-    def _plan_and_save(self, state_dict: dict[str, Any], step: int) -> Metadata:
+    def _plan_and_save(self, state_dict: dict[str, Any], step: int, generation: int | None = None) -> Metadata:
         self._recorded = None  # a failed save below leaves nothing to replay
         planner = RecordingSavePlanner()
         meta = dcp.save(
@@ -214,9 +233,10 @@ class PlanReplay:
             # recorded the same step recorded the same save (a counter would drift apart for
             # good after a save that committed on some ranks and raised on others).
             key = structure_key(planner.state_dict, planner.mappings)
+            fast = FastCheck.of(generation, planner.state_dict, planner.mappings) if key is not None else None
             self._recorded = _Recorded(
                 step, planner.local_plan, planner.final_plan, global_meta, key, _meshes(planner.state_dict),
-                self.writer.committed_layout,
+                self.writer.committed_layout, fast,
             )
         return meta
 

@@ -1,0 +1,274 @@
+"""Saves at real item counts: the per-item cost of DCP, stock storage and gemini, in one run.
+
+    python benchmarks/bench_many_items.py                       # N = 16, 738, 3000 at 36 MiB/rank (~10 min loaded)
+    python benchmarks/bench_many_items.py --items 738 --mib 512 --saves 10
+
+2 gloo ranks (each a simulated node with its own tier root), a state of N float32
+DTensors sharded ``Shard(0)`` (what FSDP2 hands to DCP) of the same total size per rank for
+every N, plus a step counter. For each N, in the same processes, the modes in turn:
+
+* ``noop`` — ``dcp.save`` with a StorageWriter that writes nothing: DCP's own planning
+  and collectives, the floor every DCP storage pays;
+* ``stock`` — ``FileSystemWriter`` to /dev/shm (``DefaultSavePlanner``);
+* ``stock_cache`` — the same with ``DefaultSavePlanner(enable_plan_caching=True)``;
+* ``gemini`` — ``GeminiStorageWriter`` (``DefaultSavePlanner``);
+* ``gemini_cache`` — ``GeminiStorageWriter`` with the plan cache;
+* ``async`` — ``AsyncCheckpointer``: the time ``save()`` blocks the caller, and save →
+  committed (``handle.wait()``).
+
+The modes take turns save by save, in a rotating order, so that on a shared host every mode
+sees the same load. Each mode: 3 warm-up saves, then ``--saves`` timed ones; a figure is the median over saves
+of the slowest rank (wall time barrier to barrier; for ``async`` the handle's own
+``blocked_s`` / ``total_s``); "above the floor" is also given paired, as the median over
+rounds of a mode's save minus the no-op save of the same round. After the timed saves every mode's last step is loaded into
+zeroed tensors and compared bit-exact with the state. Writes
+benchmarks/results/many_items.json; prints the table for docs/benchmarks.md with the host's
+load (``uptime``) before and after: the host is shared, so prefer the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MIB, RESULTS, machine_info, median, shm_dir, spawn, write_json  # noqa: E402
+
+MODES = ("noop", "stock", "stock_cache", "gemini", "gemini_cache", "async")
+
+
+def _state(n: int, per_rank_bytes: int, rank: int, world: int, mesh: Any) -> dict[str, Any]:
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    cols = 64
+    rows = max(1, per_rank_bytes // (n * cols * 4))
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    sd: dict[str, Any] = {
+        f"layers.{i}.weight": DTensor.from_local(torch.randn(rows, cols, generator=g), mesh, [Shard(0)], run_check=False)
+        for i in range(n)
+    }
+    sd["step"] = 0
+    return sd
+
+
+def _noop_writer() -> Any:
+    from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+    from torch.futures import Future
+
+    class NoopWriter(StorageWriter):
+        """Writes nothing: what is left of ``dcp.save`` is DCP's planning and collectives."""
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: Any) -> Any:
+            return plans
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            fut: Future[list[WriteResult]] = Future()
+            fut.set_result([WriteResult(index=it.index, size_in_bytes=0, storage_data=None) for it in plan.items])
+            return fut
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            pass
+
+    return NoopWriter()
+
+
+def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any) -> bool:
+    """Load ``mode``'s last save into zeroed tensors; True if bit-exact with ``sd``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from gemini_dcp import GeminiStorageReader
+
+    target = {k: (DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, run_check=False)
+                  if isinstance(v, DTensor) else -1) for k, v in sd.items()}
+    if mode.startswith("stock"):
+        reader = dcp.FileSystemReader(where)
+    else:
+        reader = GeminiStorageReader(root=where[0], job_id=where[1])
+    dcp.load(target, storage_reader=reader, process_group=group)
+    return all(
+        torch.equal(target[k].to_local(), v.to_local()) if isinstance(v, DTensor) else target[k] == v for k, v in sd.items()
+    )
+
+
+def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: list[int], per_rank_bytes: int,
+            saves: int, warmup: int, modes: list[str]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gemini_dcp import GeminiStorageWriter
+    from gemini_dcp.snapshot import AsyncCheckpointer
+    from gemini_dcp.transport.comm import get_comm
+
+    group = get_comm(300.0).group
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    step = 0
+    for n in items:
+        sd = _state(n, per_rank_bytes, rank, world, mesh)
+        writers: dict[str, Any] = {}
+        ckpt = None
+        for mode in modes:
+            job = f"many-{mode}-{n}"
+            if mode == "async":
+                ckpt = AsyncCheckpointer(GeminiStorageWriter(root=roots[rank], job_id=job, keep=2, process_group=group),
+                                         interleave=False)
+            elif mode.startswith("gemini"):
+                writers[mode] = GeminiStorageWriter(root=roots[rank], job_id=job, keep=2, process_group=group)
+        walls: dict[str, list[float]] = {m: [] for m in modes}
+        blocked: list[float] = []
+        where: dict[str, Any] = {}
+        saved_step: dict[str, int] = {}
+        for i in range(warmup + saves):
+            # The modes take turns, in a rotating order: on a shared host each sees the same load.
+            for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
+                job = f"many-{mode}-{n}"
+                sd["step"] = step
+                planner = None
+                if mode.endswith("_cache"):
+                    planner = DefaultSavePlanner(enable_plan_caching=True)
+                    planner._cached_plans_key = job  # DCP's cache is class-level: one key per mode and N
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                if mode == "noop":
+                    dcp.save(sd, storage_writer=_noop_writer(), process_group=group)
+                elif mode.startswith("stock"):
+                    path = os.path.join(stock_dir, job, f"step-{step % 2}")
+                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, overwrite=True), planner=planner,
+                             process_group=group)
+                    where[mode] = path
+                elif mode.startswith("gemini"):
+                    dcp.save(sd, storage_writer=writers[mode], checkpoint_id=step, planner=planner, process_group=group)
+                    where[mode] = (roots[rank], job)
+                else:
+                    assert ckpt is not None
+                    h = ckpt.save(sd, step)
+                    h.wait()
+                    where[mode] = (roots[rank], job)
+                wall = time.perf_counter() - t0
+                saved_step[mode] = step
+                if i >= warmup:
+                    if mode == "async":
+                        walls[mode].append(h.total_s)
+                        blocked.append(h.blocked_s)
+                    else:
+                        walls[mode].append(wall)
+                step += 1
+        res: dict[str, Any] = {}
+        for mode in modes:
+            row: dict[str, Any] = {"wall": walls[mode]}
+            if mode == "async":
+                assert ckpt is not None
+                row["blocked"] = blocked
+                row["plans"] = ckpt.stats().get("plans")
+                cache = getattr(ckpt, "structure", None)  # None: a gemini_dcp from before the structure cache
+                row["structure"] = None if cache is None else {"walks": cache.walks, "reuses": cache.reuses}
+                ckpt.close()
+            if mode != "noop":
+                # The tensors are the same for every mode; the step counter is the mode's last save's.
+                last = dict(sd, step=saved_step[mode])
+                row["exact"] = _restore_exact(last, mode, where[mode], group)
+            res[mode] = row
+        out[str(n)] = res
+        dist.barrier(group=group)
+    return out
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--items", type=int, nargs="+", default=[16, 738, 3000])
+    ap.add_argument("--mib", type=int, default=36, help="state per rank (MiB)")
+    ap.add_argument("--saves", type=int, default=10, help="timed saves per mode and N")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--json", default=str(RESULTS / "many_items.json"))
+    args = ap.parse_args()
+    world = 2
+    scratch = shm_dir("bench-many-")
+    roots = []
+    for i in range(world):
+        (scratch / f"node{i}").mkdir()
+        roots.append(str(scratch / f"node{i}"))
+    (scratch / "stock").mkdir()
+    load_before = _uptime()
+    t0 = time.time()
+    per_rank = spawn(_worker, world, roots=roots, stock_dir=str(scratch / "stock"), items=args.items,
+                     per_rank_bytes=args.mib * MIB, saves=args.saves, warmup=args.warmup, modes=args.modes)
+    load_after = _uptime()
+    shutil.rmtree(scratch, ignore_errors=True)
+    table: dict[str, Any] = {}
+    for n in map(str, args.items):
+        row: dict[str, Any] = {}
+        for mode in args.modes:
+            walls = [max(ws) for ws in zip(*(r[n][mode]["wall"] for r in per_rank))]
+            cell: dict[str, Any] = {"median_ms": median(walls) * 1e3, "min_ms": min(walls) * 1e3, "max_ms": max(walls) * 1e3}
+            if mode == "async":
+                bl = [max(bs) for bs in zip(*(r[n][mode]["blocked"] for r in per_rank))]
+                cell["blocked_median_ms"] = median(bl) * 1e3
+                cell["blocked_max_ms"] = max(bl) * 1e3
+                cell["plans"] = per_rank[0][n][mode]["plans"]
+                cell["structure"] = per_rank[0][n][mode]["structure"]
+            if mode != "noop":
+                cell["exact"] = all(r[n][mode]["exact"] for r in per_rank)
+            cell["saves_ms"] = [w * 1e3 for w in walls]
+            row[mode] = cell
+        if "noop" in row:
+            floor = row["noop"]["median_ms"]
+            for mode in ("gemini", "gemini_cache", "stock", "stock_cache"):
+                if mode in row:
+                    row[mode]["above_floor_ms"] = row[mode]["median_ms"] - floor
+                    # Paired: the same round's no-op save was made next to it, under the same load.
+                    diffs = [a - b for a, b in zip(row[mode]["saves_ms"], row["noop"]["saves_ms"])]
+                    row[mode]["above_floor_paired_ms"] = median(diffs)
+        table[n] = row
+    hdr = " | ".join(["N"] + list(args.modes) + (["async blocked"] if "async" in args.modes else []))
+    print(f"| {hdr} |")
+    for n, row in table.items():
+        cells = [f"{row[m]['median_ms']:.1f}" for m in args.modes]
+        if "async" in row:
+            cells.append(f"{row['async']['blocked_median_ms']:.2f}")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    for n, row in table.items():
+        print(n, {m: c.get("exact") for m, c in row.items()}, "above floor (medians / paired per round):",
+              {m: (round(c["above_floor_ms"], 1), round(c["above_floor_paired_ms"], 1))
+               for m, c in row.items() if "above_floor_ms" in c})
+    print("load before:", load_before)
+    print("load after: ", load_after)
+    res = {"config": vars(args) | {"world": world}, "machine": machine_info(), "load_before": load_before,
+           "load_after": load_after, "seconds": time.time() - t0, "results": table}
+    write_json(Path(args.json), res)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Step 2 of the commit protocol for DCP items: copy this rank's items, checksummed, into a slot.
+
+:class:`LocalWriter` is the DCP-specific part of a save (``GeminiStorageWriter._write_local``):
+it resolves the plan's items to tensors (and pickled bytes), lays them out in a slot of the
+node's tier (each item at a 64-byte aligned offset), copies them and checksums each one.
+
+Per item, the plain way costs ~100 us of Python and torch calls at 738 items (resolving,
+``as_bytes`` views, argument checks, a pacer call and a fused copy call per item, a
+``ShardRef`` and a ``WriteResult``): 75 ms of a 36 MiB save whose copy is ~4 ms. So the
+work that depends only on the plan is done once per (plan, slot) and kept in a
+:class:`_Program`: the offsets, the write results' templates, the typed destination views
+in the slot, and the items grouped into blocks of at most ``block`` bytes. A save then:
+
+1. resolves the items (DTensor shards by attribute, without DCP's ``to_local()`` call),
+2. checks the resolved tensors against the program with C-level maps (shape, dtype,
+   device, layout: any difference builds a new program),
+3. copies each group with one ``torch._foreach_copy_`` call (one pacer call per group),
+   then checksums its items over one ``memoryview`` of the slot (one C call each:
+   ``crc32c`` / ``xxhash``; the same values as :func:`gemini_dcp.core.checksum.checksum`),
+4. builds the results from the templates.
+
+Items of ``block`` bytes or more keep the fused copy+checksum (block by block, paced), and
+pickled (BYTE_IO) items the plain path: their size can change from save to save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import crc32c as _crc32c_pkg
+import torch
+import xxhash
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+
+from ..commit.hooks import block_bytes
+from ..commit.protocol import LocalWrite
+from ..commit.slot_pool import SlotPool
+from ..core.checksum import as_bytes, checksum, copy_and_checksum
+from ..core.faults import fault_point
+from ..local.records import ShardRef
+from ..local.slots import align
+
+__all__ = ["LocalWriter"]
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+_layout = operator.attrgetter("layout")
+_index = operator.attrgetter("index")
+_type = operator.attrgetter("type")
+_fqn = operator.attrgetter("index.fqn")
+_offset = operator.attrgetter("index.offset")
+_CPU = torch.device("cpu")
+_HASHERS: dict[str, Callable[[Any], int]] = {"crc32c": _crc32c_pkg.crc32c, "xxh3": xxhash.xxh3_64_intdigest}
+Pacer = Callable[[int], None]
+
+
+def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
+    """The planner's flattened state dict when its items may be resolved without it: a
+    ``DefaultSavePlanner`` whose ``resolve_data`` / ``transform_object`` are DCP's and whose
+    ``lookup_object`` is DCP's or declared equivalent (``direct_lookup = True``); else None."""
+    cls = type(planner)
+    if not isinstance(planner, DefaultSavePlanner):
+        return None
+    if cls.resolve_data is not DefaultSavePlanner.resolve_data or cls.transform_object is not DefaultSavePlanner.transform_object:
+        return None
+    if cls.lookup_object is not DefaultSavePlanner.lookup_object and not getattr(cls, "direct_lookup", False):
+        return None
+    sd = getattr(planner, "state_dict", None)
+    return sd if isinstance(sd, dict) else None
+
+
+def _resolve_tensor(flat: dict[str, Any] | None, planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """What ``planner.resolve_data(item)`` returns for a tensor item (DCP's lookup), cheaply where exact."""
+    if flat is not None:
+        obj = flat.get(item.index.fqn)
+        t = type(obj)
+        if t is DTensor:  # DCP: __get_tensor_shard__ -> to_local(), the same local tensor
+            local = obj._local_tensor
+            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
+                return local
+        elif (t is torch.Tensor or t is torch.nn.Parameter) and (
+            item.index.offset is None or not any(item.index.offset)
+        ):
+            return obj
+    out = planner.resolve_data(item)
+    assert isinstance(out, torch.Tensor)
+    return out.detach()
+
+
+def _bytes_of(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    data = planner.resolve_data(item)
+    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Group:
+    """Small tensor items copied by one ``_foreach_copy_`` call: their positions and typed slot views."""
+
+    pos: list[int]
+    getter: Callable[[Sequence[Any]], Any]
+    spans: list[tuple[int, int]]  # (offset, length) of each in the slot
+    dtypes: list[torch.dtype]
+    shapes: list[torch.Size]
+    nbytes: int
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Program:
+    """What a save of ``plan`` does, computed once (module docstring); compared by identity."""
+
+    plan: SavePlan  # held: the key is its identity
+    algo: str
+    block: int
+    offsets: list[int]
+    sizes: list[int]
+    total: int
+    templates: list[ShardRef]  # the results' storage_data, checksum 0
+    indexes: list[MetadataIndex]
+    types: list[WriteItemType]
+    fqns: list[str]
+    index_offsets: list[Any]
+    tensor_pos: list[int]
+    getter: Callable[[Sequence[Any]], Any] | None  # the tensor items of the resolved entries
+    shapes: list[Any]
+    dtypes: list[Any]
+    groups: list[_Group]
+    single: list[int]  # tensor positions copied one by one (large, or not a plain CPU tensor)
+    byte_pos: list[int]
+    # slot index -> (the slot's mapping, each group's typed destination views in it)
+    views: dict[int, tuple[torch.Tensor, list[list[torch.Tensor]]]] = dataclasses.field(default_factory=dict)
+
+    def dsts(self, slot_idx: int, slot_tensor: torch.Tensor) -> list[list[torch.Tensor]]:
+        """The groups' destination views in this slot (made once per slot mapping)."""
+        held = self.views.get(slot_idx)
+        if held is None or held[0] is not slot_tensor:
+            views = [
+                [slot_tensor[o : o + n].view(dt).view(shape) for (o, n), dt, shape in zip(g.spans, g.dtypes, g.shapes)]
+                for g in self.groups
+            ]
+            held = self.views[slot_idx] = (slot_tensor, views)
+        return held[1]
+
+
+def _sizes(entries: list[torch.Tensor]) -> list[int]:
+    return [t.numel() * t.element_size() for t in entries]
+
+
+def _layout_of(sizes: list[int]) -> tuple[list[int], int]:
+    offsets: list[int] = []
+    total = 0
+    for n in sizes:
+        offsets.append(total)
+        total = align(total + n)
+    return offsets, total
+
+
+class LocalWriter:
+    """One writer's local copies (step 2), with the program of its last plans kept."""
+
+    def __init__(self, slot_pool: SlotPool) -> None:
+        self.slot_pool = slot_pool
+        self._programs: dict[int, _Program] = {}  # rank -> the program of its last plan
+        self.programs_built = 0
+
+    def write(self, plan: SavePlan, planner: SavePlanner, rank: int, algo: str, pace: Pacer | None) -> LocalWrite:
+        """Copy ``plan``'s items into a slot of ``rank`` and checksum them (local work)."""
+        flat = direct_lookup(planner)
+        items = plan.items
+        entries: list[torch.Tensor] = [
+            _bytes_of(planner, it) if it.type == WriteItemType.BYTE_IO else _resolve_tensor(flat, planner, it) for it in items
+        ]
+        sizes = _sizes(entries)
+        offsets, total = _layout_of(sizes)
+        slot_idx = self.slot_pool.choose(rank)
+        slot = self.slot_pool.slot(rank, slot_idx)
+        block = block_bytes(pace)
+        with slot.lock:
+            self.slot_pool.grow(slot, total)
+            prog = self._programs.get(rank)
+            if prog is None or not self._fits(prog, plan, algo, block, entries, offsets):
+                prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block)
+                self._programs[rank] = prog
+            sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace)
+        results = list(map(_result, prog.indexes, sizes, prog.templates, sums))
+        template: _Program | None = prog
+        for i in prog.byte_pos:  # pickled values: their size may change from save to save
+            n = sizes[i]
+            results[i] = WriteResult(index=prog.indexes[i], size_in_bytes=n, storage_data=prog.templates[i]._replace(length=n, checksum=sums[i]))
+            if n != prog.sizes[i]:
+                template = None  # the results are not the program's templates plus checksums
+        return LocalWrite(slot=slot_idx, results=tuple(results), nbytes=total, checksums=tuple(sums), template=template)
+
+    # ---- the program ------------------------------------------------------------------------
+    @staticmethod
+    def _fits(prog: _Program, plan: SavePlan, algo: str, block: int, entries: list[torch.Tensor], offsets: list[int]) -> bool:
+        if prog.algo != algo or prog.block != block or prog.offsets != offsets:
+            return False
+        if prog.plan is not plan:  # plain dcp.save plans anew every save: the same items?
+            items = plan.items
+            # MetadataIndex equality is (fqn, offset): compared as two C-level lists, not per item in Python.
+            if (
+                len(items) != len(prog.indexes)
+                or list(map(_fqn, items)) != prog.fqns
+                or list(map(_offset, items)) != prog.index_offsets
+                or list(map(_type, items)) != prog.types
+            ):
+                return False
+            prog.plan = plan
+        if prog.getter is None:
+            return True
+        ts = prog.getter(entries)
+        return (
+            list(map(_shape, ts)) == prog.shapes
+            and list(map(_dtype, ts)) == prog.dtypes
+            and all(d == _CPU for d in map(_device, ts))
+            and all(lay is torch.strided for lay in map(_layout, ts))
+        )
+
+    def _build(self, plan: SavePlan, items: list[WriteItem], entries: list[torch.Tensor], sizes: list[int],
+               offsets: list[int], total: int, rank: int, algo: str, block: int) -> _Program:
+        self.programs_built += 1
+        templates: list[ShardRef] = []
+        tensor_pos: list[int] = []
+        byte_pos: list[int] = []
+        single: list[int] = []
+        groups: list[_Group] = []
+        cur: list[int] = []
+        cur_bytes = 0
+
+        def close() -> None:
+            nonlocal cur, cur_bytes
+            if cur:
+                getter = operator.itemgetter(*cur) if len(cur) > 1 else (lambda v, i=cur[0]: (v[i],))
+                groups.append(_Group(cur, getter, [(offsets[i], sizes[i]) for i in cur], [entries[i].dtype for i in cur],
+                                     [entries[i].shape for i in cur], cur_bytes))
+            cur, cur_bytes = [], 0
+
+        for i, (it, t, n) in enumerate(zip(items, entries, sizes)):
+            if it.type == WriteItemType.BYTE_IO:
+                templates.append(ShardRef(rank, offsets[i], n, 0, algo, None, None))
+                byte_pos.append(i)
+                continue
+            templates.append(ShardRef(rank, offsets[i], n, 0, algo, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+            tensor_pos.append(i)
+            plain = t.device == _CPU and t.layout is torch.strided and not t.is_quantized and n > 0
+            if not plain or n >= block:
+                single.append(i)
+                continue
+            if cur_bytes + n > block:
+                close()
+            cur.append(i)
+            cur_bytes += n
+        close()
+        ts = [entries[i] for i in tensor_pos]
+        getter = operator.itemgetter(*tensor_pos) if len(tensor_pos) > 1 else (
+            (lambda v, i=tensor_pos[0]: (v[i],)) if tensor_pos else None)
+        return _Program(
+            plan=plan, algo=algo, block=block, offsets=offsets, sizes=sizes, total=total,
+            templates=templates, indexes=list(map(_index, items)), types=list(map(_type, items)),
+            fqns=list(map(_fqn, items)), index_offsets=list(map(_offset, items)), tensor_pos=tensor_pos, getter=getter,
+            shapes=list(map(_shape, ts)), dtypes=list(map(_dtype, ts)), groups=groups, single=single, byte_pos=byte_pos,
+        )
+
+    # ---- the copy ---------------------------------------------------------------------------
+    @staticmethod
+    def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
+              algo: str, pace: Pacer | None) -> list[int]:
+        sums = [0] * len(entries)
+        hasher = _HASHERS[algo]
+        view = memoryview(slot.tensor.numpy()) if prog.groups else None
+        half = max(1, len(entries) // 2)
+        done = 0
+        with torch.no_grad():
+            for g, g_dsts in zip(prog.groups, dsts):
+                if pace is not None:
+                    pace(g.nbytes)
+                torch._foreach_copy_(g_dsts, list(g.getter(entries)))
+                assert view is not None
+                for i, (o, n) in zip(g.pos, g.spans):
+                    sums[i] = hasher(view[o : o + n])
+                done += len(g.pos)
+                if done >= half > done - len(g.pos):
+                    fault_point("save.mid_copy")
+            for i in prog.single + prog.byte_pos:
+                t, n = entries[i], sizes[i]
+                dst = slot.view(prog.offsets[i], n)
+                src = as_bytes(t)
+                if src is not None:
+                    sums[i] = copy_and_checksum(dst, src, algo, prog.block, pace=pace)
+                else:
+                    if pace is not None and n:
+                        pace(n)
+                    dst.view(t.dtype).view(t.shape).copy_(t)
+                    sums[i] = checksum(dst, algo)
+                done += 1
+                if done == half:
+                    fault_point("save.mid_copy")
+        return sums
+
+
+def _result(index: MetadataIndex, n: int, ref: ShardRef, cs: int) -> WriteResult:
+    return WriteResult(index=index, size_in_bytes=n, storage_data=ref.with_checksum(cs))
