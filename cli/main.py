@@ -193,8 +193,8 @@ def flush_cmd(
 ) -> None:
     """Write a step from this node's memory to a persistent store, in the stock DCP layout of the persistent tier. Refuses, listing the missing shards, if this host cannot see the whole step."""
     from gemini_dcp.core.config import resolve_job_id
-    from gemini_dcp.persistent.store import PersistentTier
     from gemini_dcp.persistent.stock_format import materialize_step
+    from gemini_dcp.persistent.store import PersistentTier
 
     jid = resolve_job_id(job)
     dest = PersistentTier(to, jid, writable=True).step_url(step)

@@ -14,6 +14,7 @@ or ``AsyncGeminiStorageWriter`` for stock ``dcp.async_save`` (it is DCP's ``Asyn
 
 from typing import Any
 
+from ._aliases import OLD_MODULES, install as _install_aliases
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -34,7 +35,6 @@ from .errors import (
     WorldSizeError,
     find_gemini_error,
 )
-from ._aliases import OLD_MODULES, install as _install_aliases
 
 __version__ = "0.1.0"
 

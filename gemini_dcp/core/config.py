@@ -14,7 +14,15 @@ from pathlib import Path
 
 from ..errors import ConfigError, InvalidStepError
 from ..options.checks import check_timeout
-from ..options.local import DEFAULT_KEEP, DEFAULT_ROOT, ENV_NODE_ID, ENV_ROOT, ChecksumAlgo, node_id_from_env, root_from_env
+from ..options.local import (
+    DEFAULT_KEEP,
+    DEFAULT_ROOT,
+    ENV_NODE_ID,
+    ENV_ROOT,
+    ChecksumAlgo,
+    node_id_from_env,
+    root_from_env,
+)
 from ..options.peer import OnPeerFailure, PlacementStrategy
 from ..options.tier import TierOptions
 

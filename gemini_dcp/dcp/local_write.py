@@ -70,9 +70,9 @@ def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
     cls = type(planner)
     if not isinstance(planner, DefaultSavePlanner):
         return None
-    if cls.resolve_data is not DefaultSavePlanner.resolve_data or cls.transform_object is not DefaultSavePlanner.transform_object:
+    if cls.resolve_data is not DefaultSavePlanner.resolve_data or cls.transform_object is not DefaultSavePlanner.transform_object:  # type: ignore[attr-defined]
         return None
-    if cls.lookup_object is not DefaultSavePlanner.lookup_object and not getattr(cls, "direct_lookup", False):
+    if cls.lookup_object is not DefaultSavePlanner.lookup_object and not getattr(cls, "direct_lookup", False):  # type: ignore[attr-defined]
         return None
     sd = getattr(planner, "state_dict", None)
     return sd if isinstance(sd, dict) else None
@@ -84,13 +84,13 @@ def _resolve_tensor(flat: dict[str, Any] | None, planner: SavePlanner, item: Wri
         obj = flat.get(item.index.fqn)
         t = type(obj)
         if t is DTensor:  # DCP: __get_tensor_shard__ -> to_local(), the same local tensor
-            local = obj._local_tensor
-            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
+            local = obj._local_tensor  # type: ignore[union-attr]
+            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):  # type: ignore[union-attr]
                 return local
         elif (t is torch.Tensor or t is torch.nn.Parameter) and (
             item.index.offset is None or not any(item.index.offset)
         ):
-            return obj
+            return obj  # type: ignore[return-value]
     out = planner.resolve_data(item)
     assert isinstance(out, torch.Tensor)
     return out.detach()

@@ -115,7 +115,7 @@ class StepRecord:
         for f, value in zip(_STEP_FIELDS, state):
             object.__setattr__(self, f.name, value)
         for f in _STEP_FIELDS[len(state):]:
-            object.__setattr__(self, f.name, f.default_factory() if f.default is MISSING else f.default)  # type: ignore[misc]
+            object.__setattr__(self, f.name, f.default_factory() if f.default is MISSING else f.default)  # type: ignore[misc, operator]
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # The DCP metadata minus its storage_data / storage_meta is the same object on every
@@ -428,7 +428,7 @@ def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
         digest: bytes | None = None
         if isinstance(loaded, tuple) and len(loaded) == 3 and loaded[0] != _PACKED:  # (layout, digest, order)
             loaded, digest, order_bytes = loaded
-        layout = _remember(_layouts_by_blob, blob, _unpack_storage_data(loaded), _MAX_LAYOUTS)  # type: ignore[arg-type]
+        layout = _remember(_layouts_by_blob, blob, _unpack_storage_data(loaded), _MAX_LAYOUTS)  # type: ignore[arg-type, misc]
         if digest is not None and isinstance(layout, (dict, PackedLayout)):
             order = np.frombuffer(order_bytes, dtype="<i8").astype(np.int64)
             if len(order) == len(layout):
@@ -440,6 +440,6 @@ def _rebuild_record(
     job_id: str, step: int, world_size: int, meta_blob: bytes, storage_meta: object, storage_data: object,
     *rest: object,
 ) -> StepRecord:
-    meta = replace(metadata_shell(meta_blob), storage_data=_unpack_storage_data(storage_data), storage_meta=storage_meta)
+    meta = replace(metadata_shell(meta_blob), storage_data=_unpack_storage_data(storage_data), storage_meta=storage_meta)  # type: ignore[arg-type]
     return StepRecord(job_id, step, world_size, meta, *rest)  # type: ignore[arg-type]
 

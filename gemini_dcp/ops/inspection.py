@@ -30,14 +30,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.config import resolve_node_id
-from .doctor import Check, DoctorReport, doctor, in_container, mount_entry, mount_of, mount_options, shm_fix, tmpfs_huge_pages
 from ..errors import GeminiError, TierRootError
-from .housekeeping import GcReport, RemoveReport, collect_garbage, processes_using, remove_job
-from ..local.job_files import (
-    check_job_dirs, job_usage_bytes, open_job, open_root, rank_extent, read_record_or_reason, slot_size,
-)
 from ..local.job_dir import JobLayout, list_jobs
+from ..local.job_files import (
+    check_job_dirs,
+    job_usage_bytes,
+    open_job,
+    open_root,
+    rank_extent,
+    read_record_or_reason,
+    slot_size,
+)
 from ..persistent.drain.status import drain_summary, step_states
+from .doctor import (
+    Check,
+    DoctorReport,
+    doctor,
+    in_container,
+    mount_entry,
+    mount_of,
+    mount_options,
+    shm_fix,
+    tmpfs_huge_pages,
+)
+from .housekeeping import GcReport, RemoveReport, collect_garbage, processes_using, remove_job
 from .sizing import plan
 from .verify import ItemCheck, VerifyReport, verify
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
-from ..core.config import resolve_job_id, resolve_root
 from ..core.chunk_sink import check_chunk
-from ..errors import ChecksumMismatchError, CheckpointNotFoundError, GeminiError, StepNotFoundError, TierRootError
-from ..local.job_files import open_job, read_record_or_reason
+from ..core.config import resolve_job_id, resolve_root
+from ..errors import CheckpointNotFoundError, ChecksumMismatchError, GeminiError, StepNotFoundError, TierRootError
 from ..local.job_dir import JobLayout
+from ..local.job_files import open_job, read_record_or_reason
 from ..local.slots import ReadOnlySlot
 
 Progress = Callable[[int, int], None]

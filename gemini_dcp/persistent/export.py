@@ -22,8 +22,8 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ..errors import ConfigError, ShardUnavailableError
-from .store import PersistentTier
 from .stock_format import StepSource, open_step
+from .store import PersistentTier
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -128,13 +128,13 @@ def payload_layout(window: ItemWindow) -> PayloadLayout | None:
     one storage, not contiguous, another byte order, or a payload outside the item.
     """
     try:
-        zf = torch._C.PyTorchFileReader(window)
+        zf = torch._C.PyTorchFileReader(window)  # type: ignore[call-overload]
         records = [r for r in zf.get_all_records() if r.startswith("data/")]
         order = bytes(zf.get_record("byteorder")) if zf.has_record("byteorder") else b"little"
         window.seek(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            meta = torch.load(window, map_location="meta", weights_only=True)
+            meta = torch.load(window, map_location="meta", weights_only=True)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - anything torch's reader refuses goes to the full torch.load
         return None
     if order != sys.byteorder.encode() or len(records) != 1 or not isinstance(meta, torch.Tensor):
@@ -166,7 +166,7 @@ def read_hashing(read_at: ReadAt, dest: torch.Tensor, offset: int, algo: str | N
     n = dest.numel()
     if n == 0:
         return 0, (h.value() if h is not None else None)
-    view = memoryview(dest.numpy()).cast("B")
+    view = memoryview(dest.numpy()).cast("B")  # type: ignore[arg-type]
     done = 0
     while done < n:
         m = min(BLOCK_BYTES, n - done)

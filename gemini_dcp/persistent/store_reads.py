@@ -135,7 +135,7 @@ def read_stored(read_at: ReadAt, task: _Task) -> torch.Tensor | bytearray:
     if read_exact(read_at, memoryview(raw), info.offset) != info.length:
         raise PersistentTierError(f"{task.shown} is truncated: item {task.index.fqn!r} needs bytes {info.offset}+{info.length}.")
     stored: torch.Tensor | bytearray = raw if task.is_bytes else _torch_load(raw, f"{task.what} in {task.shown}")
-    verify_item(stored, expect, task.what, sources)
+    verify_item(stored, expect, task.what, sources)  # type: ignore[arg-type]
     return stored
 
 
@@ -198,7 +198,7 @@ def read_items(
     results = _run([job for job, _ in jobs], parallel=tier.is_local)
     held = stage if stage is not None else StagedChunks()
     for (_, task), stored in zip(jobs, results):
-        held.add(by_index[task.index], stored)  # the saved dtype: converted as it lands
+        held.add(by_index[task.index], stored)  # type: ignore[arg-type]  # the saved dtype: converted as it lands
     if stage is None:
         held.land_all(planner)
     return sum(task.info.length for _, task in jobs)

@@ -54,7 +54,7 @@ def _signature(values: list[Any], dt_pos: Any, t_pos: Any, pinned: bool) -> tupl
         list(map(type, locals_)),
     )
     if pinned:
-        sig += (list(map(torch.Tensor.is_pinned, locals_)),)
+        sig += (list(map(torch.Tensor.is_pinned, locals_)),)  # type: ignore[assignment]
     return sig
 
 

@@ -64,7 +64,7 @@ def clone_tensor(t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor  # noqa: PLC0415 - DTensor import is heavy; rare path
 
         local = t.to_local().detach().clone()
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())  # type: ignore[attr-defined]
     # A CheckpointableTensor's shard layout is in its attributes, which clone() does not carry.
     return copy_checkpointable_fields(t, t.detach().clone())
 
@@ -265,12 +265,12 @@ def _replay(node: _Node, o: Any, clone_storages: frozenset[int]) -> Any:
         raise _Miss
     if node.keys is not None:
         if node.kind is dict:
-            out = dict(o)
+            out = dict(o)  # type: ignore[call-overload]
         else:
             out = node.kind()
             out.update(o)
-        return _replay_items(node, o, list(o.values()), clone_storages, out)
-    vals = list(o)
+        return _replay_items(node, o, list(o.values()), clone_storages, out)  # type: ignore[attr-defined]
+    vals = list(o)  # type: ignore[call-overload]
     out_list = _replay_items(node, o, vals, clone_storages, list(vals))
     return out_list if issubclass(node.kind, list) else tuple(out_list)
 
@@ -292,7 +292,7 @@ def _replay_items(node: _Node, o: Any, vals: list[Any], clone_storages: frozense
             raise _Miss
     for i, k, child in node.children:
         out[k] = _replay(child, vals[i], clone_storages)
-    for i, k, obj, child in node.stateful:  # top level: state_dict() of the same Stateful objects
+    for i, k, obj, child in node.stateful:  # type: ignore[assignment]  # top level: state_dict() of the same Stateful objects
         if vals[i] is not obj:
             raise _Miss
         sd = obj.state_dict()

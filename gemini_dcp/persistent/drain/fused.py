@@ -112,7 +112,7 @@ class FusedFile:
         self.f = f
         self._intact = intact  # given: the source cannot change unseen (see FusedDest); hash it in place
         self._bounce = bounce
-        self._bounce_mv = memoryview(bounce.numpy()).cast("B")
+        self._bounce_mv = memoryview(bounce.numpy()).cast("B")  # type: ignore[arg-type]
         self._expect: Any = None  # the item whose storage write is awaited
         self._got: int | None = None
         self._fd = f.fileno() if local and _START_WRITEBACK is not None else None

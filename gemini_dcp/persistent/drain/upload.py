@@ -156,7 +156,7 @@ class Uploader:
             dest = FusedDest(sd, intact)
             with _ReadMap(path) as buf:
                 read, checked = fused_reader(dest, buf.mm, what)  # checksum fused into the write (.fused)
-                result = write_rank_file(dest, rel, items, read, progress=checked, throttle_bps=self.options.throttle_bps)
+                result = write_rank_file(dest, rel, items, read, progress=checked, throttle_bps=self.options.throttle_bps)  # type: ignore[arg-type]
             with lock:
                 state["progress"] = state["progress"].with_file(rel, encode_file(*result))
                 save_progress(d, state["progress"])
