@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import shutil
 import socket
 import tempfile
 import time
@@ -107,3 +108,27 @@ def run_until_death(fn: Callable[..., Any], world_size: int, roots: list[str] | 
         for p in ctx.processes:
             p.join()
         return [p.exitcode for p in ctx.processes]
+
+
+def node_root_factory(prefix: str) -> tuple[Callable[[int], list[str]], Callable[[], None]]:
+    """``make(n)`` -> n fresh tier roots (simulated nodes, on /dev/shm when writable) and ``cleanup()``."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    made: list[str] = []
+
+    def make(n: int) -> list[str]:
+        roots = [tempfile.mkdtemp(prefix=f"{prefix}{i}-", dir=base) for i in range(n)]
+        made.extend(roots)
+        return roots
+
+    def cleanup() -> None:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+    return make, cleanup
+
+
+def wipe(root: str) -> None:
+    """A replaced machine: its tier root comes back empty."""
+    shutil.rmtree(root)
+    os.mkdir(root)
+

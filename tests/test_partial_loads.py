@@ -11,8 +11,6 @@ down) fails ``run_ranks`` through its exit code. Simulated nodes: one tier root 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from mp_utils import free_port, run_ranks
+from mp_utils import free_port, node_root_factory, run_ranks, wipe
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
 from gemini_dcp.local.tier import LocalTier
@@ -64,23 +62,9 @@ def load(rank: int, world_size: int, root: str, *, job: str, want: dict[int, str
 
 @pytest.fixture
 def node_roots() -> Any:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    made: list[str] = []
-
-    def make(n: int) -> list[str]:
-        roots = [tempfile.mkdtemp(prefix=f"gemini-pl{i}-", dir=base) for i in range(n)]
-        made.extend(roots)
-        return roots
-
+    make, cleanup = node_root_factory("gemini-pl")
     yield make
-    for d in made:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def wipe(root: str) -> None:
-    """A replaced machine: its tier root comes back empty."""
-    shutil.rmtree(root)
-    os.mkdir(root)
+    cleanup()
 
 
 def _load_then_exit(rank: int, roots: list[str], port: int, out_dir: str, kw: dict[str, Any]) -> None:

@@ -11,29 +11,15 @@ from pathlib import Path
 import pytest
 
 from gemini_dcp.local.tier import LocalTier
-from mp_utils import run_ranks
+from mp_utils import node_root_factory, run_ranks, wipe
 from workloads import MetadataHidingPlanner, load_and_check, save_steps
 
 
 @pytest.fixture
-def node_roots():
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    made: list[str] = []
-
-    def make(n: int) -> list[str]:
-        roots = [tempfile.mkdtemp(prefix=f"gemini-node{i}-", dir=base) for i in range(n)]
-        made.extend(roots)
-        return roots
-
+def node_roots():  # noqa: ANN201 - a pytest fixture (generator)
+    make, cleanup = node_root_factory("gemini-node")
     yield make
-    for d in made:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def wipe(root: str) -> None:
-    """A replaced machine: its tier root comes back empty."""
-    shutil.rmtree(root)
-    os.mkdir(root)
+    cleanup()
 
 
 def _save_then_die(rank: int, world_size: int, root: str, *, dead_roots: list[str], **kw) -> list[int]:
