@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     options = DrainOptions.from_json(args.options) if args.options else DrainOptions()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s drain[{os.getpid()}] %(levelname)s %(message)s")
     lower_priority(options.nice)
+    # A server that waits for requests readies its upload side (torch) in the background; one that
+    # exits as soon as it is idle (idle_s 0) has nothing to wait for and stays light to the end.
     serve(args.persist_dir, options=options, idle_s=options.idle_s, standby_s=STANDBY_S if args.standby else 0.0,
-          prewarm=True)
+          prewarm=options.idle_s > 0)
 
 
 def lower_priority(setting: int | str) -> None:
