@@ -20,6 +20,7 @@ destination here on purpose.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import crc32c as _crc32c_pkg
 import torch
@@ -62,13 +63,32 @@ class _Hasher:
         else:
             self._v = _crc32c_update(self._v, buf)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` (flat uint8, same length) and hash the bytes copied: one fused
+        pass for crc32c with the extension, else the copy and then the hash of ``dst``."""
+        if self.algo == "crc32c" and ext_loader.load():
+            self._v = ext_cpu.copy_with_crc32c(dst, src, 1, self._v)
+            return
+        dst.copy_(src)
+        self.update(dst)
+
     def value(self) -> int:
         return self._h.intdigest() if self.algo == "xxh3" else self._v
 
 
 def new_hasher(algo: str) -> _Hasher:
-    """A running checksum: ``update(flat uint8 tensor)`` block by block, then ``value()``."""
+    """A running checksum: ``update(flat uint8 tensor)`` or ``copy(dst, src)`` block by block, then ``value()``."""
     return _Hasher(algo)
+
+
+def buffer_checksum(algo: str) -> Callable[[Any], int]:
+    """The one-shot checksum of a byte buffer (memoryview, bytes) for ``algo``: the same value as
+    :func:`checksum` of those bytes, without a tensor around them (many small items)."""
+    if algo == "crc32c":
+        return _crc32c_pkg.crc32c
+    if algo == "xxh3":
+        return xxhash.xxh3_64_intdigest
+    raise ValueError(f"unknown checksum algorithm {algo!r}")
 
 
 def resolve_algo(algo: str) -> str:

@@ -31,9 +31,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import crc32c as _crc32c_pkg
 import torch
-import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -43,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from ..commit.hooks import block_bytes
 from ..commit.protocol import LocalWrite
 from ..commit.slot_pool import SlotPool
-from ..core.checksum import as_bytes, checksum, copy_and_checksum
+from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
 from ..local.records import ShardRef
 from ..local.slots import align
@@ -59,7 +57,6 @@ _type = operator.attrgetter("type")
 _fqn = operator.attrgetter("index.fqn")
 _offset = operator.attrgetter("index.offset")
 _CPU = torch.device("cpu")
-_HASHERS: dict[str, Callable[[Any], int]] = {"crc32c": _crc32c_pkg.crc32c, "xxh3": xxhash.xxh3_64_intdigest}
 Pacer = Callable[[int], None]
 
 
@@ -276,7 +273,7 @@ class LocalWriter:
     def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
               algo: str, pace: Pacer | None) -> list[int]:
         sums = [0] * len(entries)
-        hasher = _HASHERS[algo]
+        hasher = buffer_checksum(algo)
         view = memoryview(slot.tensor.numpy()) if prog.groups else None
         half = max(1, len(entries) // 2)
         done = 0

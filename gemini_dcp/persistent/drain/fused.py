@@ -7,7 +7,7 @@ write and hash each 1 MiB block right before writing it, while it is in cache. F
 that cannot change unseen (a staged copy; held slots, whose holds are checked after each item:
 ``gemini_dcp.local.slot_holds``) the blocks are hashed and written in place; from any other
 source each block is first copied into a private buffer (copy and checksum in one pass,
-:class:`BlockHasher`) and written from there. Either way what reaches the store is what was
+:func:`gemini_dcp.core.checksum.new_hasher`) and written from there. Either way what reaches the store is what was
 checksummed. The checksum is compared with the saved one
 once the item is written (:meth:`FusedFile.check`); a mismatch raises
 :class:`~gemini_dcp.errors.ChecksumMismatchError` before any part marker or ``.metadata``
@@ -29,56 +29,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import crc32c as _crc32c_pkg
 import torch
-import xxhash
 
+from ...core.checksum import new_hasher
 from ...errors import ChecksumMismatchError
-from ...ext import cpu as ext_cpu, loader as ext_loader
 from ..stock_format import exact_view, typed, verify
 
-__all__ = ["BLOCK", "MIN_FUSED", "BlockHasher", "FusedDest", "FusedFile", "fused_reader"]
+__all__ = ["BLOCK", "MIN_FUSED", "FusedDest", "FusedFile", "fused_reader"]
 
 BLOCK = 1 << 20  # a block stays in cache between its copy+checksum and its write
 MIN_FUSED = 1 << 16  # smaller items are copied out and verified whole (cheap)
 WRITEBACK_BYTES = 8 << 20  # start the disk's writeback of every this many bytes written
-
-
-class BlockHasher:
-    """Copy ``src`` into ``dst`` block by block and carry the running checksum of the bytes copied."""
-
-    def __init__(self, algo: str) -> None:
-        self.algo = algo
-        self.value = 0
-        self._fused = algo == "crc32c" and ext_loader.load()
-        self._xxh = xxhash.xxh3_64() if algo == "xxh3" else None
-        if algo not in ("crc32c", "xxh3"):
-            raise ValueError(f"unknown checksum algorithm {algo!r}")
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self._fused:
-            self.value = ext_cpu.copy_with_crc32c(dst, src, 1, self.value)
-            return
-        dst.copy_(src)
-        mv = dst.numpy().data.cast("B")
-        if self._xxh is not None:
-            self._xxh.update(mv)
-        else:
-            self.value = _crc32c_pkg.crc32c(mv, self.value)
-
-    def update(self, src: torch.Tensor) -> None:
-        """Hash ``src`` in place (no copy)."""
-        if self._fused:
-            self.value = ext_cpu.crc32c(src, self.value)
-            return
-        mv = src.numpy().data.cast("B")
-        if self._xxh is not None:
-            self._xxh.update(mv)
-        else:
-            self.value = _crc32c_pkg.crc32c(mv, self.value)
-
-    def digest(self) -> int:
-        return self._xxh.intdigest() if self._xxh is not None else self.value
 
 
 def _sync_file_range() -> Callable[[int, int, int], None] | None:
@@ -127,7 +88,7 @@ class FusedFile:
         if item is None or mv.nbytes != item.length:
             return self.f.write(mv)
         self._expect = None
-        h = BlockHasher(item.algo)
+        h = new_hasher(item.algo)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only buffer is only read here
             src = torch.frombuffer(mv, dtype=torch.uint8)
@@ -142,7 +103,7 @@ class FusedFile:
                 self.f.write(self._bounce_mv[:m])
             if self._fd is not None:
                 self._start_writeback()
-        self._got = h.digest()
+        self._got = h.value()
         return n
 
     def _start_writeback(self) -> None:
