@@ -158,6 +158,7 @@ class _Server:
         self.retry_at: dict[int, float] = {}
         self.last_await_poll = 0.0
         self.last_hold_refresh = 0.0
+        self.newest_done = 0  # the newest step this server finished (on rank 0's node: committed)
 
     def _upload_side(self) -> Any:
         if self.uploader is None:
@@ -339,6 +340,12 @@ class _Server:
             return
         self.last_await_poll = time.monotonic()
         for step, since in list(self.awaiting.items()):
+            if self.newest_done > step:
+                # Another node may have coalesced this step away (its drain skipped to a newer
+                # one), so its part may never come; a newer step is in the store, so stop waiting.
+                self._abandon(step, f"superseded by step {self.newest_done}, committed while this step "
+                              "waited for the other nodes' parts", superseded_by=self.newest_done)
+                continue
             path = self.p.request(step)
             try:
                 req = DrainRequest.from_json(path.read_bytes(), str(path))
@@ -358,6 +365,7 @@ class _Server:
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def _finish(self, step: int) -> None:
+        self.newest_done = max(self.newest_done, step)
         self.status.set(step, "done")
         self._cleanup(step)
 
