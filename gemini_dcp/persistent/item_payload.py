@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.checksum import new_hasher
+from ..core.regular_file import open_regular
 
 __all__ = [
     "BLOCK_BYTES",
@@ -195,7 +196,7 @@ class MappedFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)
         try:
             self.size = os.fstat(fd).st_size
             self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if self.size else None

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import (
 
 from ..core.checksum import checksum
 from ..core.chunk_sink import StagedChunks, check_chunk, corrupt_message
+from ..core.regular_file import open_regular
 from ..errors import ChecksumMismatchError, PersistentTierError
 from ..local.records import ShardRef
 from .item_payload import ItemWindow, MappedFile, ReadAt, flat_bytes, payload_layout, read_exact, read_hashing
@@ -312,7 +313,7 @@ def load_item(tier: PersistentTier, step: int, idx: MetadataIndex, expect: tuple
     if tier.is_local:
         with ExitStack() as files:
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = open_regular(path)
             except Exception as exc:  # noqa: BLE001
                 raise PersistentTierError(f"cannot read {task.shown}: {type(exc).__name__}: {exc}") from exc
             files.callback(os.close, fd)

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ...core.faults import fault_point
+from ...core.regular_file import open_regular
 from ...core.safe_pickle import restricted_loads
 from ...errors import UntrustedDataError
 from ...ext import loader as ext_loader
@@ -373,7 +374,7 @@ class _ReadMap:
         self._fd = -1
 
     def __enter__(self) -> "_ReadMap":
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd = open_regular(self.path)
         size = os.fstat(self._fd).st_size
         self.mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ) if size else b""
         return self
