@@ -16,6 +16,9 @@ every N, plus a step counter. For each N, in the same processes, the modes in tu
 * ``async`` — ``AsyncCheckpointer``: the time ``save()`` blocks the caller, and save →
   committed (``handle.wait()``).
 
+After the saves, each mode's last step is restored ``--loads`` times (``dcp.load`` into zeroed
+tensors, stock ``FileSystemReader`` or ``GeminiStorageReader``; the median of the slowest rank).
+
 The modes take turns save by save, in a rotating order, so that on a shared host every mode
 sees the same load. Each mode: 3 warm-up saves, then ``--saves`` timed ones; a figure is the median over saves
 of the slowest rank (wall time barrier to barrier; for ``async`` the handle's own
@@ -92,28 +95,37 @@ def _noop_writer() -> Any:
     return NoopWriter()
 
 
-def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any) -> bool:
-    """Load ``mode``'s last save into zeroed tensors; True if bit-exact with ``sd``."""
+def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads: int = 1) -> tuple[bool, list[float]]:
+    """Load ``mode``'s last save into zeroed tensors ``loads`` times: (bit-exact with ``sd``, wall
+    time of each load, barrier to return; the last load is the one compared)."""
+    import torch.distributed as dist
+
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
     from gemini_dcp import GeminiStorageReader
 
-    target = {k: (DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, run_check=False)
-                  if isinstance(v, DTensor) else -1) for k, v in sd.items()}
-    if mode.startswith("stock"):
-        reader = dcp.FileSystemReader(where)
-    else:
-        reader = GeminiStorageReader(root=where[0], job_id=where[1])
-    dcp.load(target, storage_reader=reader, process_group=group)
-    return all(
+    times: list[float] = []
+    for _ in range(max(1, loads)):
+        target = {k: (DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, run_check=False)
+                      if isinstance(v, DTensor) else -1) for k, v in sd.items()}
+        if mode.startswith("stock"):
+            reader = dcp.FileSystemReader(where)
+        else:
+            reader = GeminiStorageReader(root=where[0], job_id=where[1])
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        dcp.load(target, storage_reader=reader, process_group=group)
+        times.append(time.perf_counter() - t0)
+    exact = all(
         torch.equal(target[k].to_local(), v.to_local()) if isinstance(v, DTensor) else target[k] == v for k, v in sd.items()
     )
+    return exact, times
 
 
 def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: list[int], per_rank_bytes: int,
-            saves: int, warmup: int, modes: list[str]) -> dict[str, Any]:
+            saves: int, warmup: int, modes: list[str], loads: int = 3) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -190,7 +202,7 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
             if mode != "noop":
                 # The tensors are the same for every mode; the step counter is the mode's last save's.
                 last = dict(sd, step=saved_step[mode])
-                row["exact"] = _restore_exact(last, mode, where[mode], group)
+                row["exact"], row["load"] = _restore_exact(last, mode, where[mode], group, loads)
             res[mode] = row
         out[str(n)] = res
         dist.barrier(group=group)
@@ -211,6 +223,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=10, help="timed saves per mode and N")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--loads", type=int, default=3, help="timed restores of each mode's last save, per N")
     ap.add_argument("--json", default=str(RESULTS / "many_items.json"))
     args = ap.parse_args()
     world = 2
@@ -223,7 +236,7 @@ def main() -> None:
     load_before = _uptime()
     t0 = time.time()
     per_rank = spawn(_worker, world, roots=roots, stock_dir=str(scratch / "stock"), items=args.items,
-                     per_rank_bytes=args.mib * MIB, saves=args.saves, warmup=args.warmup, modes=args.modes)
+                     per_rank_bytes=args.mib * MIB, saves=args.saves, warmup=args.warmup, modes=args.modes, loads=args.loads)
     load_after = _uptime()
     shutil.rmtree(scratch, ignore_errors=True)
     table: dict[str, Any] = {}
@@ -240,6 +253,9 @@ def main() -> None:
                 cell["structure"] = per_rank[0][n][mode]["structure"]
             if mode != "noop":
                 cell["exact"] = all(r[n][mode]["exact"] for r in per_rank)
+                lw = [max(ls) for ls in zip(*(r[n][mode]["load"] for r in per_rank))]
+                cell["load_median_ms"] = median(lw) * 1e3  # restore of the last save, slowest rank
+                cell["loads_ms"] = [x * 1e3 for x in lw]
             cell["saves_ms"] = [w * 1e3 for w in walls]
             row[mode] = cell
         if "noop" in row:
@@ -262,6 +278,8 @@ def main() -> None:
         print(n, {m: c.get("exact") for m, c in row.items()}, "above floor (medians / paired per round):",
               {m: (round(c["above_floor_ms"], 1), round(c["above_floor_paired_ms"], 1))
                for m, c in row.items() if "above_floor_ms" in c})
+    for n, row in table.items():
+        print(n, "restore ms (median, slowest rank):", {m: round(c["load_median_ms"], 1) for m, c in row.items() if "load_median_ms" in c})
     print("load before:", load_before)
     print("load after: ", load_after)
     res = {"config": vars(args) | {"world": world}, "machine": machine_info(), "load_before": load_before,
