@@ -45,6 +45,7 @@ from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checks
 from ..core.faults import fault_point
 from ..local.records import ShardRef
 from ..local.slots import align
+from .device_copy import DeviceCopier
 
 __all__ = ["LocalWriter"]
 
@@ -130,6 +131,7 @@ class _Program:
     getter: Callable[[Sequence[Any]], Any] | None  # the tensor items of the resolved entries
     shapes: list[Any]
     dtypes: list[Any]
+    devices: list[Any]
     groups: list[_Group]
     single: list[int]  # tensor positions copied one by one (large, or not a plain CPU tensor)
     byte_pos: list[int]
@@ -168,6 +170,7 @@ class LocalWriter:
         self.slot_pool = slot_pool
         self._programs: dict[int, _Program] = {}  # rank -> the program of its last plan
         self.programs_built = 0
+        self.device_copier = DeviceCopier()  # CUDA tensors: chunked D2H into the page-locked slot
 
     def write(self, plan: SavePlan, planner: SavePlanner, rank: int, algo: str, pace: Pacer | None) -> LocalWrite:
         """Copy ``plan``'s items into a slot of ``rank`` and checksum them (local work)."""
@@ -187,7 +190,7 @@ class LocalWriter:
             if prog is None or not self._fits(prog, plan, algo, block, entries, offsets):
                 prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block)
                 self._programs[rank] = prog
-            sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace)
+            sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace, self.device_copier)
         results = list(map(_result, prog.indexes, sizes, prog.templates, sums))
         template: _Program | None = prog
         for i in prog.byte_pos:  # pickled values: their size may change from save to save
@@ -219,7 +222,7 @@ class LocalWriter:
         return (
             list(map(_shape, ts)) == prog.shapes
             and list(map(_dtype, ts)) == prog.dtypes
-            and all(d == _CPU for d in map(_device, ts))
+            and list(map(_device, ts)) == prog.devices  # grouped items are CPU tensors; CUDA ones copy alone
             and all(lay is torch.strided for lay in map(_layout, ts))
         )
 
@@ -265,13 +268,13 @@ class LocalWriter:
             plan=plan, algo=algo, block=block, offsets=offsets, sizes=sizes, total=total,
             templates=templates, indexes=list(map(_index, items)), types=list(map(_type, items)),
             fqns=list(map(_fqn, items)), index_offsets=list(map(_offset, items)), tensor_pos=tensor_pos, getter=getter,
-            shapes=list(map(_shape, ts)), dtypes=list(map(_dtype, ts)), groups=groups, single=single, byte_pos=byte_pos,
+            shapes=list(map(_shape, ts)), dtypes=list(map(_dtype, ts)), devices=list(map(_device, ts)), groups=groups, single=single, byte_pos=byte_pos,
         )
 
     # ---- the copy ---------------------------------------------------------------------------
     @staticmethod
     def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
-              algo: str, pace: Pacer | None) -> list[int]:
+              algo: str, pace: Pacer | None, device_copier: DeviceCopier) -> list[int]:
         sums = [0] * len(entries)
         hasher = buffer_checksum(algo)
         view = memoryview(slot.tensor.numpy()) if prog.groups else None
@@ -292,7 +295,10 @@ class LocalWriter:
                 t, n = entries[i], sizes[i]
                 dst = slot.view(prog.offsets[i], n)
                 src = as_bytes(t)
-                if src is not None:
+                if t.is_cuda and n:  # issue 20: chunked D2H into the registered slot, paced, CRC while warm
+                    device_copier.ensure_registered(slot)
+                    sums[i] = device_copier.copy(dst, t, algo, pace)
+                elif src is not None:
                     sums[i] = copy_and_checksum(dst, src, algo, prog.block, pace=pace)
                 else:
                     if pace is not None and n:

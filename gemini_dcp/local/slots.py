@@ -18,6 +18,7 @@ import mmap
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,6 +98,9 @@ class SlotFile:
         self._fd = -1
         self._mm: mmap.mmap | None = None
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        # Called with the mapping's tensor just before it is unmapped (a page-locked mapping is
+        # unregistered there: dcp/device_copy), set by whoever registered it.
+        self.before_unmap: Callable[[torch.Tensor], None] | None = None
         self._fd = _open_slot(path)
         self.capacity = os.fstat(self._fd).st_size
         if self.capacity:
@@ -107,6 +111,8 @@ class SlotFile:
         self.tensor = _as_tensor(self._mm, self.capacity)
 
     def _unmap(self) -> None:
+        if self.before_unmap is not None and self.tensor.numel():
+            self.before_unmap(self.tensor)
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._mm is not None:
             try:
