@@ -140,7 +140,8 @@ def checkpoint_manager_class() -> Any:
             saved = False
             if not self.load_only and saves_at(curr_step, self.gemini.every):
                 begin = time.monotonic()
-                dcp.save(self._flattened_model_states_sd(), storage_writer=self._writer(), checkpoint_id=curr_step)
+                dcp.save(self._flattened_model_states_sd(), storage_writer=self._writer(), checkpoint_id=curr_step,
+                         planner=_save_planner())
                 log.info("gemini_dcp: step %d saved to the memory tiers in %.3f s", curr_step, time.monotonic() - begin)
                 saved = True
             if self.gemini.folder_saves:
@@ -172,6 +173,19 @@ def checkpoint_manager_class() -> Any:
 
     GeminiCheckpointManager.__module__ = __name__
     return GeminiCheckpointManager
+
+
+def _save_planner() -> Any:
+    """DCP's default planner with its plan cache (torch >= 2.7): a per-step save of an unchanged state dict
+    sends no plan again (docs/async.md); its own cache key, apart from any other saves of the job."""
+    from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: PLC0415 - torch
+
+    try:
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+    except TypeError:  # torch without plan caching
+        return DefaultSavePlanner()
+    planner._cached_plans_key = "gemini_dcp.integrations.torchtitan"  # DCP's cache is class-level
+    return planner
 
 
 def gemini_checkpoint_config(**fields: Any) -> Any:
