@@ -140,3 +140,24 @@ def _torchtitan_importable() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("torchtitan") is not None
+
+
+@pytest.mark.skipif(not _torchtitan_importable(), reason="torchtitan is not installed (CI does not install it)")
+def test_override_factory_keeps_torchtitan_fields_and_validates(tmp_path: Path) -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.config.override import _REGISTRY
+
+    from gemini_dcp.integrations import torchtitan as tt
+
+    assert tt.OVERRIDE in _REGISTRY  # registered when the module was imported
+    base = CheckpointManager.Config(enable=True, interval=7, folder="ckpt", keep_latest_k=3)
+    cfg = tt.gemini_checkpoint(base, gemini_every=2, gemini_root=str(tmp_path), gemini_job_id="ov")
+    assert isinstance(cfg, tt.GeminiCheckpointManager.Config) and cfg._owner is tt.GeminiCheckpointManager
+    assert (cfg.interval, cfg.folder, cfg.keep_latest_k, cfg.enable) == (7, "ckpt", 3, True)
+    assert (cfg.gemini_every, cfg.gemini_job_id, cfg.gemini_folder_saves) == (2, "ov", True)
+    with pytest.raises(ConfigError, match="gemini_"):
+        tt.gemini_checkpoint(base, interval=3)
+    with pytest.raises(ConfigError, match="every="):
+        tt.gemini_checkpoint(base, gemini_every=0)
+    with pytest.raises(ConfigError):
+        tt.gemini_checkpoint_config(gemini_replicas=0)

@@ -156,6 +156,9 @@ def checkpoint_manager_class() -> Any:
             found = newest_restorable_step(reader, None if step == -1 else step, has_fallback=has_folder)
             choice = choose_resume(found, folder_step)
             if choice.source != "gemini":
+                if choice.source == "folder" and dist.get_rank() == 0:
+                    log.info("gemini_dcp: newest restorable step %s; torchtitan's folder holds step %d: loading it there",
+                             "none" if found is None else found, choice.step)
                 return bool(super()._load(step))
             begin = time.monotonic()
             states = self._states_to_load(model_only=False)
