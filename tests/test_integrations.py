@@ -99,6 +99,8 @@ def test_titan_settings_validate_the_writer_keywords(tmp_path: Path) -> None:
         TitanGeminiSettings(writer_keywords={"job_id": "no spaces allowed"})
     with pytest.raises(ConfigError, match="folder_saves"):
         TitanGeminiSettings(folder_saves="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="gemini_async"):
+        TitanGeminiSettings(async_save=1)  # type: ignore[arg-type]
 
 
 def test_newest_restorable_step_one_process(tmp_path: Path) -> None:

@@ -6,7 +6,9 @@ for a third-party storage writer, so gemini_dcp comes in as a subclass, :class:`
 
 - every ``gemini_every`` steps (default: every step) the full training state torchtitan saves
   (model, optimizer, lr schedulers, dataloader, train state) goes into gemini_dcp's tiers with
-  ``dcp.save(..., storage_writer=GeminiStorageWriter, checkpoint_id=step)``;
+  ``dcp.save(..., storage_writer=GeminiStorageWriter, checkpoint_id=step)``, or, with
+  ``gemini_async=True``, through ``AsyncCheckpointer`` (the copy overlaps the next step's forward and
+  backward; only the next ``optimizer.step()`` waits for it; docs/async.md);
 - torchtitan's own interval checkpoints (``--checkpoint.interval``, ``<dump>/<folder>/step-<N>``,
   sync or ``async``, its purge, its last-step export) keep working beside it (``gemini_folder_saves=False``
   turns them off: gemini_dcp's persistent tier, ``gemini_persistent=<fsspec url>`` every
@@ -51,6 +53,7 @@ class TitanGeminiSettings:
 
     every: int = 1
     folder_saves: bool = True
+    async_save: bool = False
     writer_keywords: dict[str, Any] = field(default_factory=dict)
     options: GeminiOptions = field(init=False)
 
@@ -59,6 +62,9 @@ class TitanGeminiSettings:
         if not isinstance(self.folder_saves, bool):
             raise ConfigError(f"gemini_folder_saves={self.folder_saves!r}: give True (keep torchtitan's folder "
                               "checkpoints) or False (gemini_dcp's tiers only).")
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(f"gemini_async={self.async_save!r}: give True (AsyncCheckpointer: the copy overlaps "
+                              "the next step) or False (a blocking dcp.save per step).")
         try:
             options = GeminiOptions.from_env(**{k: v for k, v in self.writer_keywords.items() if v is not None})
         except TypeError as exc:
@@ -69,7 +75,7 @@ class TitanGeminiSettings:
     def from_config(cls, config: Any) -> TitanGeminiSettings:
         """The settings held in a :class:`GeminiCheckpointManager` config (its ``gemini_*`` fields)."""
         return cls(
-            every=config.gemini_every, folder_saves=config.gemini_folder_saves,
+            every=config.gemini_every, folder_saves=config.gemini_folder_saves, async_save=config.gemini_async,
             writer_keywords={k: getattr(config, f"gemini_{k}") for k in WRITER_FIELDS},
         )
 
@@ -89,11 +95,12 @@ def checkpoint_manager_class() -> Any:
     import torch.distributed as dist  # noqa: PLC0415
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
     from torchtitan.components.checkpointer import CheckpointManager  # noqa: PLC0415 - optional dependency
-    from torchtitan.components.checkpointer.base import MODEL  # noqa: PLC0415
+    from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER  # noqa: PLC0415
     from torchtitan.tools import filesystem  # noqa: PLC0415
 
     from ..dcp.reader import GeminiStorageReader  # noqa: PLC0415 - torch
     from ..dcp.writer import GeminiStorageWriter  # noqa: PLC0415
+    from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
     from .discovery import newest_restorable_step  # noqa: PLC0415
 
     class GeminiCheckpointManager(CheckpointManager):  # type: ignore[misc, valid-type]
@@ -105,6 +112,8 @@ def checkpoint_manager_class() -> Any:
             """Save into gemini_dcp's tiers every this many steps (1: every step)."""
             gemini_folder_saves: bool = True
             """Keep torchtitan's own interval checkpoints to its folder (False: gemini_dcp's tiers only)."""
+            gemini_async: bool = False
+            """Save through AsyncCheckpointer: the copy overlaps the next step (False: a blocking dcp.save)."""
             gemini_root: str | None = None
             """Tier root (node tmpfs); default $GEMINI_DCP_ROOT, else /dev/shm/gemini_dcp."""
             gemini_job_id: str | None = None
@@ -128,6 +137,7 @@ def checkpoint_manager_class() -> Any:
                 return
             self.gemini = TitanGeminiSettings.from_config(config)
             self.gemini_writer: GeminiStorageWriter | None = None
+            self.gemini_async: AsyncCheckpointer | None = None
             self.gemini_last_load: dict[str, Any] = {}
 
         def _writer(self) -> GeminiStorageWriter:
@@ -135,10 +145,28 @@ def checkpoint_manager_class() -> Any:
                 self.gemini_writer = GeminiStorageWriter(options=self.gemini.options)
             return self.gemini_writer
 
+        def _async(self) -> AsyncCheckpointer:
+            if self.gemini_async is None:  # collective (its control group): the first save runs on every rank
+                self.gemini_async = AsyncCheckpointer(
+                    self._writer(), optimizer=self.states[OPTIMIZER], model=self.states[MODEL].model
+                )
+            return self.gemini_async
+
+        def _close(self) -> None:
+            ckpt, self.gemini_async = self.gemini_async, None
+            try:
+                if ckpt is not None:
+                    ckpt.close()  # waits for the last step's commit; raises a failed background save
+            finally:
+                super()._close()
+
         @torch.no_grad()
         def _save(self, curr_step: int, last_step: bool = False) -> bool:
             saved = False
-            if not self.load_only and saves_at(curr_step, self.gemini.every):
+            if not self.load_only and saves_at(curr_step, self.gemini.every) and self.gemini.async_save:
+                self._async().save(self._flattened_model_states_sd(), curr_step)
+                saved = True
+            elif not self.load_only and saves_at(curr_step, self.gemini.every):
                 begin = time.monotonic()
                 dcp.save(self._flattened_model_states_sd(), storage_writer=self._writer(), checkpoint_id=curr_step,
                          planner=_save_planner())
