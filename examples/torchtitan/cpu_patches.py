@@ -20,12 +20,8 @@ from typing import Any
 import torch
 
 
-class _CpuDevice(types.SimpleNamespace):
-    """The calls torchtitan makes on ``torch.cuda``, answered for the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._total = 0
+class _CpuDevice:
+    """The calls torchtitan makes on ``torch.cuda``, answered for the CPU (anything else: ``torch.cpu``'s)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cpu, name)
