@@ -5,7 +5,8 @@ docs/architecture.md states them; this file is where they are enforced:
   import is no way around a cycle);
 - the restore decision and the placement are pure (no torch.distributed, no I/O modules);
 - the tiers (``core``, ``local``, ``peer``, ``persistent``, ``transport``) never import the DCP
-  adapters, the async path, the operator library or the CLI;
+  adapters, the async path, the operator library, the trainer integrations or the CLI;
+- nothing imports the trainer integrations, and they import a trainer only inside functions;
 - only ``gemini_dcp/transport/`` touches torch.distributed point-to-point;
 - ``import gemini_dcp``, ``gemini_dcp.errors``, the options tree and the drain server import no torch;
 - a module over 500 lines says why at its top (a ``Size:`` line in its docstring);
@@ -26,7 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "gemini_dcp"
 TIERS = ("core", "local", "peer", "persistent", "transport")
-ABOVE_TIERS = ("gemini_dcp.dcp", "gemini_dcp.snapshot", "gemini_dcp.ops", "gemini_dcp_cli")
+ABOVE_TIERS = ("gemini_dcp.dcp", "gemini_dcp.snapshot", "gemini_dcp.ops", "gemini_dcp.integrations", "gemini_dcp_cli")
 MAX_LINES = 500
 
 
@@ -165,6 +166,18 @@ def test_tiers_never_import_the_layers_above() -> None:
         if t.startswith(ABOVE_TIERS)
     }
     assert bad == set()
+
+
+def test_integrations_sit_on_top() -> None:
+    """Trainer integrations (``gemini_dcp.integrations``) sit above the DCP adapters: nothing else imports them,
+    and they name a trainer (torchtitan) only inside functions, so ``import gemini_dcp`` never needs it."""
+    users = sorted(m for m in GRAPH if not m.startswith("gemini_dcp.integrations")
+                   for t in GRAPH[m] if t.startswith("gemini_dcp.integrations"))
+    assert users == []
+    for name, path in MODULES.items():
+        if name.startswith("gemini_dcp.integrations"):
+            top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            assert not any("torchtitan" in ast.unparse(n) for n in top), name
 
 
 def test_only_the_transport_touches_point_to_point() -> None:

@@ -140,6 +140,13 @@ class GeminiStorageReader(StorageReader):
     def checkpoint_id(self) -> int | None:
         return self._requested
 
+    @property
+    def decided_step(self) -> int | None:
+        """The step the collective restore decision chose (known after ``read_metadata``, or after
+        ``reset(step)``), else None: how ``gemini_dcp.integrations`` learns the newest restorable step
+        before deciding where to load from."""
+        return None if self._decision is None else self._decision.step
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """Select a step. With a step given (as ``dcp.load(..., checkpoint_id=step)`` does
         on every rank), the collective restore decision runs here, so an unknown or

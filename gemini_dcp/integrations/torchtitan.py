@@ -1,0 +1,266 @@
+"""torchtitan: checkpoint every step into gemini_dcp's tiers, resume from the newest step anywhere.
+
+torchtitan (0.3.0) builds its ``CheckpointManager`` from ``config.checkpoint`` and offers no setting
+for a third-party storage writer, so gemini_dcp comes in as a subclass, :class:`GeminiCheckpointManager`
+(built on first use: torchtitan is imported lazily, and only here):
+
+- every ``gemini_every`` steps (default: every step) the full training state torchtitan saves
+  (model, optimizer, lr schedulers, dataloader, train state) goes into gemini_dcp's tiers with
+  ``dcp.save(..., storage_writer=GeminiStorageWriter, checkpoint_id=step)``, or, with
+  ``gemini_async=True``, through ``AsyncCheckpointer`` (the copy overlaps the next step's forward and
+  backward; only the next ``optimizer.step()`` waits for it; docs/async.md);
+- torchtitan's own interval checkpoints (``--checkpoint.interval``, ``<dump>/<folder>/step-<N>``,
+  sync or ``async``, its purge, its last-step export) keep working beside it (``gemini_folder_saves=False``
+  turns them off: gemini_dcp's persistent tier, ``gemini_persistent=<fsspec url>`` every
+  ``gemini_persist_every`` steps, then takes their place, in stock DCP layout);
+- on (re)start, ``load`` resumes from the newest of gemini_dcp's newest restorable step (local, peer,
+  and persistent memory tiers) and torchtitan's newest complete ``step-<N>`` folder (a tie goes to
+  gemini_dcp); ``--checkpoint.load_step N`` loads step N from gemini_dcp if it holds it, else from the folder.
+
+Select it without touching torchtitan's code, on the command line of any config::
+
+    --checkpoint.enable --override.imports gemini_dcp.integrations.torchtitan.gemini_checkpoint
+    # with settings: 'gemini_dcp.integrations.torchtitan.gemini_checkpoint={"gemini_replicas": 2}'
+
+or in a config function: ``checkpoint=gemini_checkpoint_config(interval=500, gemini_replicas=2)``.
+The tier root and job id default as the writer's do (``$GEMINI_DCP_ROOT``, ``$TORCHELASTIC_RUN_ID``).
+Works with torch 2.13 + torchtitan 0.3.0 (README); the CPU launcher is ``examples/torchtitan/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from ..options import GeminiOptions
+from .resume import choose_resume, saves_at
+
+log = logging.getLogger(__name__)
+
+OVERRIDE = "gemini_dcp.integrations.torchtitan.gemini_checkpoint"  # the --override.imports target
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TitanGeminiSettings:
+    """The gemini_dcp side of a torchtitan job: how often to save into the tiers, whether torchtitan's own
+    folder checkpoints stay on, and the tier options (writer keywords: ``root``, ``job_id``, ``replicas``,
+    ``keep``, ``persistent``, ``persist_every``; the environment's ``GEMINI_DCP_*`` under them)."""
+
+    every: int = 1
+    folder_saves: bool = True
+    async_save: bool = False
+    writer_keywords: dict[str, Any] = field(default_factory=dict)
+    options: GeminiOptions = field(init=False)
+
+    def __post_init__(self) -> None:
+        saves_at(1, self.every)  # validates every
+        if not isinstance(self.folder_saves, bool):
+            raise ConfigError(f"gemini_folder_saves={self.folder_saves!r}: give True (keep torchtitan's folder "
+                              "checkpoints) or False (gemini_dcp's tiers only).")
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(f"gemini_async={self.async_save!r}: give True (AsyncCheckpointer: the copy overlaps "
+                              "the next step) or False (a blocking dcp.save per step).")
+        try:
+            options = GeminiOptions.from_env(**{k: v for k, v in self.writer_keywords.items() if v is not None})
+        except TypeError as exc:
+            raise ConfigError(f"gemini_dcp writer settings {self.writer_keywords!r}: {exc}") from None
+        object.__setattr__(self, "options", options)
+
+    @classmethod
+    def from_config(cls, config: Any) -> TitanGeminiSettings:
+        """The settings held in a :class:`GeminiCheckpointManager` config (its ``gemini_*`` fields)."""
+        return cls(
+            every=config.gemini_every, folder_saves=config.gemini_folder_saves, async_save=config.gemini_async,
+            writer_keywords={k: getattr(config, f"gemini_{k}") for k in WRITER_FIELDS},
+        )
+
+
+WRITER_FIELDS = ("root", "job_id", "replicas", "keep", "persistent", "persist_every")
+
+
+def torchtitan_available() -> bool:
+    """Whether torchtitan can be imported here (without importing it)."""
+    return importlib.util.find_spec("torchtitan") is not None
+
+
+@functools.cache
+def checkpoint_manager_class() -> Any:
+    """:class:`GeminiCheckpointManager`, built on first use (imports torchtitan and torch)."""
+    import torch  # noqa: PLC0415 - torch and torchtitan only once a torchtitan job asks for the class
+    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torchtitan.components.checkpointer import CheckpointManager  # noqa: PLC0415 - optional dependency
+    from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER  # noqa: PLC0415
+    from torchtitan.tools import filesystem  # noqa: PLC0415
+
+    from ..dcp.reader import GeminiStorageReader  # noqa: PLC0415 - torch
+    from ..dcp.writer import GeminiStorageWriter  # noqa: PLC0415
+    from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
+    from .discovery import newest_restorable_step  # noqa: PLC0415
+
+    class GeminiCheckpointManager(CheckpointManager):  # type: ignore[misc, valid-type]
+        """torchtitan's ``CheckpointManager`` that also checkpoints into gemini_dcp's tiers (module docstring)."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(CheckpointManager.Config):  # type: ignore[name-defined, misc]
+            gemini_every: int = 1
+            """Save into gemini_dcp's tiers every this many steps (1: every step)."""
+            gemini_folder_saves: bool = True
+            """Keep torchtitan's own interval checkpoints to its folder (False: gemini_dcp's tiers only)."""
+            gemini_async: bool = False
+            """Save through AsyncCheckpointer: the copy overlaps the next step (False: a blocking dcp.save)."""
+            gemini_root: str | None = None
+            """Tier root (node tmpfs); default $GEMINI_DCP_ROOT, else /dev/shm/gemini_dcp."""
+            gemini_job_id: str | None = None
+            """Job id; default $TORCHELASTIC_RUN_ID (torchrun --rdzv-id)."""
+            gemini_replicas: int = 1
+            """Copies in memory: 1 (this node) or more (peer nodes too)."""
+            gemini_keep: int = 2
+            """Committed steps kept in memory."""
+            gemini_persistent: str | None = None
+            """fsspec URL of gemini_dcp's persistent tier (stock DCP layout), or None."""
+            gemini_persist_every: int = 10
+            """Drain every this many saved steps to the persistent tier."""
+
+            def __post_init__(self) -> None:
+                CheckpointManager.Config.__post_init__(self)
+                TitanGeminiSettings.from_config(self)  # ConfigError now, not at the first save
+
+        def __init__(self, config: Any, **kwargs: Any) -> None:
+            super().__init__(config, **kwargs)
+            if not self.enable:
+                return
+            self.gemini = TitanGeminiSettings.from_config(config)
+            self.gemini_writer: GeminiStorageWriter | None = None
+            self.gemini_async: AsyncCheckpointer | None = None
+            self.gemini_last_load: dict[str, Any] = {}
+
+        def _writer(self) -> GeminiStorageWriter:
+            if self.gemini_writer is None:
+                self.gemini_writer = GeminiStorageWriter(options=self.gemini.options)
+            return self.gemini_writer
+
+        def _async(self) -> AsyncCheckpointer:
+            if self.gemini_async is None:  # collective (its control group): the first save runs on every rank
+                self.gemini_async = AsyncCheckpointer(
+                    self._writer(), optimizer=self.states[OPTIMIZER], model=self.states[MODEL].model
+                )
+            return self.gemini_async
+
+        def _close(self) -> None:
+            ckpt, self.gemini_async = self.gemini_async, None
+            try:
+                if ckpt is not None:
+                    ckpt.close()  # waits for the last step's commit; raises a failed background save
+            finally:
+                super()._close()
+
+        @torch.no_grad()
+        def _save(self, curr_step: int, last_step: bool = False) -> bool:
+            saved = False
+            if not self.load_only and saves_at(curr_step, self.gemini.every) and self.gemini.async_save:
+                self._async().save(self._flattened_model_states_sd(), curr_step)
+                saved = True
+            elif not self.load_only and saves_at(curr_step, self.gemini.every):
+                begin = time.monotonic()
+                dcp.save(self._flattened_model_states_sd(), storage_writer=self._writer(), checkpoint_id=curr_step,
+                         planner=_save_planner())
+                log.info("gemini_dcp: step %d saved to the memory tiers in %.3f s", curr_step, time.monotonic() - begin)
+                saved = True
+            if self.gemini.folder_saves:
+                saved = super()._save(curr_step, last_step) or saved
+            return saved
+
+        @torch.no_grad()
+        def _load(self, step: int = -1) -> bool:
+            folder_step = self._find_load_step() if step == -1 and filesystem.exists(self.folder) else -1
+            reader = GeminiStorageReader(options=self.gemini.options)
+            has_folder = folder_step >= 0 or (step != -1 and filesystem.exists(self.folder))
+            found = newest_restorable_step(reader, None if step == -1 else step, has_fallback=has_folder)
+            choice = choose_resume(found, folder_step)
+            if choice.source != "gemini":
+                if choice.source == "folder" and dist.get_rank() == 0:
+                    log.info("gemini_dcp: newest restorable step %s; torchtitan's folder holds step %d: loading it there",
+                             "none" if found is None else found, choice.step)
+                return bool(super()._load(step))
+            begin = time.monotonic()
+            states = self._states_to_load(model_only=False)
+            dcp.load(states, storage_reader=reader, checkpoint_id=choice.step)
+            if MODEL in self.states:
+                self.states[MODEL].load_state_dict(states)  # torchtitan flattens the model states (as its dcp_load)
+            self.gemini_last_load = {"step": reader.restored_step, "from": dict(reader.restored_from)}
+            if dist.get_rank() == 0:
+                tiers = ", ".join(f"{k}: {v} B" for k, v in reader.restored_from.items() if v) or "-"
+                log.info(
+                    "gemini_dcp: resumed from step %s (%s; torchtitan's folder newest: %s) in %.2f s",
+                    reader.restored_step, tiers, folder_step if folder_step >= 0 else "none", time.monotonic() - begin,
+                )
+            return True
+
+    GeminiCheckpointManager.__module__ = __name__
+    return GeminiCheckpointManager
+
+
+def _save_planner() -> Any:
+    """DCP's default planner with its plan cache (torch >= 2.7): a per-step save of an unchanged state dict
+    sends no plan again (docs/async.md); its own cache key, apart from any other saves of the job."""
+    from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: PLC0415 - torch
+
+    try:
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+    except TypeError:  # torch without plan caching
+        return DefaultSavePlanner()
+    planner._cached_plans_key = "gemini_dcp.integrations.torchtitan"  # DCP's cache is class-level
+    return planner
+
+
+def gemini_checkpoint_config(**fields: Any) -> Any:
+    """A :class:`GeminiCheckpointManager` config (for a torchtitan config function): torchtitan's
+    ``CheckpointManager.Config`` fields plus the ``gemini_*`` ones; ``enable`` defaults to True."""
+    fields.setdefault("enable", True)
+    return checkpoint_manager_class().Config(**fields)
+
+
+def gemini_checkpoint(cfg: Any, **gemini_fields: Any) -> Any:
+    """torchtitan ``--override.imports`` factory: the job's checkpoint config, as a
+    :class:`GeminiCheckpointManager` config (every field kept, ``gemini_*`` fields from the import's kwargs)."""
+    from torchtitan.config.override import derive  # noqa: PLC0415 - optional dependency
+
+    unknown = sorted(k for k in gemini_fields if not k.startswith("gemini_"))
+    if unknown:
+        raise ConfigError(f"{OVERRIDE}: {unknown} are not gemini_* settings; torchtitan's own checkpoint "
+                          "settings go on the command line (--checkpoint.interval ...).")
+    return derive(cfg, checkpoint_manager_class().Config, **gemini_fields)
+
+
+def _register_override() -> None:
+    """Register :func:`gemini_checkpoint` with torchtitan's override registry when torchtitan is here
+    (torchtitan imports this module to resolve ``--override.imports``; without torchtitan, nothing to do)."""
+    if not torchtitan_available():
+        return
+    from torchtitan.components.checkpointer import CheckpointManager  # noqa: PLC0415 - optional dependency
+    from torchtitan.config.override import _REGISTRY, override  # noqa: PLC0415
+
+    if OVERRIDE not in _REGISTRY:
+        override(target=CheckpointManager.Config, description="gemini_dcp in-memory checkpoint tiers")(
+            gemini_checkpoint
+        )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GeminiCheckpointManager":
+        return checkpoint_manager_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_register_override()
+
+__all__ = [
+    "OVERRIDE", "WRITER_FIELDS", "TitanGeminiSettings", "checkpoint_manager_class", "gemini_checkpoint",
+    "gemini_checkpoint_config", "torchtitan_available",
+]

@@ -1,0 +1,165 @@
+"""gemini_dcp.integrations without torchtitan: the resume choice across gemini_dcp's tiers and a trainer's
+checkpoint folder (pure), the newest restorable step (one process), the torchtitan settings, and that the
+torchtitan module imports lazily."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from gemini_dcp import ConfigError, GeminiStorageReader, GeminiStorageWriter
+from gemini_dcp.integrations.discovery import newest_restorable_step
+from gemini_dcp.integrations.resume import (
+    ResumeChoice,
+    choose_resume,
+    newest_folder_step,
+    newest_local_folder_step,
+    saves_at,
+    step_of_dir,
+)
+from gemini_dcp.integrations.torchtitan import WRITER_FIELDS, TitanGeminiSettings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("gemini", "folder", "want"),
+    [
+        (None, None, ResumeChoice(source="fresh", step=None)),
+        (-1, -1, ResumeChoice(source="fresh", step=None)),  # torchtitan's "none"
+        (7, None, ResumeChoice(source="gemini", step=7)),
+        (None, 500, ResumeChoice(source="folder", step=500)),
+        (512, 500, ResumeChoice(source="gemini", step=512)),  # memory is newer: the usual case after a crash
+        (500, 500, ResumeChoice(source="gemini", step=500)),  # tie: memory (full state, faster)
+        (400, 500, ResumeChoice(source="folder", step=500)),  # memory lost newer steps (e.g. every node replaced)
+        (0, -1, ResumeChoice(source="gemini", step=0)),
+    ],
+)
+def test_choose_resume_takes_the_newest_source(gemini: int | None, folder: int | None, want: ResumeChoice) -> None:
+    assert choose_resume(gemini, folder) == want
+
+
+def test_resume_choice_is_validated() -> None:
+    with pytest.raises(ConfigError, match="fresh start has no step"):
+        ResumeChoice(source="fresh", step=3)
+    with pytest.raises(ConfigError, match="source"):
+        ResumeChoice(source="disk", step=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=">= 0"):
+        ResumeChoice(source="folder", step=-2)
+
+
+def test_newest_folder_step_skips_incomplete_and_foreign_names() -> None:
+    names = ["step-10", "step-200", "step-30", "notes.txt", "step-x", "old-step-900", "step-1000"]
+    complete = {"step-10", "step-200", "step-30", "old-step-900"}
+    asked: list[str] = []
+
+    def is_complete(name: str) -> bool:
+        asked.append(name)
+        return name in complete
+
+    assert newest_folder_step(names, is_complete) == 200  # step-1000 has no .metadata yet (killed mid-save)
+    assert asked == ["step-1000", "step-200"]  # newest first, stops at the first complete one
+    assert newest_folder_step([], is_complete) is None
+    assert newest_folder_step(["step-5"], lambda n: False) is None
+    assert step_of_dir("step-42") == 42 and step_of_dir("step-42.tmp") is None
+
+
+def test_newest_local_folder_step(tmp_path: Path) -> None:
+    assert newest_local_folder_step(tmp_path / "missing") is None
+    for n, marker in ((4, ".metadata"), (8, "model.safetensors.index.json"), (12, None)):
+        (tmp_path / f"step-{n}").mkdir()
+        if marker:
+            (tmp_path / f"step-{n}" / marker).write_text("")
+    assert newest_local_folder_step(tmp_path) == 8
+
+
+def test_saves_at() -> None:
+    assert [s for s in range(0, 7) if saves_at(s, 1)] == [1, 2, 3, 4, 5, 6]
+    assert [s for s in range(0, 7) if saves_at(s, 3)] == [3, 6]
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match="every="):
+            saves_at(1, bad)  # type: ignore[arg-type]
+
+
+def test_titan_settings_validate_the_writer_keywords(tmp_path: Path) -> None:
+    s = TitanGeminiSettings(every=2, writer_keywords={"root": str(tmp_path), "job_id": "tt", "replicas": 1,
+                                                      "keep": 3, "persistent": None, "persist_every": 10})
+    assert str(s.options.local.root) == str(tmp_path) and s.options.local.job_id == "tt" and s.options.local.keep == 3
+    assert set(WRITER_FIELDS) == {"root", "job_id", "replicas", "keep", "persistent", "persist_every"}
+    with pytest.raises(ConfigError, match="every="):
+        TitanGeminiSettings(every=0)
+    with pytest.raises(ConfigError):
+        TitanGeminiSettings(writer_keywords={"replicas": 0})
+    with pytest.raises(ConfigError):
+        TitanGeminiSettings(writer_keywords={"job_id": "no spaces allowed"})
+    with pytest.raises(ConfigError, match="folder_saves"):
+        TitanGeminiSettings(folder_saves="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="gemini_async"):
+        TitanGeminiSettings(async_save=1)  # type: ignore[arg-type]
+
+
+def test_newest_restorable_step_one_process(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    root.mkdir(mode=0o700)
+    reader = GeminiStorageReader(root=root, job_id="disc")
+    assert newest_restorable_step(reader) is None  # nothing committed: a fresh start, not an error
+    sd = {"w": torch.arange(6, dtype=torch.float32)}
+    writer = GeminiStorageWriter(root=root, job_id="disc")
+    for step in (3, 5):
+        sd["w"] += 1
+        dcp.save(sd, storage_writer=writer, checkpoint_id=f"out/checkpoint/step-{step}")
+    reader = GeminiStorageReader(root=root, job_id="disc")
+    assert newest_restorable_step(reader) == 5
+    assert newest_restorable_step(reader, 3) == 3
+    assert newest_restorable_step(reader, 4) is None  # not committed: the caller falls back to its folder
+    out = {"w": torch.zeros(6)}
+    dcp.load(out, storage_reader=reader, checkpoint_id=newest_restorable_step(reader))
+    assert torch.equal(out["w"], sd["w"]) and reader.restored_step == 5
+
+
+def test_torchtitan_module_imports_without_torchtitan() -> None:
+    """``import gemini_dcp`` and the integration module never import torchtitan (or torch, for the module)."""
+    code = (
+        "import sys\nimport gemini_dcp, gemini_dcp.integrations.torchtitan as t\n"
+        "print('torchtitan' in sys.modules, 'torch' in sys.modules, t.OVERRIDE)"
+    )
+    env_path = f"{REPO}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    titan, torch_loaded, target = out.stdout.split()
+    assert target == "gemini_dcp.integrations.torchtitan.gemini_checkpoint"
+    if not _torchtitan_importable():
+        assert (titan, torch_loaded) == ("False", "False")
+
+
+def _torchtitan_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchtitan") is not None
+
+
+@pytest.mark.skipif(not _torchtitan_importable(), reason="torchtitan is not installed (CI does not install it)")
+def test_override_factory_keeps_torchtitan_fields_and_validates(tmp_path: Path) -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.config.override import _REGISTRY
+
+    from gemini_dcp.integrations import torchtitan as tt
+
+    assert tt.OVERRIDE in _REGISTRY  # registered when the module was imported
+    base = CheckpointManager.Config(enable=True, interval=7, folder="ckpt", keep_latest_k=3)
+    cfg = tt.gemini_checkpoint(base, gemini_every=2, gemini_root=str(tmp_path), gemini_job_id="ov")
+    assert isinstance(cfg, tt.GeminiCheckpointManager.Config) and cfg._owner is tt.GeminiCheckpointManager
+    assert (cfg.interval, cfg.folder, cfg.keep_latest_k, cfg.enable) == (7, "ckpt", 3, True)
+    assert (cfg.gemini_every, cfg.gemini_job_id, cfg.gemini_folder_saves) == (2, "ov", True)
+    with pytest.raises(ConfigError, match="gemini_"):
+        tt.gemini_checkpoint(base, interval=3)
+    with pytest.raises(ConfigError, match="every="):
+        tt.gemini_checkpoint(base, gemini_every=0)
+    with pytest.raises(ConfigError):
+        tt.gemini_checkpoint_config(gemini_replicas=0)
