@@ -1,4 +1,11 @@
-"""Run real multi-process gloo groups for tests: each rank a fresh spawned process.
+"""Run real multi-process gloo groups for tests: each rank a fresh process.
+
+The ranks are started by a fork server that imported torch once (``forkserver`` with torch
+preloaded): a ``spawn`` start re-imports torch in every rank, ~2 s of CPU each, which over the
+suite's ~1,000 rank starts was most of its time on a 2-core CI host. Each rank still gets the
+parent's current environment and working directory (the fork server's are the ones it was
+started with), and nothing of gemini_dcp is preloaded, so module state is never inherited.
+``GEMINI_TEST_START_METHOD=spawn`` restores the old start.
 
 ``run_ranks(fn, world_size, roots, **kw)`` starts ``world_size`` processes with
 torch.distributed initialized over gloo (TCP on 127.0.0.1), calls
@@ -29,8 +36,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, roots: list[str], port: int, out_dir: str, kw: dict[str, Any]) -> None:
+START_METHOD = os.environ.get("GEMINI_TEST_START_METHOD", "forkserver")
+if START_METHOD == "forkserver":
+    # torch and its distributed checkpointing, not gemini_dcp: nothing whose import reads our
+    # settings or starts threads.
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint"])
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, roots: list[str], port: int, out_dir: str,
+           kw: dict[str, Any], env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+    if env is not None:  # a fork server's child has the server's environment: take the test's
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -63,8 +86,8 @@ def _start(fn: Callable[..., Any], world_size: int, roots: list[str] | str, out_
     if isinstance(roots, str):
         roots = [roots] * world_size
     return mp.start_processes(
-        _entry, args=(fn, world_size, list(roots), free_port(), out_dir, kw), nprocs=world_size,
-        join=False, start_method="spawn",
+        _entry, args=(fn, world_size, list(roots), free_port(), out_dir, kw, dict(os.environ), os.getcwd()),
+        nprocs=world_size, join=False, start_method=START_METHOD,
     )
 
 
