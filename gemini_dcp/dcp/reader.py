@@ -58,12 +58,13 @@ from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
+from .parity_restore import held_lanes, rebuild_from_parity, rebuilt_tier
 from .restore_stage import RestoreStage
 from .state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 
 log = logging.getLogger(__name__)
 
-TIERS = ("local", "peer", "persistent")
+TIERS = ("local", "peer", "persistent", "parity")  # parity: bytes of slots rebuilt from XOR parity
 ItemKey = tuple[int, int]  # (saving rank, offset in its slot): one stored item
 
 
@@ -220,6 +221,11 @@ class GeminiStorageReader(StorageReader):
                 self._local[s.rank] = self.tier.slot_path(s.rank, s.slot)
         self._decision, self._record = decision, record
         self._note_launch(record, comm.rank)
+        if decision.rebuilt:  # collective: every rank reached the same decision
+            self._decision = rebuild_from_parity(
+                comm, self.tier, decision, record, mine if mine is not None and mine.fingerprint() == decision.fingerprint else None,
+                self._local, persisted if self.persistent is not None else None,
+            )
         self._adopt_lost_parts(views, comm.rank)
 
     def _note_launch(self, record: StepRecord, rank: int) -> None:
@@ -366,6 +372,7 @@ class GeminiStorageReader(StorageReader):
                     held_ranks=rec.held_ranks(),
                     created_unix=rec.created_unix,
                     complete=rec.complete,
+                    parity_lanes=held_lanes(rec),
                 )
             )
         return NodeView(rank, self.node_id, tuple(steps), tuple(self.tier.other_jobs()), str(self.root))
@@ -408,6 +415,10 @@ class GeminiStorageReader(StorageReader):
             else (lambda items: self._stage_from_persistent(LoadPlan(items), planner)),
         )
         transport = transport_for(comm)
+        for key in remote:  # a chunk of a slot rebuilt from parity counts as "parity", not "peer"
+            if rebuilt_tier(self._decision, key[0], "peer") == "parity":
+                counts["peer"] -= self._ref(by_key[key][0].storage_index).length
+                counts["parity"] += self._ref(by_key[key][0].storage_index).length
         first = start_transfer(staging, transport, routes)
         for key, items in by_key.items():
             if key in remote:
@@ -418,7 +429,7 @@ class GeminiStorageReader(StorageReader):
                 failed[key] = "missing"
                 continue
             if self._stage(items, ref, buf):
-                counts["local"] += ref.length
+                counts[rebuilt_tier(self._decision, ref.rank, "local")] += ref.length
             else:
                 failed[key] = "checksum"
                 log.warning("local copy of %s is corrupt; fetching another copy", describe_item(items[0], ref, self._record.step))
