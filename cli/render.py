@@ -275,6 +275,32 @@ def render_plan(out: Console, res: dict[str, Any]) -> None:
         render_wasted(out, res.get("cost_inputs", {}), res["wasted_time"])
 
 
+def render_parity_plan(out: Console, res: dict[str, Any]) -> None:
+    """``plan --strategy parity``: groups, P(recover from memory), memory and traffic beside replicas."""
+    m = res["replicas_compared"]
+    out.print(f"[bold]XOR parity[/] over {res['nodes']} nodes, groups of {res['group']} (the last group takes the "
+              f"remainder): {len(res['groups'])} group(s), beside replicas={m}")
+    out.print("groups: " + "  ".join("{" + ", ".join(map(str, g)) + "}" for g in res["groups"]))
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("failures k", justify="right")
+    t.add_column("P(recover) parity", justify="right")
+    t.add_column(f"P(recover) replicas={m}", justify="right")
+    for row in res["recovery"]:
+        t.add_row(str(row["failures"]), f"{row['p_recover']:.4f}", f"{row['p_recover_replicas']:.4f}")
+    out.print(t)
+    gb = "checkpoint_gb" in res
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("per node")
+    t.add_column("parity", justify="right")
+    t.add_column(f"replicas={m}", justify="right")
+    unit = " GB" if gb else " ckpt"
+    for label, key in (("memory (keep+1 slots)", "memory_per_node"), ("sent per save", "sent_per_node_per_save")):
+        k = key + "_gb" if gb else key
+        t.add_row(label, f"{res[k]:.3g}{unit}", f"{res[k.replace(key, key + '_replicas')]:.3g}{unit}")
+    out.print(t)
+    out.print(f"(parity per node: {res['parity_per_checkpoint']:.3f} of its checkpoint; exact P: no group loses two nodes)")
+
+
 def _fmt_s(v: Any) -> str:
     if not isinstance(v, (int, float)):
         return str(v)

@@ -91,3 +91,32 @@ def test_decide_rebuilds_one_lost_member_per_lane_and_refuses_two() -> None:
     d = decide(views, None, "job", persistent_steps=[5])
     assert d.use_persistent and set(d.missing_ranks) == {1, 2} and not d.rebuilt
     assert parity_rebuild([3], [(0, 1, 2, 3)], [0, 1, 2]) == ({3: 0}, ())  # no current rank 3: the lowest rebuilds
+
+
+@pytest.mark.parametrize(("nodes", "g"), [(16, 4), (10, 4), (7, 3), (5, 3)])
+def test_plan_probability_is_exact_against_enumeration(nodes: int, g: int) -> None:
+    from itertools import combinations
+
+    from gemini_dcp.ops.parity_plan import parity_recovery_probability
+
+    groups = parity_groups([str(i) for i in range(nodes)], g)
+    group_of = {int(n): i for i, grp in enumerate(groups) for n in grp}
+    for k in range(1, 5):
+        sets = list(combinations(range(nodes), k))
+        ok = sum(len({group_of[n] for n in s}) == k for s in sets)
+        assert parity_recovery_probability(nodes, g, k) == pytest.approx(ok / len(sets))
+
+
+def test_plan_cli_shows_parity_beside_replicas() -> None:
+    from typer.testing import CliRunner
+
+    from gemini_dcp_cli.main import app
+
+    res = CliRunner().invoke(app, ["plan", "--nodes", "16", "--strategy", "parity", "--group", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    out = json.loads(res.output)
+    assert out["recovery"][1]["p_recover"] == pytest.approx(0.8)  # 4 groups of 4: 96 of C(16, 2) = 120 pairs
+    assert out["memory_per_node"] == pytest.approx(3 * 4 / 3) and out["memory_per_node_replicas"] == 6
+    assert out["sent_per_node_per_save"] == out["sent_per_node_per_save_replicas"] == 1.0
