@@ -157,6 +157,15 @@ def render_inspect(out: Console, info: Any) -> None:
                 out.print(f"  {legend.get(origin, origin)} (ranks {ranges(ranks)}) -> "
                           + ", ".join(legend.get(h, h) for h in holders))
             out.print("nodes: " + "; ".join(f"{short} = {escape(node)}" for node, short in legend.items()))
+        par_step = next((s for s in reversed(job.steps) if getattr(s, "parity", None)), None)
+        if par_step is not None:
+            par = par_step.parity
+            out.print(f"XOR parity (step {par_step.step}, groups of {par['group']}): groups "
+                      + "  ".join("{" + ", ".join(legend.get(n, n) for n in g) + "}" for g in par["groups"])
+                      + f"; lanes (ranks) {par['lanes']}")
+            for sl in par["slots"]:
+                out.print(f"  parity slot of rank {sl['rank']}: {escape(sl['path'])}  {bytes_h(sl['parity_bytes'])} "
+                          f"of parity for {bytes_h(sl['data_bytes'])} of data")
         for n in notes:
             out.print(f"[yellow]note[/] {escape(n)}")
         if job.drain is not None:

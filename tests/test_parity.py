@@ -9,11 +9,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from mp_utils import node_root_factory, run_ranks, wipe
+from typer.testing import CliRunner
 from workloads import dtensor_state
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.errors import ConfigError
 from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.ops.inspection import inspect_root
+from gemini_dcp.ops.verify import verify
+from gemini_dcp_cli.main import app
 
 
 def _state(step: int, world_size: int) -> dict[str, Any]:
@@ -89,7 +93,14 @@ def test_lost_node_rebuilt_from_parity_then_corrupt_parity_and_two_lost(nodes) -
     for r in range(4):  # parity slots: ~1/3 of the data slot each, named so
         slot = LocalTier(n[r], "par").record(2).slot_of(r)  # type: ignore[union-attr]
         assert (Path(n[r]) / "par" / "ranks" / f"rank-{r:05d}" / f"parity-{slot.slot}.bin").exists()
-        assert rec.parity.parity_nbytes[r] <= rec.rank_nbytes[r] // 3 + 64 or rec.rank_nbytes[r] < 4096
+        assert rec.parity.parity_nbytes[r] <= max(rec.rank_nbytes) // 3 + 64  # a third of the lane's longest slot
+    info = inspect_root(n[1], "par").jobs[0].steps[-1].parity  # inspect shows parity slots and groups
+    assert info is not None and info["lanes"] == [[0, 1, 2, 3]] and len(info["groups"]) == 1
+    assert info["parity_bytes_here"] <= max(rec.rank_nbytes) // 3 + 64
+    res = CliRunner().invoke(app, ["inspect", "--root", n[1], "--job", "par"])
+    assert res.exit_code == 0 and "parity slot of rank 1" in res.output, res.output
+    report = verify(n[1], "par")
+    assert report.ok and any(i.fqn == "<parity of rank 1>" and i.status == "ok" for i in report.items)
 
     # one node of the group lost, and a resharded load (6 ranks on the 4 nodes): the slot rebuilt
     # bit-exact from the survivors' stripes and parity is served to the ranks of other nodes too
@@ -102,6 +113,8 @@ def test_lost_node_rebuilt_from_parity_then_corrupt_parity_and_two_lost(nodes) -
     stats = run_ranks(_save, 4, n, steps=[3])  # re-protection: the next save rebuilds full parity
     assert all(not s["degraded"] for s in stats), stats
     bad = _flip_parity_byte(n[0], 0, 3)
+    report = verify(n[0], "par", 3)  # verify names the corrupt parity slot
+    assert not report.ok and any(i.status == "bad" and str(bad) in i.detail for i in report.items)
     wipe(n[3])
     out = run_ranks(_load, 4, n)
     assert all(o.get("error") == "ChecksumMismatchError" for o in out), out
