@@ -108,6 +108,7 @@ def test_lost_node_rebuilt_from_parity_then_corrupt_parity_and_two_lost(nodes) -
     out = run_ranks(_load, 6, [n[0], n[0], n[1], n[1], n[2], n[3]])
     assert all(o.get("ok") and o["step"] == 2 for o in out), out
     assert out[0]["from"]["parity"] > 0 and out[0]["from"]["persistent"] == 0
+    assert not list(Path(n[1]).rglob("rebuilt-from-parity-*"))  # the rebuilt slot is dropped after the load
 
     # a flipped byte in a parity slot: detected, named, never decoded into the restore
     stats = run_ranks(_save, 4, n, steps=[3])  # re-protection: the next save rebuilds full parity

@@ -26,7 +26,7 @@ from ..peer.parity import rebuild_lost, rebuild_servers
 from ..transport.comm import Comm
 from ..transport.p2p import transport_for
 
-__all__ = ["held_lanes", "rebuild_from_parity", "rebuilt_tier"]
+__all__ = ["drop_rebuilt", "held_lanes", "rebuild_from_parity", "rebuilt_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -96,3 +96,13 @@ def rebuild_from_parity(
         f"{[list(g) for g in groups]}) cannot be rebuilt from parity: {why}. Nothing was restored. Load an older "
         "step, or configure persistent=<url> so that such a loss falls back to the persistent tier."
     )
+
+
+def drop_rebuilt(tier: LocalTier, decision: RestoreDecision | None, rank: int, step: int) -> None:
+    """Remove the slots this rank rebuilt from parity (after every rank staged its chunks: the staged
+    views keep their pages mapped; the memory goes back to the tier once they are released)."""
+    if decision is None:
+        return
+    for lost, b in decision.rebuilt.items():
+        if b == rank:
+            rebuilt_path(tier.layout.rank_dir(lost), step).unlink(missing_ok=True)

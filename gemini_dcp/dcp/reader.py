@@ -58,7 +58,7 @@ from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
-from .parity_restore import held_lanes, rebuild_from_parity, rebuilt_tier
+from .parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier
 from .restore_stage import RestoreStage
 from .state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 
@@ -331,6 +331,8 @@ class GeminiStorageReader(StorageReader):
         error = error or self._staging.error
         if tallies is None:
             tallies = comm.all_gather_object(Tally([], [], counts, error is None))
+        if self._decision is not None and self._decision.rebuilt:  # every rank staged: the rebuilt files can go
+            drop_rebuilt(self.tier, self._decision, comm.rank, self._decision.step)
         if error is not None or not all(t.ok for t in tallies):
             self._staging.abandon()  # no zero-copy view of tier memory may live on in the error's frames
             if error is not None:
