@@ -120,3 +120,11 @@ def test_plan_cli_shows_parity_beside_replicas() -> None:
     assert out["recovery"][1]["p_recover"] == pytest.approx(0.8)  # 4 groups of 4: 96 of C(16, 2) = 120 pairs
     assert out["memory_per_node"] == pytest.approx(3 * 4 / 3) and out["memory_per_node_replicas"] == 6
     assert out["sent_per_node_per_save"] == out["sent_per_node_per_save_replicas"] == 1.0
+
+
+def test_restored_from_names_parity_only_when_used() -> None:
+    from gemini_dcp.dcp.parity_restore import tier_bytes
+
+    plain = tier_bytes({"local": 5, "peer": 0, "persistent": 0, "parity": 0})
+    assert plain == {"local": 5, "peer": 0, "persistent": 0} and plain["parity"] == 0
+    assert tier_bytes({"local": 5, "peer": 0, "persistent": 0, "parity": 7})["parity"] == 7

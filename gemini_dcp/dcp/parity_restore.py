@@ -106,3 +106,19 @@ def drop_rebuilt(tier: LocalTier, decision: RestoreDecision | None, rank: int, s
     for lost, b in decision.rebuilt.items():
         if b == rank:
             rebuilt_path(tier.layout.rank_dir(lost), step).unlink(missing_ok=True)
+
+
+class TierBytes(dict):  # type: ignore[type-arg]
+    """Bytes restored per tier: ``local``, ``peer``, ``persistent`` always; ``parity`` only once some
+    bytes came from a slot rebuilt from parity (reading it otherwise gives 0), so that a restore
+    without parity reports exactly the three tiers it always did."""
+
+    def __missing__(self, key: str) -> int:
+        if key == "parity":
+            return 0
+        raise KeyError(key)
+
+
+def tier_bytes(counts: dict[str, int]) -> TierBytes:
+    """``counts`` as :class:`TierBytes` (``parity`` dropped when 0)."""
+    return TierBytes({k: v for k, v in counts.items() if k != "parity" or v})

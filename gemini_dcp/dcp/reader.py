@@ -58,7 +58,7 @@ from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
-from .parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier
+from .parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier, tier_bytes
 from .restore_stage import RestoreStage
 from .state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 
@@ -72,8 +72,8 @@ class GeminiStorageReader(StorageReader):
     """Load DCP checkpoints from node memory, peer memory, then persistent storage.
 
     After ``dcp.load``: ``restored_step`` is the step loaded, ``restored_from``
-    maps tier name → bytes read from it summed over all ranks (``rank_restored_from``:
-    this rank only), ``restore_seconds`` the wall time of the restore, and
+    maps tier name → bytes read from it summed over all ranks (``"parity"``: of slots rebuilt
+    from XOR parity, docs/parity.md; ``rank_restored_from``: this rank only), ``restore_seconds`` the wall time of the restore, and
     ``restored_launch`` the description of the launch that saved the step ("" when the
     record does not say, e.g. a step read from the persistent tier alone). Known after
     ``read_metadata``: a restore across launches (a torchrun restart, or another job
@@ -132,8 +132,8 @@ class GeminiStorageReader(StorageReader):
         self._t0 = 0.0
         self.restored_step: int | None = None
         self.restored_launch: str = ""
-        self.restored_from: dict[str, int] = dict.fromkeys(TIERS, 0)
-        self.rank_restored_from: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.restored_from: dict[str, int] = tier_bytes(dict.fromkeys(TIERS, 0))
+        self.rank_restored_from: dict[str, int] = tier_bytes(dict.fromkeys(TIERS, 0))
         self.restore_seconds: float | None = None
 
     # ---- StorageReader API -------------------------------------------------------------
@@ -343,8 +343,8 @@ class GeminiStorageReader(StorageReader):
             )
         # Every rank holds a verified copy of every chunk it needs: only now may bytes land in the state dict.
         self._staging.land(planner)
-        self.rank_restored_from = counts
-        self.restored_from = {tier: sum(t.counts[tier] for t in tallies) for tier in TIERS}
+        self.rank_restored_from = tier_bytes(counts)
+        self.restored_from = tier_bytes({tier: sum(t.counts[tier] for t in tallies) for tier in TIERS})
         assert self._decision is not None
         self.restored_step = self._decision.step
         self.restore_seconds = time.perf_counter() - self._t0
