@@ -17,7 +17,7 @@ A save is collective over the checkpoint control group: **every rank calls**
    large to ride inline and some rank does not hold it yet). A rank whose write failed
    raises its own error; every other rank raises PeerError: nothing is committed.
 4. **replicate** (*all ranks*, when ``replicas > 1`` over several processes: the peer
-   transfers, then one ``all_gather_object`` of the replica slots).
+   transfers, then one ``all_gather_object`` of the replica slots; with ``parity_group``, XOR parity instead).
 5. **build record** (local, pure: :func:`build_record`): the same global part on every
    rank (after the replicas: the record names every node holding a copy).
 6. **commit on each node** (local; the node leader, its lowest rank, only): the record is
