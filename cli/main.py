@@ -30,6 +30,7 @@ from .render import (
     render_doctor,
     render_gc,
     render_inspect,
+    render_parity_plan,
     render_plan,
     render_verify,
 )
@@ -301,16 +302,21 @@ class Strategy(str, Enum):
     mixed = "mixed"
     group = "group"
     ring = "ring"
+    parity = "parity"
 
 
 @app.command("plan")
 @guarded
 def plan_cmd(
     nodes: Annotated[int, typer.Option("--nodes", "-n", min=1, help="Number of nodes.", show_default=False)],
-    replicas: Annotated[int, typer.Option("--replicas", "-m", min=1,
-                                          help="Copies of each node's checkpoint in CPU memory, its own included.",
-                                          show_default=False)],
-    strategy: Annotated[Strategy, typer.Option("--strategy", "-s", help="Placement strategy.")] = Strategy.mixed,
+    replicas: Annotated[Optional[int], typer.Option("--replicas", "-m", min=1,
+                                          help="Copies of each node's checkpoint in CPU memory, its own included "
+                                          "(with --strategy parity: the replicas to compare with, default 2).",
+                                          show_default=False)] = None,
+    strategy: Annotated[Strategy, typer.Option("--strategy", "-s", help="Placement strategy (parity: XOR parity "
+                                               "groups of --group nodes instead of replicas).")] = Strategy.mixed,
+    group: Annotated[Optional[int], typer.Option(
+        "--group", "-g", min=3, help="With --strategy parity: nodes per XOR parity group.", show_default=False)] = None,
     failures: Annotated[Optional[int], typer.Option(
         "--failures", "-k", min=1, help="Show P(recover from memory) for k = 1..K simultaneous node failures "
         "(default: replicas + 1).", show_default=False)] = None,
@@ -343,11 +349,15 @@ def plan_cmd(
     if cost and (checkpoint_gb is None or iteration_s is None):
         raise ConfigError("the wasted-time model needs at least --checkpoint-gb and --iteration-s "
                           "(the bandwidths and --failures-per-day have defaults).")
-    result = plan(nodes, replicas, strategy.value, failures, cost=cost)
+    if strategy is not Strategy.parity and replicas is None:
+        raise ConfigError("give --replicas m (copies of each node's checkpoint, its own included), or --strategy parity --group g.")
+    if strategy is not Strategy.parity and group is not None:
+        raise ConfigError("--group is the parity group size: use it with --strategy parity.")
+    result = plan(nodes, replicas or 2, strategy.value, failures, cost=cost, group=group)
     if as_json:
         _emit_json({"ok": True, **result})
         return
-    render_plan(_out(), result)
+    (render_parity_plan if strategy is Strategy.parity else render_plan)(_out(), result)
 
 
 # ---- gc ----------------------------------------------------------------------------------------------

@@ -157,6 +157,15 @@ def render_inspect(out: Console, info: Any) -> None:
                 out.print(f"  {legend.get(origin, origin)} (ranks {ranges(ranks)}) -> "
                           + ", ".join(legend.get(h, h) for h in holders))
             out.print("nodes: " + "; ".join(f"{short} = {escape(node)}" for node, short in legend.items()))
+        par_step = next((s for s in reversed(job.steps) if getattr(s, "parity", None)), None)
+        if par_step is not None:
+            par = par_step.parity
+            out.print(f"XOR parity (step {par_step.step}, groups of {par['group']}): groups "
+                      + "  ".join("{" + ", ".join(legend.get(n, n) for n in g) + "}" for g in par["groups"])
+                      + f"; lanes (ranks) {par['lanes']}")
+            for sl in par["slots"]:
+                out.print(f"  parity slot of rank {sl['rank']}: {escape(sl['path'])}  {bytes_h(sl['parity_bytes'])} "
+                          f"of parity for {bytes_h(sl['data_bytes'])} of data")
         for n in notes:
             out.print(f"[yellow]note[/] {escape(n)}")
         if job.drain is not None:
@@ -273,6 +282,32 @@ def render_plan(out: Console, res: dict[str, Any]) -> None:
     if res.get("wasted_time"):
         out.print()
         render_wasted(out, res.get("cost_inputs", {}), res["wasted_time"])
+
+
+def render_parity_plan(out: Console, res: dict[str, Any]) -> None:
+    """``plan --strategy parity``: groups, P(recover from memory), memory and traffic beside replicas."""
+    m = res["replicas_compared"]
+    out.print(f"[bold]XOR parity[/] over {res['nodes']} nodes, groups of {res['group']} (the last group takes the "
+              f"remainder): {len(res['groups'])} group(s), beside replicas={m}")
+    out.print("groups: " + "  ".join("{" + ", ".join(map(str, g)) + "}" for g in res["groups"]))
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("failures k", justify="right")
+    t.add_column("P(recover) parity", justify="right")
+    t.add_column(f"P(recover) replicas={m}", justify="right")
+    for row in res["recovery"]:
+        t.add_row(str(row["failures"]), f"{row['p_recover']:.4f}", f"{row['p_recover_replicas']:.4f}")
+    out.print(t)
+    gb = "checkpoint_gb" in res
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("per node")
+    t.add_column("parity", justify="right")
+    t.add_column(f"replicas={m}", justify="right")
+    unit = " GB" if gb else " ckpt"
+    for label, key in (("memory (keep+1 slots)", "memory_per_node"), ("sent per save", "sent_per_node_per_save")):
+        k = key + "_gb" if gb else key
+        t.add_row(label, f"{res[k]:.3g}{unit}", f"{res[k.replace(key, key + '_replicas')]:.3g}{unit}")
+    out.print(t)
+    out.print(f"(parity per node: {res['parity_per_checkpoint']:.3f} of its checkpoint; exact P: no group loses two nodes)")
 
 
 def _fmt_s(v: Any) -> str:

@@ -17,7 +17,7 @@ A save is collective over the checkpoint control group: **every rank calls**
    large to ride inline and some rank does not hold it yet). A rank whose write failed
    raises its own error; every other rank raises PeerError: nothing is committed.
 4. **replicate** (*all ranks*, when ``replicas > 1`` over several processes: the peer
-   transfers, then one ``all_gather_object`` of the replica slots).
+   transfers, then one ``all_gather_object`` of the replica slots; with ``parity_group``, XOR parity instead).
 5. **build record** (local, pure: :func:`build_record`): the same global part on every
    rank (after the replicas: the record names every node holding a copy).
 6. **commit on each node** (local; the node leader, its lowest rank, only): the record is
@@ -85,6 +85,7 @@ Layout = Mapping[MetadataIndex, ShardRef]
 Expand = Callable[[RankReport], "RankReport | None"]
 #: Step 4: ``(step, reports, expand) -> (replica slots this rank stored, stats)``; collective.
 Replicate = Callable[[int, list[RankReport], "Expand | None"], tuple[tuple[RankSlot, ...], dict[str, Any]]]
+Protect = Callable[[int, list[RankReport]], tuple[Any, dict[str, Any]]]  #: step 4 as XOR parity: (layout, stats)
 
 
 class Collectives(Protocol):
@@ -239,6 +240,7 @@ class CommitProtocol:
         # committed them, their count): a plain dcp.save of the same structure sends only checksums.
         self._basis: tuple[tuple[int, int], Layout] | None = None
         self._warned_replicas = False
+        self.parity = False  # the writer protects the peer tier with XOR parity (its traffic is paced too)
         self._compact_memo: dict[tuple[int, int], tuple[object, object]] = {}  # (write template, layout) known to match
 
     # ---- step 1: agree -------------------------------------------------------------------
@@ -283,13 +285,14 @@ class CommitProtocol:
         hooks: SaveHooks = NO_HOOKS,
         replicate: Replicate | None = None,
         after_commit: Callable[[StepRecord, int], None] | None = None,
+        protect: Protect | None = None,
     ) -> tuple[WriteResult, ...]:
         """Run steps 1-8 for ``spec.step``; returns this rank's write results.
 
         Collective over the control group: all ranks call it together. ``write_local`` is
         step 2; ``check_space`` (a replayed save) runs just before it, inside the part
         whose errors every rank learns at the gather. ``replicate`` is step 4 (None: local
-        copies only); ``after_commit(record, rank)`` is step 8.
+        copies only; ``protect``: its XOR-parity form); ``after_commit(record, rank)`` is step 8.
         """
         t0 = time.perf_counter()
         step, rank = spec.step, comm.rank
@@ -367,12 +370,16 @@ class CommitProtocol:
             gathered = comm.all_gather_object(replica_slots)
             reports = [dataclasses.replace(rep, replica_slots=rs) for rep, rs in zip(reports, gathered)]
             fault_point("replicate.after")
+        if protect is not None and comm.distributed:  # step 4 as XOR parity instead of replicas (peer/parity)
+            parity, self.last_replication = protect(step, reports)
         # ---- step 5: build the record (after the replicas: holders name them)
         record = build_record(
             job_id=self.tier.job_id, step=step, world_size=comm.world_size, reports=reports, meta=meta,
             overlay=overlay, replicas=self.options.replicas, placement=self.options.placement,
             launch=(self.node.launch_id, self.node.launch_description),
         )
+        if protect is not None and comm.distributed and parity is not None:
+            record = dataclasses.replace(record, parity=parity)
         self.committed_layout = record.metadata.storage_data
         self._remember_basis(step, overlay, record.metadata.storage_data)
         # ---- steps 6-7: commit on each node, evict
@@ -389,7 +396,7 @@ class CommitProtocol:
     def wire_chunk(self, comm: Collectives, hooks: SaveHooks) -> int:
         """Message size of this rank's paced replication (0: one message, unpaced)."""
         pace = hooks.replication_pace
-        if pace is None or self.options.replicas <= 1 or not comm.distributed:
+        if pace is None or (self.options.replicas <= 1 and not self.parity) or not comm.distributed:
             return 0
         return max(1, block_bytes(pace))
 

@@ -34,6 +34,9 @@ class StepView:
     held_ranks: tuple[int, ...]
     created_unix: float
     complete: bool
+    # The XOR parity lanes (saving ranks) that cover the ranks this node holds (gemini_dcp.peer.parity):
+    # a lane that lost one member can be rebuilt from the others. Only this node's lanes: O(g) per rank.
+    parity_lanes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,7 @@ class Unrestorable:
     fingerprint: str
     src: int  # a group rank whose node holds the record (it can name the lost nodes)
     missing: tuple[int, ...]  # saving ranks held by no surviving node
+    parity_lost: tuple[tuple[int, ...], ...] = ()  # parity lanes that lost two members or more
 
 
 # (step, fingerprint) -> (rank_nodes, rank_nbytes) of that record, or None if unknown
@@ -78,7 +82,12 @@ def unrestorable_error(
             lost = sorted({rank_nodes[r] for r in p.missing if r < len(rank_nodes)})
             gib = sum(rank_nbytes[r] for r in p.missing if r < len(rank_nbytes)) / GIB
             where = f" ({gib:.3f} GiB, saved on nodes {lost})"
-        parts.append(f"step {p.step}: shards of saving ranks {list(p.missing)}{where} are held by no surviving node")
+        lanes = "".join(
+            f"; parity group of saving ranks {list(lane)} lost ranks {[r for r in lane if r in p.missing]}: "
+            "parity rebuilds one lost node per group, not two"
+            for lane in p.parity_lost
+        )
+        parts.append(f"step {p.step}: shards of saving ranks {list(p.missing)}{where} are held by no surviving node{lanes}")
     err = ShardUnavailableError(
         f"job {job_id!r}: no step can be restored from memory"
         f"{' or the persistent tier' if persisted else ''}: " + "; ".join(parts)
@@ -98,6 +107,28 @@ class RestoreDecision:
     node_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node id -> group ranks now
     missing_ranks: tuple[int, ...] = ()  # saving ranks held by no memory copy (served by persistent)
     use_persistent: bool = False
+    # saving rank lost with its node -> the group rank that rebuilds it from XOR parity (its node is
+    # then the rank's holder in ``holders``); see gemini_dcp.peer.parity.rebuild_lost
+    rebuilt: dict[int, int] = field(default_factory=dict)
+
+
+def parity_rebuild(
+    missing: Sequence[int], lanes: Sequence[Sequence[int]], current_ranks: Sequence[int]
+) -> tuple[dict[int, int], tuple[tuple[int, ...], ...]]:
+    """Which missing saving ranks XOR parity can rebuild, and on which current rank; and the lanes
+    that lost two members or more (not rebuildable). Each lost rank is rebuilt by the current rank
+    of the same number when there is one (the replacement of its node), else by the lowest rank."""
+    gone = set(missing)
+    rebuild: dict[int, int] = {}
+    broken: list[tuple[int, ...]] = []
+    current = set(current_ranks)
+    for lane in sorted({tuple(lane) for lane in lanes}):
+        lost = [r for r in lane if r in gone]
+        if len(lost) == 1 and current:
+            rebuild[lost[0]] = lost[0] if lost[0] in current else min(current)
+        elif len(lost) > 1:
+            broken.append(lane)
+    return rebuild, tuple(broken)
 
 
 def _memory_candidates(views: Sequence[NodeView]) -> dict[tuple[int, str], list[tuple[NodeView, StepView]]]:
@@ -174,13 +205,18 @@ def decide(
                         holders[r].add(v.node_id)
             missing = tuple(r for r, h in holders.items() if not h)
             src = min(v.rank for v, sv in entries if sv.complete)  # the record broadcast must carry the metadata
+            rebuild, broken = parity_rebuild(missing, [ln for _, sv in entries for ln in sv.parity_lanes], [v.rank for v in views])
+            node_of = {v.rank: v.node_id for v in views}
+            for r, b in rebuild.items():
+                holders[r].add(node_of[b])
+            missing = tuple(r for r in missing if r not in rebuild)
             frozen = {r: tuple(sorted(h)) for r, h in holders.items()}
             nr = {n: tuple(rs) for n, rs in node_ranks.items()}
             if not missing:
-                return RestoreDecision(step, fp, sv0.world_size, src, frozen, nr)
+                return RestoreDecision(step, fp, sv0.world_size, src, frozen, nr, rebuilt=rebuild)
             if step in persisted:
-                return RestoreDecision(step, fp, sv0.world_size, src, frozen, nr, missing, use_persistent=True)
-            problems.append(Unrestorable(step, fp, src, missing))
+                return RestoreDecision(step, fp, sv0.world_size, src, frozen, nr, missing, use_persistent=True, rebuilt=rebuild)
+            problems.append(Unrestorable(step, fp, src, missing, broken))
         if not fps and step in persisted:
             return RestoreDecision(step, None, 0, None, {}, {n: tuple(rs) for n, rs in node_ranks.items()}, use_persistent=True)
     raise unrestorable_error(job_id, problems, bool(persisted))

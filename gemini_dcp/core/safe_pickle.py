@@ -47,6 +47,7 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("gemini_dcp.local.record_types", "PackedLayout"),
         ("gemini_dcp.local.record_types", "_rebuild_record"),
         ("gemini_dcp.local.record_types", "_rebuild_overlay"),
+        ("gemini_dcp.local.parity_record", "_rebuild_parity"),  # a step's XOR parity layout (peer/parity)
         # ... and where records written before the split of records.py name them (the same
         # objects, re-exported there; the flat ``gemini_dcp.records`` maps here, see _aliases)
         ("gemini_dcp.local.records", "ShardRef"),

@@ -58,12 +58,13 @@ from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
+from .parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier, tier_bytes
 from .restore_stage import RestoreStage
 from .state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 
 log = logging.getLogger(__name__)
 
-TIERS = ("local", "peer", "persistent")
+TIERS = ("local", "peer", "persistent", "parity")  # parity: bytes of slots rebuilt from XOR parity
 ItemKey = tuple[int, int]  # (saving rank, offset in its slot): one stored item
 
 
@@ -71,8 +72,8 @@ class GeminiStorageReader(StorageReader):
     """Load DCP checkpoints from node memory, peer memory, then persistent storage.
 
     After ``dcp.load``: ``restored_step`` is the step loaded, ``restored_from``
-    maps tier name → bytes read from it summed over all ranks (``rank_restored_from``:
-    this rank only), ``restore_seconds`` the wall time of the restore, and
+    maps tier name → bytes read from it summed over all ranks (``"parity"``: of slots rebuilt
+    from XOR parity, docs/parity.md; ``rank_restored_from``: this rank only), ``restore_seconds`` the wall time of the restore, and
     ``restored_launch`` the description of the launch that saved the step ("" when the
     record does not say, e.g. a step read from the persistent tier alone). Known after
     ``read_metadata``: a restore across launches (a torchrun restart, or another job
@@ -131,8 +132,8 @@ class GeminiStorageReader(StorageReader):
         self._t0 = 0.0
         self.restored_step: int | None = None
         self.restored_launch: str = ""
-        self.restored_from: dict[str, int] = dict.fromkeys(TIERS, 0)
-        self.rank_restored_from: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.restored_from: dict[str, int] = tier_bytes(dict.fromkeys(TIERS, 0))
+        self.rank_restored_from: dict[str, int] = tier_bytes(dict.fromkeys(TIERS, 0))
         self.restore_seconds: float | None = None
 
     # ---- StorageReader API -------------------------------------------------------------
@@ -227,6 +228,11 @@ class GeminiStorageReader(StorageReader):
                 self._local[s.rank] = self.tier.slot_path(s.rank, s.slot)
         self._decision, self._record = decision, record
         self._note_launch(record, comm.rank)
+        if decision.rebuilt:  # collective: every rank reached the same decision
+            self._decision = rebuild_from_parity(
+                comm, self.tier, decision, record, mine if mine is not None and mine.fingerprint() == decision.fingerprint else None,
+                self._local, persisted if self.persistent is not None else None,
+            )
         self._adopt_lost_parts(views, comm.rank)
 
     def _note_launch(self, record: StepRecord, rank: int) -> None:
@@ -332,6 +338,8 @@ class GeminiStorageReader(StorageReader):
         error = error or self._staging.error
         if tallies is None:
             tallies = comm.all_gather_object(Tally([], [], counts, error is None))
+        if self._decision is not None and self._decision.rebuilt:  # every rank staged: the rebuilt files can go
+            drop_rebuilt(self.tier, self._decision, comm.rank, self._decision.step)
         if error is not None or not all(t.ok for t in tallies):
             self._staging.abandon()  # no zero-copy view of tier memory may live on in the error's frames
             if error is not None:
@@ -342,8 +350,8 @@ class GeminiStorageReader(StorageReader):
             )
         # Every rank holds a verified copy of every chunk it needs: only now may bytes land in the state dict.
         self._staging.land(planner)
-        self.rank_restored_from = counts
-        self.restored_from = {tier: sum(t.counts[tier] for t in tallies) for tier in TIERS}
+        self.rank_restored_from = tier_bytes(counts)
+        self.restored_from = tier_bytes({tier: sum(t.counts[tier] for t in tallies) for tier in TIERS})
         assert self._decision is not None
         self.restored_step = self._decision.step
         self.restore_seconds = time.perf_counter() - self._t0
@@ -373,6 +381,7 @@ class GeminiStorageReader(StorageReader):
                     held_ranks=rec.held_ranks(),
                     created_unix=rec.created_unix,
                     complete=rec.complete,
+                    parity_lanes=held_lanes(rec),
                 )
             )
         return NodeView(rank, self.node_id, tuple(steps), tuple(self.tier.other_jobs()), str(self.root))
@@ -415,6 +424,10 @@ class GeminiStorageReader(StorageReader):
             else (lambda items: self._stage_from_persistent(LoadPlan(items), planner)),
         )
         transport = transport_for(comm)
+        for key in remote:  # a chunk of a slot rebuilt from parity counts as "parity", not "peer"
+            if rebuilt_tier(self._decision, key[0], "peer") == "parity":
+                counts["peer"] -= self._ref(by_key[key][0].storage_index).length
+                counts["parity"] += self._ref(by_key[key][0].storage_index).length
         first = start_transfer(staging, transport, routes)
         for key, items in by_key.items():
             if key in remote:
@@ -425,7 +438,7 @@ class GeminiStorageReader(StorageReader):
                 failed[key] = "missing"
                 continue
             if self._stage(items, ref, buf):
-                counts["local"] += ref.length
+                counts[rebuilt_tier(self._decision, ref.rank, "local")] += ref.length
             else:
                 failed[key] = "checksum"
                 log.warning("local copy of %s is corrupt; fetching another copy", describe_item(items[0], ref, self._record.step))

@@ -55,6 +55,8 @@ from ..local.records import ShardRef, StepRecord
 from ..local.slots import SlotFile
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
+from ..peer.parity import ParitySlots, encode_parity
+from ..peer.parity_groups import check_parity_group
 from ..peer.push import replicate
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
@@ -98,6 +100,9 @@ class GeminiStorageWriter(StorageWriter):
         keep: committed steps retained in memory (default 2).
         replicas: copies of each node's shards in CPU memory, the node's own included
             (1 = local only; 2 = one peer copy).
+        parity_group: instead of replicas, XOR parity over groups of this many nodes (>= 3):
+            each node keeps ~1/(g-1) of a checkpoint in parity and any one node per group can be
+            rebuilt (docs/parity.md). Requires ``replicas=1``.
         placement: peer placement strategy: ``"mixed"`` (default), ``"group"`` or ``"ring"``.
         checksum: ``"auto"`` (default: ``"crc32c"`` through the C++ extension's fused
             multi-threaded copy+CRC when it is built, else ``"xxh3"``), ``"xxh3"`` or ``"crc32c"``.
@@ -139,6 +144,7 @@ class GeminiStorageWriter(StorageWriter):
         *,
         keep: int = 2,
         replicas: int = 1,
+        parity_group: int | None = None,
         placement: str = "mixed",
         checksum: str = "auto",
         capacity_bytes: int | None = None,
@@ -163,6 +169,7 @@ class GeminiStorageWriter(StorageWriter):
         )
         cfg = self.gemini_options
         self.options = cfg.tier_options()
+        self.parity_group = check_parity_group(parity_group, self.options.replicas)  # before any directory exists
         self._algo = resolve_algo(self.options.checksum)
         self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
         self.root: Path = self.tier.root
@@ -176,6 +183,8 @@ class GeminiStorageWriter(StorageWriter):
             launch_id=self.launch.launch_id, launch_description=self.launch.description,
         )
         self.commit = CommitProtocol(self.tier, node, self.options)
+        self.commit.parity = self.parity_group is not None
+        self.parity_slots = ParitySlots(self.tier.layout.rank_dir)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
         self.slot_pool = SlotPool(self.tier, keep=self.options.keep, capacity_bytes=self.options.capacity_bytes)
         self.local_writer = LocalWriter(self.slot_pool)  # step 2, with its per-plan programs
@@ -322,6 +331,7 @@ class GeminiStorageWriter(StorageWriter):
             check_space=check_space, hooks=self.hooks,
             replicate=lambda step, reports, expand: self._replicate(comm, step, reports, expand),
             after_commit=self._after_commit,
+            protect=(lambda step, reports: self._protect(comm, step, reports)) if self.parity_group else None,
         )
         return list(results)
 
@@ -408,6 +418,18 @@ class GeminiStorageWriter(StorageWriter):
         )
         self._node_order = done.node_order
         return done.replica_slots, done.stats
+
+    def _protect(self, comm: Comm, step: int, reports: Any) -> tuple[Any, dict[str, Any]]:
+        """Step 4 with ``parity_group``: the XOR parity of every lane (gemini_dcp.peer.parity); collective."""
+        assert self.parity_group is not None
+        done = encode_parity(
+            comm, transport_for(comm), step, reports, group=self.parity_group, tier=self.tier,
+            data_slot=self.slot_pool.slot, parity_slots=self.parity_slots, budget_check=self.slot_pool.budget_check,
+            algo=self._algo, on_peer_failure=self.options.on_peer_failure, previous_order=self._node_order,
+            pace=self.hooks.replication_pace,
+        )
+        self._node_order = done.node_order
+        return done.layout, done.stats
 
     def slot(self, rank: int, idx: int) -> SlotFile:
         """This node's slot ``idx`` of ``rank`` (opened on first use)."""

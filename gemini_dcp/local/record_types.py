@@ -28,6 +28,7 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..core.safe_pickle import restricted_loads
+from .parity_record import ParityLayout
 from .record_caches import (
     _MAX_LAYOUTS,
     _digests,
@@ -108,6 +109,7 @@ class StepRecord:
     complete: bool = True                # False: written without the coordinator's final metadata
     launch_id: str = ""                  # the launch that saved it (gemini_dcp.core.launch.current_launch)
     launch_description: str = ""         # human-readable form of that launch, for messages
+    parity: ParityLayout | None = None   # XOR parity of the step (parity_group; gemini_dcp.peer.parity)
 
     def __setstate__(self, state: Sequence[object]) -> None:
         # Records pickled field by field (before __reduce__ existed) hold fewer fields than
@@ -129,6 +131,7 @@ class StepRecord:
                 _pack_storage_data(meta.storage_data),
                 self.rank_nodes, self.rank_nbytes, self.holders, self.replicas, self.placement, self.slots,
                 self.node_id, self.created_unix, self.complete, self.launch_id, self.launch_description,
+                *((self.parity,) if self.parity is not None else ()),
             ),
         )
 

@@ -54,6 +54,7 @@ from .doctor import (
     tmpfs_huge_pages,
 )
 from .housekeeping import GcReport, RemoveReport, collect_garbage, processes_using, remove_job
+from .parity_view import parity_info
 from .sizing import plan
 from .verify import ItemCheck, VerifyReport, verify
 
@@ -91,6 +92,7 @@ class StepInfo:
     problem: str | None = None
     drain: str | None = None              # this node's drain of the step: queued | writing | durable | failed
     drain_reason: str | None = None       # why it failed (or is retrying)
+    parity: dict[str, Any] | None = None  # XOR parity: groups, lanes, this node's parity slots (ops/parity_view)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -149,6 +151,7 @@ def _step_info(layout: JobLayout, step: int, persisted: set[int] | None, now: fl
     info.node_id = rec.node_id
     info.created_unix = rec.created_unix
     info.age_s = max(0.0, now - rec.created_unix)
+    info.parity = parity_info(layout, rec)
     extent = rank_extent(rec)
     present: set[int] = set()
     short: list[str] = []

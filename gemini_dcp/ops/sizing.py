@@ -18,13 +18,25 @@ def plan(
     failures: int | None = None,
     *,
     cost: dict[str, Any] | None = None,
+    group: int | None = None,
 ) -> dict[str, Any]:
     """Placement table, P(recover from memory | k simultaneous node failures) for k = 1..``failures``
     (default ``replicas + 1``), and, given ``cost`` (figures for :class:`costmodel.CostInputs`),
     GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing.
 
+    ``strategy="parity"`` with ``group``: XOR parity groups instead, beside ``replicas`` full copies
+    (:func:`gemini_dcp.ops.parity_plan.parity_plan`).
+
     Raises PlacementError / ConfigError with what to change.
     """
+    if strategy == "parity":
+        from .parity_plan import parity_plan  # noqa: PLC0415 - as the placement below: loaded for plan only
+
+        if group is None:
+            raise ConfigError("strategy 'parity' needs the group size: pass --group g (>= 3 nodes per parity group).")
+        out = parity_plan(nodes, group, failures, replicas=replicas,
+                          checkpoint_gb=(cost or {}).get("checkpoint_gb"))
+        return out
     from ..peer.placement import group_formula, place, recovery_probability  # noqa: PLC0415
 
     pl = place(nodes, replicas, strategy)  # type: ignore[arg-type] - validates sizes and strategy

@@ -20,6 +20,7 @@ from ..errors import CheckpointNotFoundError, ChecksumMismatchError, GeminiError
 from ..local.job_dir import JobLayout
 from ..local.job_files import open_job, read_record_or_reason
 from ..local.slots import ReadOnlySlot
+from .parity_view import parity_checks
 
 Progress = Callable[[int, int], None]
 
@@ -114,6 +115,8 @@ def _memory_checks(layout: JobLayout, step: int) -> list[tuple[ItemCheck, Callab
             return "ok", ""
 
         out.append((check, run))
+    for what, rank, nbytes, prun in parity_checks(layout, rec):  # XOR parity slots held here (ops/parity_view)
+        out.append((ItemCheck(step, "memory", what, None, rank, nbytes, "ok"), prun))  # type: ignore[arg-type]
     return out
 
 
