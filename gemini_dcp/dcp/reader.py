@@ -25,6 +25,10 @@ restore. The mechanics live beside it: :mod:`gemini_dcp.dcp.restore_stage` holds
 verified chunks and the tier memory they are viewed through, :mod:`gemini_dcp.core.chunk_sink`
 verifies and lands each chunk, :mod:`gemini_dcp.dcp.state_dict_check` is the key/shape check,
 and :mod:`gemini_dcp.peer` moves chunks between nodes.
+
+Size: ~500 lines because the order of a restore (decide, stage local / peer / parity /
+persistent, agree, land) is one sequence of collectives that every rank must run in the same
+order; each stage's mechanics are already elsewhere.
 """
 
 from __future__ import annotations
