@@ -132,6 +132,9 @@ class LocalWrite:
     # The protocol then decides a compact report without comparing every result again.
     checksums: tuple[int, ...] | None = None
     template: object | None = None
+    # (item bytes copied, item bytes the slot already held): an incremental save (dcp/carry.py).
+    # None: every item was copied.
+    save_bytes: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,6 +170,9 @@ def build_record(
         meta = Metadata(state_dict_metadata={})
     rank_nodes = tuple(rep.node_id for rep in reports)
     launch_id, launch_desc = reports[0].launch or launch
+    save_bytes = () if all(rep.save_bytes is None for rep in reports) else tuple(
+        rep.save_bytes if rep.save_bytes is not None else (rep.nbytes, 0) for rep in reports
+    )
     holders: dict[str, set[str]] = {n: {n} for n in rank_nodes}
     for rep in reports:
         for rs in rep.replica_slots:
@@ -177,7 +183,7 @@ def build_record(
         rank_nodes=rank_nodes, rank_nbytes=tuple(rep.nbytes for rep in reports),
         holders={k: tuple(sorted(v)) for k, v in holders.items()},
         replicas=replicas, placement=placement, complete=complete,
-        launch_id=launch_id, launch_description=launch_desc,
+        launch_id=launch_id, launch_description=launch_desc, rank_save_bytes=save_bytes,
     )
 
 
@@ -326,6 +332,7 @@ class CommitProtocol:
                 known_metadata=self.known_metadata[0], basis=basis, wire_chunk=self.wire_chunk(comm, hooks),
                 host=self.node.host, root_id=self.node.root_id,
                 launch=(self.node.launch_id, self.node.launch_description) if rank == 0 else None,
+                save_bytes=local.save_bytes,
             )
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             error = exc

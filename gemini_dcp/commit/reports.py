@@ -66,6 +66,8 @@ class RankReport:
     root_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the tier root
     # Rank 0 only: (launch_id, description) of its launch, recorded in the step record.
     launch: tuple[str, str] | None = None
+    # Incremental saves: (item bytes this rank copied, item bytes its slot already held); None: all copied.
+    save_bytes: tuple[int, int] | None = None
 
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.

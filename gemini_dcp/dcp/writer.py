@@ -58,6 +58,7 @@ from ..options import GeminiOptions, resolve_options
 from ..peer.push import replicate
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
+from .carry import CarryTracker, IncrementalOptions, SaveStats
 from .local_write import LocalWriter
 
 # The names this module had before the commit package (tests and benchmarks import them).
@@ -113,6 +114,15 @@ class GeminiStorageWriter(StorageWriter):
         options: a :class:`gemini_dcp.options.GeminiOptions` tree (e.g. ``GeminiOptions.from_env()``)
             instead of, or with, the keywords above: a keyword left at its default takes the
             options' value; a keyword and an options field set to different values is a ConfigError.
+        incremental: copy only the tensors changed since the step's slot was last written; the
+            others are carried (their bytes are already there). Off by default: the change rule
+            (same storage and in-place version counter) cannot see writes through ``.data``, fused
+            optimizers (``fused=True``) or external kernels (docs/incremental.md).
+        full_every: with ``incremental``, copy everything every K-th save (bounds what a missed
+            change can cost); None: only when the structure changes or after a restart.
+
+    ``writer.last_save`` (a :class:`gemini_dcp.dcp.carry.SaveStats`, this rank, the last
+    committed save): ``bytes_written`` copied into the tier, ``bytes_carried`` already held.
 
     Steps: each ``checkpoint_id`` is an int step in ``[0, 2**63)``. A step is evicted from
     a node only once every node has committed a newer one: the newest step known committed
@@ -150,8 +160,11 @@ class GeminiStorageWriter(StorageWriter):
         persist_keep_every: int | None = None,
         process_group: Any = None,
         options: GeminiOptions | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
     ) -> None:
         super().__init__()
+        self.incremental = IncrementalOptions(enabled=incremental, full_every=full_every)
         # Every option is validated before anything is created (tier or persistent directories):
         # ``options`` merged with the keywords (a keyword and an options field set to different
         # values is a ConfigError), the drain settings from the environment when no options are given.
@@ -178,7 +191,10 @@ class GeminiStorageWriter(StorageWriter):
         self.commit = CommitProtocol(self.tier, node, self.options)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
         self.slot_pool = SlotPool(self.tier, keep=self.options.keep, capacity_bytes=self.options.capacity_bytes)
-        self.local_writer = LocalWriter(self.slot_pool)  # step 2, with its per-plan programs
+        carry = CarryTracker(self.incremental) if self.incremental.enabled else None
+        self.local_writer = LocalWriter(self.slot_pool, carry)  # step 2, with its per-plan programs
+        self.last_save: SaveStats | None = None  # this rank's last committed save (bytes written / carried)
+        self._pending_save: SaveStats | None = None
         self._planned_total: tuple[SavePlan, int] | None = None  # (plan, its tensor bytes), for _check_space
         # The async path's pacers and copy-done callback for the next save (see SaveHooks).
         self.hooks: SaveHooks = NO_HOOKS
@@ -317,12 +333,14 @@ class GeminiStorageWriter(StorageWriter):
     ) -> list[WriteResult]:
         """One save through the commit protocol (collective: all ranks call it together)."""
         rank = comm.rank
+        self._pending_save = None
         results = self.commit.save(
             comm, spec, lambda: self._write_local(plan, planner, spec.step, rank),
             check_space=check_space, hooks=self.hooks,
             replicate=lambda step, reports, expand: self._replicate(comm, step, reports, expand),
             after_commit=self._after_commit,
         )
+        self.last_save = self._pending_save
         return list(results)
 
     def prewrite_values(self, step: int) -> list[int]:
@@ -428,7 +446,23 @@ class GeminiStorageWriter(StorageWriter):
         """Step 2 of the commit protocol: resolve this rank's DCP items and copy them, checksummed,
         into a slot of the node's tier (paced by ``hooks.pace`` when set; see
         :mod:`gemini_dcp.dcp.local_write`). Local work."""
-        return self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
+        done = self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
+        self._pending_save = _save_stats(step, done, self.local_writer)
+        return done
+
+
+def _save_stats(step: int, done: LocalWrite, local_writer: LocalWriter) -> SaveStats:
+    """This rank's :class:`SaveStats` of a local write (every item copied unless it says otherwise)."""
+    held = local_writer.last_carry
+    if done.save_bytes is None or held is None:
+        n = sum(r.size_in_bytes for r in done.results)
+        return SaveStats(step=step, bytes_written=n, bytes_carried=0, items_written=len(done.results), items_carried=0,
+                         full=True, reason="incremental=False", slot=done.slot)
+    plan_c, _ = held
+    carried = sum(plan_c.carry)
+    return SaveStats(step=step, bytes_written=done.save_bytes[0], bytes_carried=done.save_bytes[1],
+                     items_written=len(plan_c.carry) - carried, items_carried=carried, full=carried == 0,
+                     reason=plan_c.reason, slot=done.slot)
 
 
 def _planned_bytes(item: WriteItem) -> int:
