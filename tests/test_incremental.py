@@ -261,6 +261,8 @@ def test_two_nodes_replica_node_loss_and_restart() -> None:
             assert [s.full for s in st] == [True, True, True, False, False]
             assert st[-1].bytes_carried == 128 * 256 * 4 // 2 and st[-1].bytes_written == 4 * 64 * 4
             assert res["restored_ok"]
+            rep = res["replication"]  # the peer got only the changed run (the head), verified
+            assert rep["delta_pairs"] == 1 and rep["sent_bytes"] == rep["delta_sent_bytes"] == 4 * 64 * 4, rep
         wipe(roots[1])  # node 1 is replaced: its ranks restore from node 0's replica
         second = run_ranks(_train_and_save, 2, roots, timeout=180, steps=[5, 6, 7, 8], load_first=True)
         for r, res in enumerate(second):
@@ -271,3 +273,23 @@ def test_two_nodes_replica_node_loss_and_restart() -> None:
             assert res["restored_ok"]
     finally:
         cleanup()
+
+
+# ---- delta replication: the pure decision --------------------------------------------------------
+def test_merge_runs_and_pair_decision() -> None:
+    from gemini_dcp.peer.delta import ReplicaMemory, merge_runs, pair_runs
+
+    assert merge_runs([(0, 10), (20, 5), (1 << 20, 8), (2 << 20, 0)], gap=64) == ((0, 25), (1 << 20, 8))
+    offer = ("tok", 7, ((5, ((0, 64),)), (6, ())))
+    assert pair_runs(offer, [(1, 2, "tok", 5)], src=1) == (2, ((0, 64),))
+    assert pair_runs(offer, [(1, 2, "tok", 6)], src=1) == (2, ())  # nothing changed: no bytes move
+    assert pair_runs(offer, [(1, 2, "other", 5)], src=1) is None  # another writer (a restarted sender)
+    assert pair_runs(offer, [(0, 2, "tok", 5)], src=1) is None  # a base of another rank
+    assert pair_runs(offer, [(1, 2, "tok", 4)], src=1) is None  # a save the offer has no runs against
+    assert pair_runs(None, [(1, 2, "tok", 5)], src=1) is None
+    mem = ReplicaMemory()
+    mem.note(1, 2, offer)
+    assert mem.bases(lambda src: 2) == ((1, 2, "tok", 7),)
+    assert mem.bases(lambda src: 0) == ()  # the next replica lands in a slot holding nothing known
+    mem.drop(1, 2)
+    assert mem.bases(lambda src: 2) == ()

@@ -135,6 +135,9 @@ class LocalWrite:
     # (item bytes copied, item bytes the slot already held): an incremental save (dcp/carry.py).
     # None: every item was copied.
     save_bytes: tuple[int, int] | None = None
+    # Delta replication (gemini_dcp.peer.delta): this save's offer, and the replica bases this node holds.
+    delta_offer: Any = None
+    replica_bases: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -332,7 +335,7 @@ class CommitProtocol:
                 known_metadata=self.known_metadata[0], basis=basis, wire_chunk=self.wire_chunk(comm, hooks),
                 host=self.node.host, root_id=self.node.root_id,
                 launch=(self.node.launch_id, self.node.launch_description) if rank == 0 else None,
-                save_bytes=local.save_bytes,
+                save_bytes=local.save_bytes, delta_offer=local.delta_offer, replica_bases=local.replica_bases,
             )
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             error = exc

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..peer.delta import Runs, merge_runs
 
 __all__ = ["CarryPlan", "CarryTracker", "IncrementalOptions", "SaveStats", "tensor_key"]
 
@@ -135,10 +136,13 @@ class CarryTracker:
     caller holds the slot's lock between :meth:`plan` and :meth:`remember`.
     """
 
-    def __init__(self, options: IncrementalOptions) -> None:
+    def __init__(self, options: IncrementalOptions, history: int = 4) -> None:
         self.options = options
         self._slots: dict[tuple[int, int], _SlotMemory] = {}
         self._since_full: dict[int, int | None] = {}  # rank -> saves since its last full save (None: none yet)
+        # rank -> its last ``history`` saves: (seq, program, keys, storages), for delta replication.
+        self.history = history
+        self._history: dict[int, list[tuple[int, object, list[Key | None], list[Any]]]] = {}
 
     def plan(self, rank: int, slot_idx: int, slot: object, program: object, entries: Sequence[Any],
              tensor_pos: Sequence[int]) -> CarryPlan:
@@ -187,10 +191,33 @@ class CarryTracker:
         since = self._since_full.get(rank)
         self._since_full[rank] = 0 if not plan.any else (since or 0) + 1
 
+    def changed_since(self, rank: int, seq: int, program: object, plan: CarryPlan, offsets: Sequence[int],
+                      sizes: Sequence[int]) -> tuple[tuple[int, Runs], ...]:
+        """For each recent save of ``rank`` with the same ``program`` (its ``seq``), the runs of
+        this save's slot (save ``seq``) that may differ from that save's; then remembers this one.
+
+        An item is unchanged since a save when its key then and now are equal and the storage
+        seen then is still alive (:func:`tensor_key`); everything else is in a run.
+        """
+        hist = self._history.setdefault(rank, [])
+        hist[:] = [h for h in hist if h[1] is program]  # another layout: no runs against it
+        out: list[tuple[int, Runs]] = []
+        for b_seq, _prog, b_keys, b_storages in hist:
+            spans = []
+            for i, k in enumerate(plan.keys):
+                ref = b_storages[i]
+                if k is None or k != b_keys[i] or ref is None or ref() is None:
+                    spans.append((offsets[i], sizes[i]))
+            out.append((b_seq, merge_runs(spans)))
+        hist.append((seq, program, list(plan.keys), list(plan.storages)))
+        del hist[: -self.history]
+        return tuple(out)
+
     def forget(self) -> None:
         """Drop every slot's memory: the next save of each slot copies everything."""
         self._slots.clear()
         self._since_full.clear()
+        self._history.clear()
 
     def _full_reason(self, rank: int, mem: _SlotMemory | None, slot: object, program: object, n: int) -> str | None:
         opts = self.options

@@ -213,6 +213,14 @@ class LocalWriter:
         return LocalWrite(slot=slot_idx, results=tuple(results), nbytes=total, checksums=tuple(sums), template=template,
                           save_bytes=save_bytes)
 
+    def delta_offer(self, rank: int, token: str, seq: int) -> tuple[Any, ...] | None:
+        """The last write's offer for delta replication (``peer.delta``), as save ``seq`` of writer ``token``."""
+        prog = self._programs.get(rank)
+        if self.carry is None or self.last_carry is None or prog is None:
+            return None
+        plan_c, sizes = self.last_carry
+        return (token, seq, self.carry.changed_since(rank, seq, prog, plan_c, prog.offsets, sizes))
+
     # ---- the program ------------------------------------------------------------------------
     @staticmethod
     def _fits(prog: _Program, plan: SavePlan, algo: str, block: int, entries: list[torch.Tensor], offsets: list[int]) -> bool:

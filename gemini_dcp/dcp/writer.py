@@ -55,6 +55,7 @@ from ..local.records import ShardRef, StepRecord
 from ..local.slots import SlotFile
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
+from ..peer.delta import ReplicaMemory
 from ..peer.push import replicate
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
@@ -191,7 +192,12 @@ class GeminiStorageWriter(StorageWriter):
         self.commit = CommitProtocol(self.tier, node, self.options)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
         self.slot_pool = SlotPool(self.tier, keep=self.options.keep, capacity_bytes=self.options.capacity_bytes)
-        carry = CarryTracker(self.incremental) if self.incremental.enabled else None
+        carry = CarryTracker(self.incremental, history=self.options.keep + 2) if self.incremental.enabled else None
+        # Delta replication of incremental saves (peer/delta.py): this writer's name and save count as a
+        # sender, and what this node's replica slots hold as a receiver.
+        self._replica_memory = ReplicaMemory() if carry is not None and self.options.replicas > 1 else None
+        self._delta_token = os.urandom(8).hex()
+        self._save_seq = 0
         self.local_writer = LocalWriter(self.slot_pool, carry)  # step 2, with its per-plan programs
         self.last_save: SaveStats | None = None  # this rank's last committed save (bytes written / carried)
         self._pending_save: SaveStats | None = None
@@ -423,6 +429,7 @@ class GeminiStorageWriter(StorageWriter):
             comm, transport_for(comm), step, reports, options=self.options, tier=self.tier,
             slot=self.slot_pool.slot, budget_check=self.slot_pool.budget_check,
             previous_order=self._node_order, pace=self.hooks.replication_pace, expand=expand,
+            memory=self._replica_memory,
         )
         self._node_order = done.node_order
         return done.replica_slots, done.stats
@@ -448,7 +455,17 @@ class GeminiStorageWriter(StorageWriter):
         :mod:`gemini_dcp.dcp.local_write`). Local work."""
         done = self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
         self._pending_save = _save_stats(step, done, self.local_writer)
+        memory = self._replica_memory
+        if memory is not None:
+            offer = self.local_writer.delta_offer(rank, self._delta_token, self._next_seq())
+            keep = self.options.keep
+            bases = memory.bases(lambda src: self.tier.choose_slot(src, keep))
+            done = dataclasses.replace(done, delta_offer=offer, replica_bases=bases)
         return done
+
+    def _next_seq(self) -> int:
+        self._save_seq += 1
+        return self._save_seq
 
 
 def _save_stats(step: int, done: LocalWrite, local_writer: LocalWriter) -> SaveStats:
