@@ -132,10 +132,9 @@ class LocalWrite:
     # The protocol then decides a compact report without comparing every result again.
     checksums: tuple[int, ...] | None = None
     template: object | None = None
-    # (item bytes copied, item bytes the slot already held): an incremental save (dcp/carry.py).
-    # None: every item was copied.
+    # Incremental saves (dcp/carry.py): (item bytes copied, bytes the slot already held), None: all copied;
+    # delta replication (peer/delta.py): this save's offer, and the replica bases this node holds.
     save_bytes: tuple[int, int] | None = None
-    # Delta replication (gemini_dcp.peer.delta): this save's offer, and the replica bases this node holds.
     delta_offer: Any = None
     replica_bases: tuple[Any, ...] = ()
 
@@ -173,9 +172,7 @@ def build_record(
         meta = Metadata(state_dict_metadata={})
     rank_nodes = tuple(rep.node_id for rep in reports)
     launch_id, launch_desc = reports[0].launch or launch
-    save_bytes = () if all(rep.save_bytes is None for rep in reports) else tuple(
-        rep.save_bytes if rep.save_bytes is not None else (rep.nbytes, 0) for rep in reports
-    )
+    save_bytes = tuple(rep.save_bytes or (rep.nbytes, 0) for rep in reports) if any(r.save_bytes for r in reports) else ()
     holders: dict[str, set[str]] = {n: {n} for n in rank_nodes}
     for rep in reports:
         for rs in rep.replica_slots:
