@@ -202,7 +202,7 @@ def test_corrupt_carried_chunk_detected(root: str) -> None:
 
 
 def test_new_writer_starts_full(root: str) -> None:
-    """A new writer (as after a torchrun restart: no version history) copies everything first."""
+    """A new writer (as after a restart of the workers: no version history) copies everything first."""
     sd = _model()
     w = GeminiStorageWriter(root, JOB, keep=1, incremental=True)
     for step in range(3):
@@ -293,3 +293,22 @@ def test_merge_runs_and_pair_decision() -> None:
     assert mem.bases(lambda src: 0) == ()  # the next replica lands in a slot holding nothing known
     mem.drop(1, 2)
     assert mem.bases(lambda src: 2) == ()
+
+
+# ---- the persistent drain: complete stock-DCP steps from carried bytes ---------------------------
+def test_drain_writes_stock_dcp_from_carried_bytes(root: str) -> None:
+    """The drain reads a step's slot in place: carried items are in it like copied ones, so the
+    store gets a complete checkpoint that stock ``dcp.load`` reads without this package."""
+    with tempfile.TemporaryDirectory(prefix="gemini-incr-store-") as store:
+        w = GeminiStorageWriter(root, JOB, keep=1, incremental=True, persistent=f"file://{store}", persist_every=1,
+                                persist_keep=1)
+        sd = _model()
+        for step in range(4):
+            with torch.no_grad():
+                sd["lora"].add_(1.0)
+            st = _save(w, sd, step)
+        assert st.bytes_carried >= FROZEN
+        assert w.wait_persisted(3, timeout_s=120) == 3
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, checkpoint_id=os.path.join(store, JOB, "step-3"))  # stock FileSystemReader
+        assert _same(out, _snapshot(sd))
