@@ -277,7 +277,7 @@ def test_two_nodes_replica_node_loss_and_restart() -> None:
 
 # ---- delta replication: the pure decision --------------------------------------------------------
 def test_merge_runs_and_pair_decision() -> None:
-    from gemini_dcp.peer.delta import ReplicaMemory, merge_runs, pair_runs
+    from gemini_dcp.peer.delta import ReplicaMemory, merge_runs, pair_runs, touches
 
     assert merge_runs([(0, 10), (20, 5), (1 << 20, 8), (2 << 20, 0)], gap=64) == ((0, 25), (1 << 20, 8))
     offer = ("tok", 7, ((5, ((0, 64),)), (6, ())))
@@ -287,6 +287,9 @@ def test_merge_runs_and_pair_decision() -> None:
     assert pair_runs(offer, [(0, 2, "tok", 5)], src=1) is None  # a base of another rank
     assert pair_runs(offer, [(1, 2, "tok", 4)], src=1) is None  # a save the offer has no runs against
     assert pair_runs(None, [(1, 2, "tok", 5)], src=1) is None
+    runs = ((0, 25), (100, 10))
+    assert [touches(runs, o, n) for o, n in [(0, 1), (24, 8), (25, 75), (99, 2), (110, 5), (50, 0)]] == [
+        True, True, False, True, False, False]
     mem = ReplicaMemory()
     mem.note(1, 2, offer)
     assert mem.bases(lambda src: 2) == ((1, 2, "tok", 7),)

@@ -14,17 +14,19 @@ gather (step 3, plain tuples in :class:`~gemini_dcp.commit.reports.RankReport`):
 
 :func:`pair_runs` decides, from those two values alone, whether the pair sends runs or the
 whole slot: the sender and the receiver read the same gathered reports, so they always
-post matching messages. The receiver still verifies every item's checksum (carried runs
-too) before the replica counts, so a wrong base fails the save loudly (PeerError), never a
-silent stale replica. Pure except :class:`ReplicaMemory` (this process's receiver state).
+post matching messages. The receiver verifies the checksum of every item a received run
+touches before the replica counts; the other items are the base's bytes, verified when they
+arrived and not written since (the same trust the local carry gives its slot).
+Pure except :class:`ReplicaMemory` (this process's receiver state).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["MERGE_GAP", "ReplicaMemory", "merge_runs", "pair_runs"]
+__all__ = ["MERGE_GAP", "ReplicaMemory", "merge_runs", "pair_runs", "touches"]
 
 #: Changed items closer than this are sent as one run (fewer messages; the gap bytes are equal).
 MERGE_GAP = 64 << 10
@@ -45,6 +47,12 @@ def merge_runs(spans: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> Runs:
         else:
             out.append([off, n])
     return tuple((o, n) for o, n in out)
+
+
+def touches(runs: Runs, offset: int, length: int) -> bool:
+    """Whether ``[offset, offset + length)`` overlaps one of ``runs`` (ascending, disjoint)."""
+    i = bisect.bisect_right(runs, (offset + length - 1, 1 << 62)) - 1  # the last run starting inside or before
+    return i >= 0 and runs[i][0] + runs[i][1] > offset and length > 0
 
 
 def pair_runs(offer: Offer | None, bases: Sequence[Base], src: int) -> tuple[int, Runs] | None:

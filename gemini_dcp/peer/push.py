@@ -27,7 +27,7 @@ from ..errors import PeerError
 from ..local.records import RankSlot, ShardRef, StepRecord
 from ..transport.comm import Comm, restart_required
 from ..transport.p2p import Pending, Transport
-from .delta import ReplicaMemory, pair_runs
+from .delta import ReplicaMemory, pair_runs, touches
 from .routes import SlotReport, choose_order, replication_routes
 
 __all__ = ["ReplicaTier", "Replicated", "ReplicationOptions", "SlotBuffer", "node_order", "replicate"]
@@ -139,7 +139,7 @@ def replicate(
     routes = replication_routes(order, reports, options.replicas, options.placement)
     me = comm.rank
     works: list[Pending] = []
-    received: list[tuple[int, int, SlotBuffer]] = []
+    received: list[tuple[int, int, SlotBuffer, Any]] = []  # (src, slot index, slot, delta runs or None)
     delta_sent = delta_pairs = 0
     sent = recv_bytes = 0
     error: str | None = None
@@ -166,7 +166,7 @@ def replicate(
                 for off, n in plan[1]:
                     works += transport.recv_ranges(_at(into, off), n, reports[src].wire_chunk, src, what)
                     recv_bytes += n
-            received.append((src, idx, into))
+            received.append((src, idx, into, plan[1] if plan is not None else None))
         targets = [dst for src, dst in sorted(routes) if src == me]
         nbytes = reports[me].nbytes
         if targets and nbytes:
@@ -197,9 +197,9 @@ def replicate(
         error = str(exc)
     replica_slots: list[RankSlot] = []
     if error is None:
-        for src, idx, into in received:
+        for src, idx, into, runs in received:
             rep = expand(reports[src]) if expand is not None else reports[src]
-            bad = _verify_items(into, rep.results if rep is not None else ())
+            bad = _verify_items(into, rep.results if rep is not None else (), runs)
             if bad:
                 error = f"replica of rank {src} received by rank {me} failed checksum for {bad}"
                 break
@@ -257,11 +257,16 @@ def _agree(comm: Comm, step: int, error: str | None, transport_failed: bool) -> 
     return errors
 
 
-def _verify_items(slot: SlotBuffer, results: tuple[Any, ...]) -> list[str]:
-    """FQNs of the items in a received replica whose bytes do not match their recorded checksum."""
+def _verify_items(slot: SlotBuffer, results: tuple[Any, ...], runs: Any = None) -> list[str]:
+    """FQNs of the items in a received replica whose bytes do not match their recorded checksum.
+
+    ``runs`` (a delta): only the items the received runs touch; the others are the base's
+    bytes, verified when they arrived and not written since (``peer.delta``)."""
     bad: list[str] = []
     for wr in results:
         ref: ShardRef = wr.storage_data
+        if runs is not None and not touches(runs, ref.offset, ref.length):
+            continue
         if not verify_chunk(slot.view(ref.offset, ref.length), ref):
             bad.append(wr.index.fqn)
     return bad
