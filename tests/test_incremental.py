@@ -299,6 +299,7 @@ def test_merge_runs_and_pair_decision() -> None:
 
 
 # ---- the persistent drain: complete stock-DCP steps from carried bytes ---------------------------
+@pytest.mark.slow  # starts the detached drain server (through library code: the scan cannot see it)
 def test_drain_writes_stock_dcp_from_carried_bytes(root: str) -> None:
     """The drain reads a step's slot in place: carried items are in it like copied ones, so the
     store gets a complete checkpoint that stock ``dcp.load`` reads without this package."""
@@ -315,3 +316,18 @@ def test_drain_writes_stock_dcp_from_carried_bytes(root: str) -> None:
         out = {k: torch.zeros_like(v) for k, v in sd.items()}
         dcp.load(out, checkpoint_id=os.path.join(store, JOB, "step-3"))  # stock FileSystemReader
         assert _same(out, _snapshot(sd))
+
+
+def test_two_writers_of_one_job_in_one_process_never_carry_each_others_slots(root: str) -> None:
+    """Writers of one job in one process share slot files: a slot the other writer wrote since is copied."""
+    sd = _model()
+    a = GeminiStorageWriter(root, JOB, keep=1, incremental=True)
+    for step in range(3):
+        _save(a, sd, step)
+    b = GeminiStorageWriter(root, JOB, keep=1)  # plain writer, same slot files
+    other = {k: v.detach() + 1 for k, v in sd.items()}
+    _save(b, other, 3)
+    _save(b, other, 4)
+    st = _save(a, sd, 5)
+    assert st.bytes_carried == 0 and st.reason == "slot written by another writer"
+    assert _same(_load(root, sd, 5), _snapshot(sd))

@@ -25,6 +25,7 @@ Local work only: each rank decides for its own items; no collective.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -34,10 +35,16 @@ import torch
 from ..errors import ConfigError
 from ..peer.delta import Runs, merge_runs
 
-__all__ = ["CarryPlan", "CarryTracker", "IncrementalOptions", "SaveStats", "tensor_key"]
+__all__ = ["CarryPlan", "CarryTracker", "IncrementalOptions", "SaveStats", "note_plain_write", "tensor_key"]
 
 #: What identifies a tensor's bytes without reading them (see :func:`tensor_key`).
 Key = tuple[Any, ...]
+
+# Slot file path -> the stamp of the last write of it by any tracker of this process: a tracker's
+# memory of a slot is valid only while its own stamp is the last (two writers of one job in one
+# process share slot files; another process is kept out by the launch lock).
+_LAST_WRITE: dict[str, int] = {}
+_STAMPS = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +101,11 @@ class SaveStats:
         return self.bytes_written + self.bytes_carried
 
 
+def note_plain_write(slot: object) -> None:
+    """A writer without incremental saves is about to write ``slot``: no tracker may carry from it."""
+    _LAST_WRITE.pop(str(getattr(slot, "path", id(slot))), None)
+
+
 def tensor_key(t: torch.Tensor) -> Key:
     """What says "these bytes are unchanged" for ``t``, without reading them.
 
@@ -112,6 +124,7 @@ class _SlotMemory:
     keys: list[Key | None]  # None: not a tensor item, or not carriable
     storages: list[Any]  # weak references to the items' storages (None where keys is None)
     sums: list[int]
+    stamp: int  # this write's entry in _LAST_WRITE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,7 +178,11 @@ class CarryTracker:
                 except (RuntimeError, TypeError):  # no storage to speak of (a tensor subclass, meta): copied
                     keys[i] = None
         mem = self._slots.pop((rank, slot_idx), None)
+        path = str(getattr(slot, "path", id(slot)))
+        last = _LAST_WRITE.pop(path, None)  # from here until remember(), nobody may carry from it
         reason = self._full_reason(rank, mem, slot, program, n)
+        if reason is None and mem is not None and last != mem.stamp:
+            reason = "slot written by another writer"
         carry = [False] * n
         sums = [0] * n
         if reason is None:
@@ -185,8 +202,10 @@ class CarryTracker:
         """After a complete write of the slot: what it holds now (``sums``: every item's checksum)."""
         if not self.options.enabled:
             return
+        stamp = next(_STAMPS)
+        _LAST_WRITE[str(getattr(slot, "path", id(slot)))] = stamp
         self._slots[(rank, slot_idx)] = _SlotMemory(
-            program=program, slot=slot, keys=list(plan.keys), storages=list(plan.storages), sums=list(sums),
+            program=program, slot=slot, keys=list(plan.keys), storages=list(plan.storages), sums=list(sums), stamp=stamp,
         )
         since = self._since_full.get(rank)
         self._since_full[rank] = 0 if not plan.any else (since or 0) + 1

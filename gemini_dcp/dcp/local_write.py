@@ -45,7 +45,7 @@ from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checks
 from ..core.faults import fault_point
 from ..local.records import ShardRef
 from ..local.slots import align
-from .carry import CarryPlan, CarryTracker
+from .carry import CarryPlan, CarryTracker, note_plain_write
 
 __all__ = ["LocalWriter"]
 
@@ -191,6 +191,8 @@ class LocalWriter:
                 prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block)
                 self._programs[rank] = prog
             plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos) if self.carry is not None else None
+            if plan_c is None:
+                note_plain_write(slot)
             skip = plan_c.carry if plan_c is not None and plan_c.any else None
             sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace, skip)
             if plan_c is not None:
