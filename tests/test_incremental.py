@@ -55,7 +55,8 @@ def _save(w: GeminiStorageWriter, sd: dict[str, object], step: int) -> SaveStats
 
 
 def _load(root: str, like: dict[str, object], step: int | None = None) -> dict[str, object]:
-    out = {k: torch.full_like(v, float("nan")) if isinstance(v, torch.Tensor) else None for k, v in like.items()}
+    out = {k: (torch.full_like(v, float("nan")) if v.is_floating_point() else torch.full_like(v, -7))
+           if isinstance(v, torch.Tensor) else None for k, v in like.items()}
     dcp.load(out, storage_reader=GeminiStorageReader(root, JOB), checkpoint_id=step)
     return out
 
@@ -331,3 +332,33 @@ def test_two_writers_of_one_job_in_one_process_never_carry_each_others_slots(roo
     st = _save(a, sd, 5)
     assert st.bytes_carried == 0 and st.reason == "slot written by another writer"
     assert _same(_load(root, sd, 5), _snapshot(sd))
+
+
+def test_async_checkpointer_with_frozen_model_state_dict(root: str) -> None:
+    """The zero-stall path (plan replay, optimizer guard) carries frozen weights too; a
+    ``model.state_dict()`` (fresh detached tensors each call, same storages and counters) and
+    BatchNorm buffers updated in place by forward are seen."""
+    from gemini_dcp.snapshot import AsyncCheckpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.BatchNorm1d(128), torch.nn.Linear(128, 4))
+    model[0].requires_grad_(False)  # frozen
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    w = GeminiStorageWriter(root, JOB, keep=1, incremental=True)
+    ck = AsyncCheckpointer(w, optimizer=opt, model=model)
+    refs = {}
+    try:
+        for step in range(6):
+            model(torch.randn(8, 128)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sd = model.state_dict()
+            refs[step] = {k: v.clone() for k, v in sd.items()}
+            ck.save(sd, step)
+        ck.wait()
+    finally:
+        ck.close()
+    st = w.last_save
+    assert st is not None and st.bytes_carried >= 128 * 128 * 4 and st.bytes_written >= 4 * 128 * 4, st
+    got = _load(root, refs[5], 5)
+    assert _same(got, refs[5])
