@@ -245,6 +245,7 @@ def _train_and_save(rank: int, world: int, root: str, steps: list[int], load_fir
     check = _dtensor_state(rank, world)
     check[f"head{rank}"] = torch.zeros_like(check[f"head{rank}"])  # type: ignore[arg-type]
     dcp.load(check, storage_reader=GeminiStorageReader(root, JOB), checkpoint_id=steps[-1])
+    out["verify_ok"] = verify(root, JOB).ok  # this node's own slots and the (delta-built) replica it holds
     out["restored_ok"] = torch.equal(check[f"head{rank}"], out["head"]) and torch.equal(  # type: ignore[arg-type]
         check["frozen"].to_local(), out["frozen"])  # type: ignore[union-attr, arg-type]
     return out
@@ -261,7 +262,7 @@ def test_two_nodes_replica_node_loss_and_restart() -> None:
             st = res["stats"]
             assert [s.full for s in st] == [True, True, True, False, False]
             assert st[-1].bytes_carried == 128 * 256 * 4 // 2 and st[-1].bytes_written == 4 * 64 * 4
-            assert res["restored_ok"]
+            assert res["restored_ok"] and res["verify_ok"]
             rep = res["replication"]  # the peer got only the changed run (the head), verified
             assert rep["delta_pairs"] == 1 and rep["sent_bytes"] == rep["delta_sent_bytes"] == 4 * 64 * 4, rep
         wipe(roots[1])  # node 1 is replaced: its ranks restore from node 0's replica

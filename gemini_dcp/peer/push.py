@@ -199,7 +199,7 @@ def replicate(
     if error is None:
         for src, idx, into, runs in received:
             rep = expand(reports[src]) if expand is not None else reports[src]
-            bad = _verify_items(into, rep.results if rep is not None else (), runs)
+            bad = _verify_items(into, _touched(rep.results, runs) if rep is not None else ())
             if bad:
                 error = f"replica of rank {src} received by rank {me} failed checksum for {bad}"
                 break
@@ -257,16 +257,19 @@ def _agree(comm: Comm, step: int, error: str | None, transport_failed: bool) -> 
     return errors
 
 
-def _verify_items(slot: SlotBuffer, results: tuple[Any, ...], runs: Any = None) -> list[str]:
-    """FQNs of the items in a received replica whose bytes do not match their recorded checksum.
+def _touched(results: tuple[Any, ...], runs: Any) -> tuple[Any, ...]:
+    """The results a received delta's ``runs`` touch (all of them for a whole slot: ``runs`` None); the
+    others are the base's bytes, verified when they arrived and not written since (``peer.delta``)."""
+    if runs is None:
+        return results
+    return tuple(wr for wr in results if touches(runs, wr.storage_data.offset, wr.storage_data.length))
 
-    ``runs`` (a delta): only the items the received runs touch; the others are the base's
-    bytes, verified when they arrived and not written since (``peer.delta``)."""
+
+def _verify_items(slot: SlotBuffer, results: tuple[Any, ...]) -> list[str]:
+    """FQNs of the items in a received replica whose bytes do not match their recorded checksum."""
     bad: list[str] = []
     for wr in results:
         ref: ShardRef = wr.storage_data
-        if runs is not None and not touches(runs, ref.offset, ref.length):
-            continue
         if not verify_chunk(slot.view(ref.offset, ref.length), ref):
             bad.append(wr.index.fqn)
     return bad
