@@ -425,3 +425,22 @@ def test_torchrec_sharded_tables_carried_until_touched() -> None:
                 assert last.bytes_written == table and last.bytes_carried == 0, last
     finally:
         cleanup()
+
+
+def test_delta_offer_runs_and_full_every_sends_whole(root: str) -> None:
+    """The sender's offer: runs of the changed items against each recent save; a full_every save offers none."""
+    w = GeminiStorageWriter(root, JOB, keep=1, incremental=True, full_every=4)
+    sd = _model()
+    offers = []
+    for step in range(6):
+        with torch.no_grad():
+            sd["lora"].add_(1.0)
+        st = _save(w, sd, step)
+        offers.append((st.reason, w.local_writer.delta_offer(0, "tok", step)))
+    reason, (token, seq, since) = offers[2]
+    assert reason == "incremental" and token == "tok" and seq == 2
+    lora = 8 * 256 * 4
+    assert [b for b, _ in since] == [0, 1] and all(sum(n for _, n in runs) >= lora for _, runs in since)
+    assert all(sum(n for _, n in runs) < FROZEN for _, runs in since)  # the frozen tensor is in no run
+    # 0 and 1 are the ring's first writes (full), then 3 incremental saves, then the 4th is forced full.
+    assert [r for r, _ in offers[2:]] == ["incremental"] * 3 + ["full_every=4"] and offers[5][1][2] == ()

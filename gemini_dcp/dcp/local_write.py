@@ -221,7 +221,10 @@ class LocalWriter:
         if self.carry is None or self.last_carry is None or prog is None:
             return None
         plan_c, sizes = self.last_carry
-        return (token, seq, self.carry.changed_since(rank, seq, prog, plan_c, prog.offsets, sizes))
+        since = self.carry.changed_since(rank, seq, prog, plan_c, prog.offsets, sizes)
+        # A forced full save (full_every) re-sends the whole slot too: what it guards against (a change
+        # the rule cannot see) would otherwise stay in the replica.
+        return (token, seq, () if plan_c.reason.startswith("full_every") else since)
 
     # ---- the program ------------------------------------------------------------------------
     @staticmethod
