@@ -142,6 +142,9 @@ def render_inspect(out: Console, info: Any) -> None:
             why = getattr(st, "drain_reason", None)
             if drain and why:
                 notes.append(f"step {st.step}: drain {drain}: {why}")
+            if getattr(st, "bytes_carried", None):  # an incremental save (docs/incremental.md)
+                notes.append(f"step {st.step}: incremental: {bytes_h(st.bytes_written)} written, "
+                             f"{bytes_h(st.bytes_carried)} carried from the slot")
             dstyle = DRAIN_STYLE.get(drain or "", "")
             dcell = (f"[{dstyle}]{drain}[/]" if dstyle else drain) if drain else "-"
             row = [str(st.step), state, ranges(st.local_ranks), ranges(st.peer_ranks)] + ([pers] if show_pst else [])

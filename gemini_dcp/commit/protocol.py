@@ -47,6 +47,10 @@ Glossary:
 - *wire chunk*: the message size a rank's paced replication sends its slot in (0: one
   message); receivers post matching receives.
 - *leader*: the lowest rank of a node; it writes the node's record and evicts.
+
+Size: ~500 lines: the protocol is one sequence of collectives whose order every rank must
+follow (write, gather, protect by replicas or parity, record, commit, evict); each step's
+mechanics are in agreement.py, reports.py, slot_pool.py and the tiers.
 """
 
 from __future__ import annotations
@@ -133,6 +137,11 @@ class LocalWrite:
     # The protocol then decides a compact report without comparing every result again.
     checksums: tuple[int, ...] | None = None
     template: object | None = None
+    # Incremental saves (dcp/carry.py): (item bytes copied, bytes the slot already held), None: all copied;
+    # delta replication (peer/delta.py): this save's offer, and the replica bases this node holds.
+    save_bytes: tuple[int, int] | None = None
+    delta_offer: Any = None
+    replica_bases: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,6 +177,7 @@ def build_record(
         meta = Metadata(state_dict_metadata={})
     rank_nodes = tuple(rep.node_id for rep in reports)
     launch_id, launch_desc = reports[0].launch or launch
+    save_bytes = tuple(rep.save_bytes or (rep.nbytes, 0) for rep in reports) if any(r.save_bytes for r in reports) else ()
     holders: dict[str, set[str]] = {n: {n} for n in rank_nodes}
     for rep in reports:
         for rs in rep.replica_slots:
@@ -178,7 +188,7 @@ def build_record(
         rank_nodes=rank_nodes, rank_nbytes=tuple(rep.nbytes for rep in reports),
         holders={k: tuple(sorted(v)) for k, v in holders.items()},
         replicas=replicas, placement=placement, complete=complete,
-        launch_id=launch_id, launch_description=launch_desc,
+        launch_id=launch_id, launch_description=launch_desc, rank_save_bytes=save_bytes,
     )
 
 
@@ -329,6 +339,7 @@ class CommitProtocol:
                 known_metadata=self.known_metadata[0], basis=basis, wire_chunk=self.wire_chunk(comm, hooks),
                 host=self.node.host, root_id=self.node.root_id,
                 launch=(self.node.launch_id, self.node.launch_description) if rank == 0 else None,
+                save_bytes=local.save_bytes, delta_offer=local.delta_offer, replica_bases=local.replica_bases,
             )
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             error = exc

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 from array import array
 from collections.abc import Mapping
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
@@ -66,6 +67,12 @@ class RankReport:
     root_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the tier root
     # Rank 0 only: (launch_id, description) of its launch, recorded in the step record.
     launch: tuple[str, str] | None = None
+    # Incremental saves: (item bytes this rank copied, item bytes its slot already held); None: all copied.
+    save_bytes: tuple[int, int] | None = None
+    # Delta replication (plain tuples, gemini_dcp.peer.delta): this rank's offer as a sender, and
+    # the replica slots its node would receive into with what they hold, as a receiver.
+    delta_offer: tuple[Any, ...] | None = None
+    replica_bases: tuple[tuple[int, int, str, int], ...] = ()
 
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.

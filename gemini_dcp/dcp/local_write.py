@@ -45,6 +45,7 @@ from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checks
 from ..core.faults import fault_point
 from ..local.records import ShardRef
 from ..local.slots import align
+from .carry import CarryPlan, CarryTracker, note_plain_write
 from .device_copy import DeviceCopier
 
 __all__ = ["LocalWriter"]
@@ -166,10 +167,12 @@ def _layout_of(sizes: list[int]) -> tuple[list[int], int]:
 class LocalWriter:
     """One writer's local copies (step 2), with the program of its last plans kept."""
 
-    def __init__(self, slot_pool: SlotPool) -> None:
+    def __init__(self, slot_pool: SlotPool, carry: CarryTracker | None = None) -> None:
         self.slot_pool = slot_pool
         self._programs: dict[int, _Program] = {}  # rank -> the program of its last plan
         self.programs_built = 0
+        self.carry = carry  # incremental saves: what each slot already holds (dcp/carry.py)
+        self.last_carry: tuple[CarryPlan, list[int]] | None = None  # (the last write's carry plan, item sizes)
         self.device_copier = DeviceCopier()  # CUDA tensors: chunked D2H into the page-locked slot
 
     def write(self, plan: SavePlan, planner: SavePlanner, rank: int, algo: str, pace: Pacer | None) -> LocalWrite:
@@ -190,7 +193,18 @@ class LocalWriter:
             if prog is None or not self._fits(prog, plan, algo, block, entries, offsets):
                 prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block)
                 self._programs[rank] = prog
-            sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace, self.device_copier)
+            plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos) if self.carry is not None else None
+            if plan_c is None:
+                note_plain_write(slot)
+            skip = plan_c.carry if plan_c is not None and plan_c.any else None
+            sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace,
+                              self.device_copier, skip)
+            if plan_c is not None:
+                assert self.carry is not None
+                if skip is not None:
+                    sums = [c if k else s for s, c, k in zip(sums, plan_c.sums, skip)]
+                self.carry.remember(rank, slot_idx, slot, prog, plan_c, sums)
+                self.last_carry = (plan_c, sizes)
         results = list(map(_result, prog.indexes, sizes, prog.templates, sums))
         template: _Program | None = prog
         for i in prog.byte_pos:  # pickled values: their size may change from save to save
@@ -198,7 +212,23 @@ class LocalWriter:
             results[i] = WriteResult(index=prog.indexes[i], size_in_bytes=n, storage_data=prog.templates[i]._replace(length=n, checksum=sums[i]))
             if n != prog.sizes[i]:
                 template = None  # the results are not the program's templates plus checksums
-        return LocalWrite(slot=slot_idx, results=tuple(results), nbytes=total, checksums=tuple(sums), template=template)
+        save_bytes = None
+        if plan_c is not None:
+            carried = sum(n for n, c in zip(sizes, plan_c.carry) if c)
+            save_bytes = (sum(sizes) - carried, carried)
+        return LocalWrite(slot=slot_idx, results=tuple(results), nbytes=total, checksums=tuple(sums), template=template,
+                          save_bytes=save_bytes)
+
+    def delta_offer(self, rank: int, token: str, seq: int) -> tuple[Any, ...] | None:
+        """The last write's offer for delta replication (``peer.delta``), as save ``seq`` of writer ``token``."""
+        prog = self._programs.get(rank)
+        if self.carry is None or self.last_carry is None or prog is None:
+            return None
+        plan_c, sizes = self.last_carry
+        since = self.carry.changed_since(rank, seq, prog, plan_c, prog.offsets, sizes)
+        # A forced full save (full_every) re-sends the whole slot too: what it guards against (a change
+        # the rule cannot see) would otherwise stay in the replica.
+        return (token, seq, () if plan_c.reason.startswith("full_every") else since)
 
     # ---- the program ------------------------------------------------------------------------
     @staticmethod
@@ -274,7 +304,10 @@ class LocalWriter:
     # ---- the copy ---------------------------------------------------------------------------
     @staticmethod
     def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
-              algo: str, pace: Pacer | None, device_copier: DeviceCopier) -> list[int]:
+              algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None) -> list[int]:
+        """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves)."""
+        if skip is not None:
+            return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier)
         sums = [0] * len(entries)
         hasher = buffer_checksum(algo)
         view = memoryview(slot.tensor.numpy()) if prog.groups else None
@@ -292,23 +325,55 @@ class LocalWriter:
                 if done >= half > done - len(g.pos):
                     fault_point("save.mid_copy")
             for i in prog.single + prog.byte_pos:
-                t, n = entries[i], sizes[i]
-                dst = slot.view(prog.offsets[i], n)
-                src = as_bytes(t)
-                if t.is_cuda and n:  # issue 20: chunked D2H into the registered slot, paced, CRC while warm
-                    device_copier.ensure_registered(slot)
-                    sums[i] = device_copier.copy(dst, t, algo, pace)
-                elif src is not None:
-                    sums[i] = copy_and_checksum(dst, src, algo, prog.block, pace=pace)
-                else:
-                    if pace is not None and n:
-                        pace(n)
-                    dst.view(t.dtype).view(t.shape).copy_(t)
-                    sums[i] = checksum(dst, algo)
+                sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], algo, prog.block, pace, device_copier)
                 done += 1
                 if done == half:
                     fault_point("save.mid_copy")
         return sums
+
+
+def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int],
+                  slot: Any, algo: str, pace: Pacer | None, skip: list[bool], device_copier: DeviceCopier) -> list[int]:
+    """``LocalWriter._copy`` of the items ``skip`` does not mark (their checksums; 0 for the skipped)."""
+    sums = [0] * len(entries)
+    hasher = buffer_checksum(algo)
+    view = memoryview(slot.tensor.numpy()) if prog.groups else None
+    with torch.no_grad():
+        for g, g_dsts in zip(prog.groups, dsts):
+            todo = [j for j, i in enumerate(g.pos) if not skip[i]]
+            if not todo:
+                continue
+            srcs = g.getter(entries)
+            if pace is not None:
+                pace(sum(g.spans[j][1] for j in todo))
+            torch._foreach_copy_([g_dsts[j] for j in todo], [srcs[j] for j in todo])
+            assert view is not None
+            for j in todo:
+                o, n = g.spans[j]
+                sums[g.pos[j]] = hasher(view[o : o + n])
+        fault_point("save.mid_copy")
+        for i in prog.single + prog.byte_pos:
+            if skip[i]:
+                continue
+            sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], algo, prog.block, pace, device_copier)
+    return sums
+
+
+def _copy_one(t: torch.Tensor, slot: Any, offset: int, n: int, algo: str, block: int, pace: Pacer | None,
+              device_copier: DeviceCopier) -> int:
+    """Copy one item copied alone (large, not a plain CPU tensor, or pickled bytes) to ``offset``
+    of ``slot``; its checksum."""
+    dst = slot.view(offset, n)
+    if t.is_cuda and n:  # issue 20: chunked D2H into the registered slot, paced, CRC while warm
+        device_copier.ensure_registered(slot)
+        return device_copier.copy(dst, t, algo, pace)
+    src = as_bytes(t)
+    if src is not None:
+        return copy_and_checksum(dst, src, algo, block, pace=pace)
+    if pace is not None and n:
+        pace(n)
+    dst.view(t.dtype).view(t.shape).copy_(t)
+    return checksum(dst, algo)
 
 
 def _result(index: MetadataIndex, n: int, ref: ShardRef, cs: int) -> WriteResult:

@@ -20,6 +20,10 @@ newest restorable one; records are renamed into place, never edited.
 
 The slot files live in a :class:`~gemini_dcp.commit.slot_pool.SlotPool`; the async path's
 pacers in one :class:`~gemini_dcp.commit.hooks.SaveHooks` value (``writer.hooks``).
+
+Size: ~500 lines: the DCP calls plus the constructor's validation of every option that
+shapes a save (replicas, parity_group, incremental / full_every), which must fail before
+any directory is created; the mechanisms live in commit/, peer/ and dcp/local_write.py.
 """
 
 from __future__ import annotations
@@ -55,11 +59,13 @@ from ..local.records import ShardRef, StepRecord
 from ..local.slots import SlotFile
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
+from ..peer.delta import ReplicaMemory
 from ..peer.parity import ParitySlots, encode_parity
 from ..peer.parity_groups import check_parity_group
 from ..peer.push import replicate
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
+from .carry import CarryTracker, IncrementalOptions, SaveStats
 from .local_write import LocalWriter
 
 # The names this module had before the commit package (tests and benchmarks import them).
@@ -118,6 +124,15 @@ class GeminiStorageWriter(StorageWriter):
         options: a :class:`gemini_dcp.options.GeminiOptions` tree (e.g. ``GeminiOptions.from_env()``)
             instead of, or with, the keywords above: a keyword left at its default takes the
             options' value; a keyword and an options field set to different values is a ConfigError.
+        incremental: copy only the tensors changed since the step's slot was last written; the
+            others are carried (their bytes are already there). Off by default: the change rule
+            (same storage and in-place version counter) cannot see writes through ``.data``, fused
+            optimizers (``fused=True``) or external kernels (docs/incremental.md).
+        full_every: with ``incremental``, copy everything every K-th save (bounds what a missed
+            change can cost); None: only when the structure changes or after a restart.
+
+    ``writer.last_save`` (a :class:`gemini_dcp.dcp.carry.SaveStats`, this rank, the last
+    committed save): ``bytes_written`` copied into the tier, ``bytes_carried`` already held.
 
     Steps: each ``checkpoint_id`` is an int step in ``[0, 2**63)``. A step is evicted from
     a node only once every node has committed a newer one: the newest step known committed
@@ -156,8 +171,11 @@ class GeminiStorageWriter(StorageWriter):
         persist_keep_every: int | None = None,
         process_group: Any = None,
         options: GeminiOptions | None = None,
+        incremental: bool = False,
+        full_every: int | None = None,
     ) -> None:
         super().__init__()
+        self.incremental = IncrementalOptions(enabled=incremental, full_every=full_every)
         # Every option is validated before anything is created (tier or persistent directories):
         # ``options`` merged with the keywords (a keyword and an options field set to different
         # values is a ConfigError), the drain settings from the environment when no options are given.
@@ -187,7 +205,15 @@ class GeminiStorageWriter(StorageWriter):
         self.parity_slots = ParitySlots(self.tier.layout.rank_dir)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
         self.slot_pool = SlotPool(self.tier, keep=self.options.keep, capacity_bytes=self.options.capacity_bytes)
-        self.local_writer = LocalWriter(self.slot_pool)  # step 2, with its per-plan programs
+        carry = CarryTracker(self.incremental, history=self.options.keep + 2) if self.incremental.enabled else None
+        # Delta replication of incremental saves (peer/delta.py): this writer's name and save count as a
+        # sender, and what this node's replica slots hold as a receiver.
+        self._replica_memory = ReplicaMemory() if carry is not None and self.options.replicas > 1 else None
+        self._delta_token = os.urandom(8).hex()
+        self._save_seq = 0
+        self.local_writer = LocalWriter(self.slot_pool, carry)  # step 2, with its per-plan programs
+        self.last_save: SaveStats | None = None  # this rank's last committed save (bytes written / carried)
+        self._pending_save: SaveStats | None = None
         self._planned_total: tuple[SavePlan, int] | None = None  # (plan, its tensor bytes), for _check_space
         # The async path's pacers and copy-done callback for the next save (see SaveHooks).
         self.hooks: SaveHooks = NO_HOOKS
@@ -326,6 +352,7 @@ class GeminiStorageWriter(StorageWriter):
     ) -> list[WriteResult]:
         """One save through the commit protocol (collective: all ranks call it together)."""
         rank = comm.rank
+        self._pending_save = None
         results = self.commit.save(
             comm, spec, lambda: self._write_local(plan, planner, spec.step, rank),
             check_space=check_space, hooks=self.hooks,
@@ -333,6 +360,7 @@ class GeminiStorageWriter(StorageWriter):
             after_commit=self._after_commit,
             protect=(lambda step, reports: self._protect(comm, step, reports)) if self.parity_group else None,
         )
+        self.last_save = self._pending_save
         return list(results)
 
     def prewrite_values(self, step: int) -> list[int]:
@@ -415,6 +443,7 @@ class GeminiStorageWriter(StorageWriter):
             comm, transport_for(comm), step, reports, options=self.options, tier=self.tier,
             slot=self.slot_pool.slot, budget_check=self.slot_pool.budget_check,
             previous_order=self._node_order, pace=self.hooks.replication_pace, expand=expand,
+            memory=self._replica_memory,
         )
         self._node_order = done.node_order
         return done.replica_slots, done.stats
@@ -450,7 +479,33 @@ class GeminiStorageWriter(StorageWriter):
         """Step 2 of the commit protocol: resolve this rank's DCP items and copy them, checksummed,
         into a slot of the node's tier (paced by ``hooks.pace`` when set; see
         :mod:`gemini_dcp.dcp.local_write`). Local work."""
-        return self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
+        done = self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
+        self._pending_save = _save_stats(step, done, self.local_writer)
+        memory = self._replica_memory
+        if memory is not None:
+            offer = self.local_writer.delta_offer(rank, self._delta_token, self._next_seq())
+            keep = self.options.keep
+            bases = memory.bases(lambda src: self.tier.choose_slot(src, keep))
+            done = dataclasses.replace(done, delta_offer=offer, replica_bases=bases)
+        return done
+
+    def _next_seq(self) -> int:
+        self._save_seq += 1
+        return self._save_seq
+
+
+def _save_stats(step: int, done: LocalWrite, local_writer: LocalWriter) -> SaveStats:
+    """This rank's :class:`SaveStats` of a local write (every item copied unless it says otherwise)."""
+    held = local_writer.last_carry
+    if done.save_bytes is None or held is None:
+        n = sum(r.size_in_bytes for r in done.results)
+        return SaveStats(step=step, bytes_written=n, bytes_carried=0, items_written=len(done.results), items_carried=0,
+                         full=True, reason="incremental=False", slot=done.slot)
+    plan_c, _ = held
+    carried = sum(plan_c.carry)
+    return SaveStats(step=step, bytes_written=done.save_bytes[0], bytes_carried=done.save_bytes[1],
+                     items_written=len(plan_c.carry) - carried, items_carried=carried, full=carried == 0,
+                     reason=plan_c.reason, slot=done.slot)
 
 
 def _planned_bytes(item: WriteItem) -> int:

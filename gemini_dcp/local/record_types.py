@@ -110,6 +110,8 @@ class StepRecord:
     launch_id: str = ""                  # the launch that saved it (gemini_dcp.core.launch.current_launch)
     launch_description: str = ""         # human-readable form of that launch, for messages
     parity: ParityLayout | None = None   # XOR parity of the step (parity_group; gemini_dcp.peer.parity)
+    # Incremental saves: (item bytes copied, item bytes carried from the slot) per rank; () = all copied.
+    rank_save_bytes: tuple[tuple[int, int], ...] = ()
 
     def __setstate__(self, state: Sequence[object]) -> None:
         # Records pickled field by field (before __reduce__ existed) hold fewer fields than
@@ -131,7 +133,9 @@ class StepRecord:
                 _pack_storage_data(meta.storage_data),
                 self.rank_nodes, self.rank_nbytes, self.holders, self.replicas, self.placement, self.slots,
                 self.node_id, self.created_unix, self.complete, self.launch_id, self.launch_description,
-                *((self.parity,) if self.parity is not None else ()),
+                # trailing optional fields, positional: pickled only when set (older records decode unchanged)
+                *((self.parity, self.rank_save_bytes) if self.rank_save_bytes
+                  else (self.parity,) if self.parity is not None else ()),
             ),
         )
 

@@ -41,6 +41,7 @@ from ..local.job_files import (
     read_record_or_reason,
     slot_size,
 )
+from ..local.records import StepRecord
 from ..persistent.drain.status import drain_summary, step_states
 from .doctor import (
     Check,
@@ -93,6 +94,12 @@ class StepInfo:
     drain: str | None = None              # this node's drain of the step: queued | writing | durable | failed
     drain_reason: str | None = None       # why it failed (or is retrying)
     parity: dict[str, Any] | None = None  # XOR parity: groups, lanes, this node's parity slots (ops/parity_view)
+    # Item bytes each rank copied into the tier for this step, and those its slot already held
+    # (incremental saves, docs/incremental.md; a save that copied everything carries 0).
+    bytes_written: int | None = None
+    bytes_carried: int | None = None
+    rank_bytes_written: list[int] = field(default_factory=list)
+    rank_bytes_carried: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -152,6 +159,7 @@ def _step_info(layout: JobLayout, step: int, persisted: set[int] | None, now: fl
     info.created_unix = rec.created_unix
     info.age_s = max(0.0, now - rec.created_unix)
     info.parity = parity_info(layout, rec)
+    _save_bytes(info, rec)
     extent = rank_extent(rec)
     present: set[int] = set()
     short: list[str] = []
@@ -193,6 +201,17 @@ def _step_info(layout: JobLayout, step: int, persisted: set[int] | None, now: fl
     if short:
         info.problem = "; ".join(short) + (f"; {info.problem}" if info.problem else "")
     return info
+
+
+def _save_bytes(info: StepInfo, rec: StepRecord) -> None:
+    """Written / carried bytes per rank, from the record (a record without them: every item copied)."""
+    pairs = list(getattr(rec, "rank_save_bytes", ()) or ())
+    if len(pairs) != rec.world_size:
+        pairs = [(n, 0) for n in rec.rank_nbytes]
+    info.rank_bytes_written = [int(w) for w, _ in pairs]
+    info.rank_bytes_carried = [int(c) for _, c in pairs]
+    info.bytes_written = sum(info.rank_bytes_written)
+    info.bytes_carried = sum(info.rank_bytes_carried)
 
 
 def _persistent_steps(url: str | None, job_id: str) -> tuple[set[int] | None, str | None]:

@@ -27,6 +27,7 @@ from ..errors import PeerError
 from ..local.records import RankSlot, ShardRef, StepRecord
 from ..transport.comm import Comm, restart_required
 from ..transport.p2p import Pending, Transport
+from .delta import ReplicaMemory, pair_runs, touches
 from .routes import SlotReport, choose_order, replication_routes
 
 __all__ = ["ReplicaTier", "Replicated", "ReplicationOptions", "SlotBuffer", "node_order", "replicate"]
@@ -107,6 +108,7 @@ def replicate(
     previous_order: list[str] | None = None,
     pace: Callable[[int], None] | None = None,
     expand: Callable[[Any], Any | None] | None = None,
+    memory: ReplicaMemory | None = None,
 ) -> Replicated:
     """Collective: copy every rank's slot into its peers' memory; returns the replicas this rank stored.
 
@@ -128,13 +130,17 @@ def replicate(
     raise RestartRequiredError: nothing is committed and the job must restart.
     ``expand`` rebuilds the write results of a compact report (a replayed save):
     only the reports of the slots this rank receives are expanded, to verify them.
+    ``memory`` (incremental saves): what this node's replica slots hold; a pair whose
+    receiver holds a base the sender's offer has runs against moves only those runs
+    (:mod:`gemini_dcp.peer.delta`); every item is verified all the same.
     """
     t0 = time.perf_counter()
     order = node_order(comm, reports, previous_order, tier)
     routes = replication_routes(order, reports, options.replicas, options.placement)
     me = comm.rank
     works: list[Pending] = []
-    received: list[tuple[int, int, SlotBuffer]] = []
+    received: list[tuple[int, int, SlotBuffer, Any]] = []  # (src, slot index, slot, delta runs or None)
+    delta_sent = delta_pairs = 0
     sent = recv_bytes = 0
     error: str | None = None
     transport_failed = False  # the error is a transport failure (the group must be replaced)
@@ -146,22 +152,43 @@ def replicate(
             nbytes = reports[src].nbytes
             if dst != me or nbytes == 0:
                 continue
-            idx = tier.choose_slot(src, options.keep)
+            plan = _pair(reports, src, me) if memory is not None else None
+            idx = plan[0] if plan is not None else tier.choose_slot(src, options.keep)
             into = slot(src, idx)
             into.ensure_capacity(nbytes, budget_check=budget_check)
-            works += transport.recv_ranges(into.view, nbytes, reports[src].wire_chunk, src,
-                                           f"peer transfer (receive of rank {src}'s slot)")
-            received.append((src, idx, into))
-            recv_bytes += nbytes
+            what = f"peer transfer (receive of rank {src}'s slot{' delta' if plan is not None else ''})"
+            if memory is not None:
+                memory.drop(src, idx)  # a failed receive leaves no base
+            if plan is None:
+                works += transport.recv_ranges(into.view, nbytes, reports[src].wire_chunk, src, what)
+                recv_bytes += nbytes
+            else:
+                for off, n in plan[1]:
+                    works += transport.recv_ranges(_at(into, off), n, reports[src].wire_chunk, src, what)
+                    recv_bytes += n
+            received.append((src, idx, into, plan[1] if plan is not None else None))
         targets = [dst for src, dst in sorted(routes) if src == me]
         nbytes = reports[me].nbytes
         if targets and nbytes:
             chunk = reports[me].wire_chunk
             paced = pace if chunk else None
             what = f"peer transfer ({'paced ' if paced else ''}send of rank {me}'s slot)"
-            works += transport.send_ranges(slot(me, reports[me].slot).view, nbytes, chunk, targets, what,
-                                           pace=paced, deadline_s=deadline)
-            sent = nbytes * len(targets)
+            mine = slot(me, reports[me].slot)
+            plans = {dst: _pair(reports, me, dst) if memory is not None else None for dst in targets}
+            whole = [dst for dst in targets if plans[dst] is None]
+            if whole:
+                works += transport.send_ranges(mine.view, nbytes, chunk, whole, what, pace=paced, deadline_s=deadline)
+                sent = nbytes * len(whole)
+            for dst in targets:
+                plan = plans[dst]
+                if plan is None:
+                    continue
+                delta_pairs += 1
+                for off, n in plan[1]:
+                    works += transport.send_ranges(_at(mine, off), n, chunk, [dst], f"{what} delta", pace=paced,
+                                                   deadline_s=deadline)
+                    sent += n
+                    delta_sent += n
         fault_point("replicate.mid_send")  # sends posted, not all delivered
         for w in works:
             transport.wait(w, deadline_s=deadline)
@@ -170,13 +197,15 @@ def replicate(
         error = str(exc)
     replica_slots: list[RankSlot] = []
     if error is None:
-        for src, idx, into in received:
+        for src, idx, into, runs in received:
             rep = expand(reports[src]) if expand is not None else reports[src]
-            bad = _verify_items(into, rep.results if rep is not None else ())
+            bad = _verify_items(into, _touched(rep.results, runs) if rep is not None else ())
             if bad:
                 error = f"replica of rank {src} received by rank {me} failed checksum for {bad}"
                 break
             replica_slots.append(RankSlot(src, idx, reports[src].nbytes))
+            if memory is not None:
+                memory.note(src, idx, getattr(reports[src], "delta_offer", None))
     errors = _agree(comm, step, error, transport_failed)
     if errors:
         msg = (
@@ -188,8 +217,19 @@ def replicate(
             raise PeerError(msg)
         log.warning("%s Committing with fewer replicas.", msg)
     dt = time.perf_counter() - t0
-    stats = {"sent_bytes": sent, "received_bytes": recv_bytes, "seconds": dt, "degraded": bool(errors)}
+    stats = {"sent_bytes": sent, "received_bytes": recv_bytes, "seconds": dt, "degraded": bool(errors),
+             "delta_pairs": delta_pairs, "delta_sent_bytes": delta_sent}
     return Replicated(tuple(replica_slots), stats, order)
+
+
+def _pair(reports: Sequence[Any], src: int, dst: int) -> tuple[int, Any] | None:
+    """The delta plan of the pair ``src -> dst`` (``peer.delta.pair_runs``), the same at both ends."""
+    return pair_runs(getattr(reports[src], "delta_offer", None), getattr(reports[dst], "replica_bases", ()), src)
+
+
+def _at(buf: SlotBuffer, base: int) -> Callable[[int, int], torch.Tensor]:
+    """``buf.view`` shifted by ``base`` bytes (one run of a delta)."""
+    return lambda off, n: buf.view(base + off, n)
 
 
 def _agree(comm: Comm, step: int, error: str | None, transport_failed: bool) -> list[str]:
@@ -215,6 +255,14 @@ def _agree(comm: Comm, step: int, error: str | None, transport_failed: bool) -> 
     if any(t for _, t in outcomes):
         comm.rebuild(errors[0])  # every rank saw the same outcomes: all replace the group together
     return errors
+
+
+def _touched(results: tuple[Any, ...], runs: Any) -> tuple[Any, ...]:
+    """The results a received delta's ``runs`` touch (all of them for a whole slot: ``runs`` None); the
+    others are the base's bytes, verified when they arrived and not written since (``peer.delta``)."""
+    if runs is None:
+        return results
+    return tuple(wr for wr in results if touches(runs, wr.storage_data.offset, wr.storage_data.length))
 
 
 def _verify_items(slot: SlotBuffer, results: tuple[Any, ...]) -> list[str]:

@@ -1,0 +1,100 @@
+"""Delta replication of incremental saves: send a peer only the byte runs its replica slot lacks.
+
+With ``incremental=True`` (docs/incremental.md) the receiving node's replica slot of a rank
+still holds what an earlier save of that rank sent there. Two values ride in the commit
+gather (step 3, plain tuples in :class:`~gemini_dcp.commit.reports.RankReport`):
+
+- the sender's **offer** ``(token, seq, since)``: ``token`` names the writer (a process),
+  ``seq`` this save, and ``since`` = ``((base seq, runs), ...)``: for each recent save of this
+  writer with the same layout, the ``(offset, length)`` runs of this save's slot that may
+  differ from that save's (items whose tensor changed since, per the change rule; gaps below
+  :data:`MERGE_GAP` merged: those bytes are equal on both sides or padding);
+- the receiver's **bases** ``((src rank, slot index, token, seq), ...)``: which save of which
+  writer each replica slot it will receive into holds, verified (:class:`ReplicaMemory`).
+
+:func:`pair_runs` decides, from those two values alone, whether the pair sends runs or the
+whole slot: the sender and the receiver read the same gathered reports, so they always
+post matching messages. The receiver verifies the checksum of every item a received run
+touches before the replica counts; the other items are the base's bytes, verified when they
+arrived and not written since (the same trust the local carry gives its slot).
+Pure except :class:`ReplicaMemory` (this process's receiver state).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["MERGE_GAP", "ReplicaMemory", "merge_runs", "pair_runs", "touches"]
+
+#: Changed items closer than this are sent as one run (fewer messages; the gap bytes are equal).
+MERGE_GAP = 64 << 10
+
+Runs = tuple[tuple[int, int], ...]
+Offer = tuple[str, int, tuple[tuple[int, Runs], ...]]  # (token, seq, ((base seq, runs), ...))
+Base = tuple[int, int, str, int]  # (src rank, slot index, token, seq)
+
+
+def merge_runs(spans: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> Runs:
+    """``(offset, length)`` spans (ascending offsets) merged into runs across gaps below ``gap``."""
+    out: list[list[int]] = []
+    for off, n in spans:
+        if n <= 0:
+            continue
+        if out and off - (out[-1][0] + out[-1][1]) < gap:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return tuple((o, n) for o, n in out)
+
+
+def touches(runs: Runs, offset: int, length: int) -> bool:
+    """Whether ``[offset, offset + length)`` overlaps one of ``runs`` (ascending, disjoint)."""
+    i = bisect.bisect_right(runs, (offset + length - 1, 1 << 62)) - 1  # the last run starting inside or before
+    return i >= 0 and runs[i][0] + runs[i][1] > offset and length > 0
+
+
+def pair_runs(offer: Offer | None, bases: Sequence[Base], src: int) -> tuple[int, Runs] | None:
+    """``(slot index, runs)`` when the receiver (``bases``) holds a save of ``src`` that ``offer``
+    has runs against; None: the whole slot is sent. Pure: both ends compute it alike."""
+    if offer is None:
+        return None
+    token, _seq, since = offer
+    runs_by_base = dict(since)
+    for b_src, idx, b_token, b_seq in bases:
+        if b_src == src and b_token == token and b_seq in runs_by_base:
+            return idx, runs_by_base[b_seq]
+    return None
+
+
+class ReplicaMemory:
+    """Receiver side: which writer's save each replica slot ``(src rank, slot index)`` holds.
+
+    Set only after every item of a received replica verified; dropped before the slot is
+    written again, so a failed or partial receive is never a base. Local state, no collective.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[int, int], tuple[str, int]] = {}
+
+    def bases(self, choose_slot: Callable[[int], int]) -> tuple[Base, ...]:
+        """What this node would receive each known rank's next replica on top of (``choose_slot(src)``:
+        the slot the next replica of ``src`` lands in)."""
+        out: list[Base] = []
+        for src in sorted({s for s, _ in self._held}):
+            idx = choose_slot(src)
+            held = self._held.get((src, idx))
+            if held is not None:
+                out.append((src, idx, held[0], held[1]))
+        return tuple(out)
+
+    def drop(self, src: int, idx: int) -> None:
+        self._held.pop((src, idx), None)
+
+    def note(self, src: int, idx: int, offer: Any) -> None:
+        """The replica of ``src`` in slot ``idx`` verified: it holds the save ``offer`` names (None: unknown)."""
+        if offer is None:
+            self._held.pop((src, idx), None)
+        else:
+            self._held[(src, idx)] = (offer[0], offer[1])
