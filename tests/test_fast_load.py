@@ -209,6 +209,9 @@ def _two_nodes(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 0:
         wipe(root)  # node 0 (the one with the corrupt copy) replaced: its slots come back empty
     dist.barrier()
+    restore("wiped_small")  # every chunk is small: node 1 sends rank 0 its chunks, still the fast path
+    fast_plan.REMOTE_MAX_BYTES = 0  # ... larger ones: dcp.load's peer fetch
+    fast_plan._cache.clear()
     restore("wiped")
     return out
 
@@ -221,11 +224,12 @@ def test_two_nodes_fast_path_and_every_fallback() -> None:
         out = run_ranks(_two_nodes, 2, roots, timeout=200)
     finally:
         cleanup()
-    for name in ("fast", "fast_again", "resharded", "corrupt", "wiped"):
+    for name in ("fast", "fast_again", "resharded", "corrupt", "wiped_small", "wiped"):
         assert out[0][name][0] == out[1][name][0], (name, out)  # ranks agree on the path
         assert out[0][name][2] and out[1][name][2], (name, out)  # bit-exact either way
     assert out[0]["fast"][0] == "fast" and out[0]["fast_again"][0] == "fast"
     assert out[0]["fast"][1]["local"] > 0 and out[0]["fast"][1]["peer"] == 0
     assert out[0]["resharded"][0] == "dcp"
     assert out[0]["corrupt"][0] == "dcp" and out[0]["corrupt"][1]["peer"] > 0  # repaired from node 1's replica
+    assert out[0]["wiped_small"][0] == "fast" and out[0]["wiped_small"][1]["peer"] > 0
     assert out[0]["wiped"][0] == "dcp" and out[0]["wiped"][1]["peer"] > 0

@@ -8,10 +8,13 @@ holds every chunk it needs, none of it is needed:
 1. the reader's collective restore decision (``GeminiStorageReader.read_metadata``: the same step
    and copy ``dcp.load`` would restore);
 2. each rank maps its state dict onto the record (:mod:`gemini_dcp.dcp.fast_plan`, cached per
-   structure), and one small all-reduce decides whether *every* rank can take the fast path;
+   structure), and one small all-reduce decides whether *every* rank can take the fast path; small
+   chunks only another node holds (DCP stores a replicated value in one rank's slot) are routed to
+   a rank whose node holds them (one all-gather), which verifies and sends them in step 3;
 3. each rank verifies its chunks in place (:func:`gemini_dcp.core.chunk_sink.failed_spans`) and
    decodes its non-tensor values (``torch.load(weights_only=True)``); a second all-reduce agrees
-   that every rank verified every chunk;
+   that every rank verified every chunk (with routed chunks: an all-gather that carries them, the
+   receivers verify them again, and a third all-reduce agrees);
 4. only then are the chunks copied into the live tensors (``torch._foreach_copy_``).
 
 Anything else — a key, shape, dtype or sharding that differs, a chunk only a peer or the store
@@ -36,7 +39,7 @@ from ..core.chunk_sink import failed_spans, land_same_dtype
 from ..errors import ConfigError
 from ..local.slots import ReadOnlySlot
 from ..transport.comm import Comm, get_comm
-from .fast_plan import FastPlan, build_plan, cached_plan, remember, walk
+from .fast_plan import FastEntry, FastPlan, build_plan, cached_plan, remember, walk
 from .parity_restore import tier_bytes
 from .reader import TIERS, GeminiStorageReader
 
@@ -96,17 +99,28 @@ def fast_load(
 
     flat, mappings = _flatten(state_dict)
     plan, dests, reason = _local_plan(reader, flat, comm.rank)
-    reason, _ = _agree(comm, reason, "plan")
+    wants = [] if plan is None else [plan.entries[i] for i in plan.remote]
+    reason, n_remote = _agree(comm, reason, "plan", len(wants))
     staged: _Staged | None = None
-    total = 0
+    total = peer_total = 0
     if not reason:
         assert plan is not None
         staged = _Staged(reader, plan)
-        try:
-            reason = staged.verify(dests)
-        except Exception as exc:  # noqa: BLE001 - told to the other ranks; the fallback reports it
-            reason = f"{type(exc).__name__}: {exc}"
-        reason, total = _agree(comm, reason, "verify", plan.nbytes)
+        serve: list[FastEntry] = []
+        if n_remote:  # small chunks only another node holds: route each to a rank whose node holds it
+            reason, serve = _routes(comm, set(reader._local), wants)
+        if not reason:
+            try:
+                reason = staged.verify(dests) or staged.serve(serve)
+            except Exception as exc:  # noqa: BLE001 - told to the other ranks; the fallback reports it
+                reason = f"{type(exc).__name__}: {exc}"
+            if n_remote:
+                reason, total, peer_total, received = _exchange(comm, reason, plan.nbytes, staged.remote_nbytes, staged.served)
+                if not reason:
+                    reason = staged.take_remote(received, dests)
+                reason, _ = _agree(comm, reason, "receive")
+            else:
+                reason, total = _agree(comm, reason, "verify", plan.nbytes)
     if reason:
         if staged is not None:
             staged.close()
@@ -120,13 +134,13 @@ def fast_load(
         staged.close()
     nbytes = plan.nbytes
     counts = dict.fromkeys(TIERS, 0)
-    counts["local"] = total
+    counts["local"], counts["peer"] = total - peer_total, peer_total
     step_done = reader.decided_step
     assert step_done is not None
     seconds = time.perf_counter() - t0
     reader.restored_step = step_done
     reader.restored_from = tier_bytes(counts)
-    reader.rank_restored_from = tier_bytes(dict(counts, local=nbytes))
+    reader.rank_restored_from = tier_bytes(dict(counts, local=nbytes - staged.remote_nbytes, peer=staged.remote_nbytes))
     reader.restore_seconds = seconds
     return FastLoadResult(path="fast", step=step_done, nbytes=nbytes, restored_from=dict(reader.restored_from), seconds=seconds)
 
@@ -155,7 +169,7 @@ def _local_plan(
     walked = walk(flat)
     if walked.reason:
         return None, [], walked.reason
-    key = (str(reader.root), reader.job_id, rank, decision.fingerprint)
+    key = (str(reader.root), reader.job_id, rank, decision.fingerprint, frozenset(reader._local))
     plan = cached_plan(key, walked.signature)
     if plan is None:
         built = build_plan(flat, walked, record.metadata, decision.fingerprint, set(reader._local))
@@ -176,42 +190,93 @@ class _Staged:
         self.values: dict[str, Any] = {}
         self.srcs: list[torch.Tensor] = []
         self.dests: list[torch.Tensor] = []
+        self.served: dict[tuple[int, int], bytes] = {}  # (saving rank, offset) -> verified bytes for another rank
+        self.remote_nbytes = sum(plan.entries[i].length for i in plan.remote)  # bytes this rank gets from peers
 
     def verify(self, walked_dests: list[torch.Tensor | None]) -> str:
         """Map the slots, verify every chunk and decode the non-tensor values; why not, or ""."""
         by_slot: dict[int, list[int]] = {}
+        remote = set(self.plan.remote)
         for i, e in enumerate(self.plan.entries):
-            by_slot.setdefault(e.slot_rank, []).append(i)
+            if i not in remote:
+                by_slot.setdefault(e.slot_rank, []).append(i)
         for slot_rank, idx in by_slot.items():
+            entries = [self.plan.entries[i] for i in idx]
+            got = self._verified_slot(slot_rank, entries)
+            if isinstance(got, str):
+                return got
+            slot, mv = got
+            for i, e in zip(idx, entries):
+                dest = walked_dests[i]
+                if e.is_bytes:
+                    why = self._decode(e, bytes(mv[e.offset : e.offset + e.length]))
+                    if why:
+                        return why
+                elif dest is not None and dest.numel():
+                    self.dests.append(dest)
+                    self.srcs.append(slot.tensor[e.offset : e.offset + e.length].view(dest.dtype).view(dest.shape))
+        return ""
+
+    def serve(self, entries: list[FastEntry]) -> str:
+        """Read and verify the small chunks other ranks' nodes lack (kept in ``served``); why not, or ""."""
+        by_slot: dict[int, list[FastEntry]] = {}
+        for e in entries:
+            by_slot.setdefault(e.slot_rank, []).append(e)
+        for slot_rank, es in by_slot.items():
+            got = self._verified_slot(slot_rank, es)
+            if isinstance(got, str):
+                return got
+            mv = got[1]
+            for e in es:
+                self.served[(e.slot_rank, e.offset)] = bytes(mv[e.offset : e.offset + e.length])
+        return ""
+
+    def take_remote(self, received: Mapping[tuple[int, int], bytes], walked_dests: list[torch.Tensor | None]) -> str:
+        """Verify (untrusted: they came from a peer) and hold the small chunks sent to this rank."""
+        for i in self.plan.remote:
+            e = self.plan.entries[i]
+            raw = received.get((e.slot_rank, e.offset))
+            if raw is None or len(raw) != e.length or failed_spans(memoryview(raw), [(0, e.length, e.algo, e.checksum)]):
+                return f"{e.fqn!r}: the copy sent by a peer is missing or fails its {e.algo} checksum"
+            dest = walked_dests[i]
+            if e.is_bytes:
+                why = self._decode(e, raw)
+                if why:
+                    return why
+            elif dest is not None and dest.numel():
+                self.dests.append(dest)
+                self.srcs.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dest.dtype).view(dest.shape))
+        return ""
+
+    def _verified_slot(self, slot_rank: int, entries: list[FastEntry]) -> tuple[ReadOnlySlot, memoryview] | str:
+        """This node's slot of ``slot_rank`` mapped, with ``entries`` verified in it; or why not."""
+        slot = self.slots.get(slot_rank)
+        if slot is None:
             try:
                 slot = self.slots[slot_rank] = ReadOnlySlot(self.reader._local[slot_rank])
             except (OSError, KeyError) as exc:
                 return f"slot of rank {slot_rank} unreadable: {exc}"
-            entries = [self.plan.entries[i] for i in idx]
-            lo = min(e.offset for e in entries)
-            hi = max(e.offset + e.length for e in entries)
-            if hi > slot.size:
-                return f"slot of rank {slot_rank} is shorter than its record says"
-            if hi > lo:
-                slot.view(lo, hi - lo)  # populate the pages read, once
-            mv = slot.tensor.numpy().data if slot.size else memoryview(b"")
-            bad = failed_spans(mv, [(e.offset, e.length, e.algo, e.checksum) for e in entries])
-            if bad:
-                e = entries[bad[0]]
-                log.warning("fast_load: %r (step %s, slot of rank %d) failed its %s checksum; falling back",
-                            e.fqn, self.reader.decided_step, slot_rank, e.algo)
-                return f"{len(bad)} corrupt chunk(s), first {e.fqn!r}"
-            for i, e in zip(idx, entries):
-                dest = walked_dests[i]
-                if e.is_bytes:
-                    raw = bytes(mv[e.offset : e.offset + e.length])
-                    try:
-                        self.values[e.fqn] = torch.load(io.BytesIO(raw), weights_only=True)
-                    except Exception as exc:  # noqa: BLE001 - an object only a full unpickler reads: dcp.load's way
-                        return f"{e.fqn!r}: not readable with weights_only=True ({type(exc).__name__})"
-                elif dest is not None and dest.numel():
-                    self.dests.append(dest)
-                    self.srcs.append(slot.tensor[e.offset : e.offset + e.length].view(dest.dtype).view(dest.shape))
+        lo = min(e.offset for e in entries)
+        hi = max(e.offset + e.length for e in entries)
+        if hi > slot.size:
+            return f"slot of rank {slot_rank} is shorter than its record says"
+        if hi > lo:
+            slot.view(lo, hi - lo)  # populate the pages read, once
+        mv = slot.tensor.numpy().data if slot.size else memoryview(b"")
+        bad = failed_spans(mv, [(e.offset, e.length, e.algo, e.checksum) for e in entries])
+        if bad:
+            e = entries[bad[0]]
+            log.warning("fast_load: %r (step %s, slot of rank %d) failed its %s checksum; falling back",
+                        e.fqn, self.reader.decided_step, slot_rank, e.algo)
+            return f"{len(bad)} corrupt chunk(s), first {e.fqn!r}"
+        return slot, mv
+
+    def _decode(self, e: FastEntry, raw: bytes) -> str:
+        """A non-tensor value from its verified ``torch.save`` bytes (restricted: ``weights_only``)."""
+        try:
+            self.values[e.fqn] = torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - an object only a full unpickler reads: dcp.load's way
+            return f"{e.fqn!r}: not readable with weights_only=True ({type(exc).__name__})"
         return ""
 
     def land(self, flat: Mapping[str, Any], mappings: dict[str, Any] | None, state_dict: dict[str, Any]) -> None:
@@ -231,12 +296,45 @@ class _Staged:
         self.srcs.clear()
         self.dests.clear()
         self.values.clear()
+        self.served.clear()
         self.slots.clear()  # the mappings go with their last view
 
 
+def _routes(comm: Comm, held: set[int], wants: list[FastEntry]) -> tuple[str, list[FastEntry]]:
+    """Collective (one all-gather): which small chunks this rank sends to others (each by the lowest
+    rank whose node holds its slot), or the reason — the same on every rank — that some has no holder."""
+    gathered = comm.all_gather_object((sorted(held), wants))
+    serve: dict[tuple[int, int], FastEntry] = {}
+    for requester, (_, theirs) in enumerate(gathered):
+        for e in theirs:
+            server = next((r for r, (h, _) in enumerate(gathered) if e.slot_rank in h), None)
+            if server is None:
+                return f"{e.fqn!r} (needed by rank {requester}) is in no live node's memory", []
+            if server == comm.rank:
+                serve[(e.slot_rank, e.offset)] = FastEntry(*e)
+    return "", list(serve.values())
+
+
+def _exchange(
+    comm: Comm, reason: str, nbytes: int, remote_nbytes: int, served: dict[tuple[int, int], bytes]
+) -> tuple[str, int, int, dict[tuple[int, int], bytes]]:
+    """Collective (one all-gather): every rank's verdict, byte counts (all, from peers) and the small
+    chunks it serves; returns (reason, total bytes, total from peers, the chunks)."""
+    gathered = comm.all_gather_object((reason, nbytes, remote_nbytes, served))
+    received: dict[tuple[int, int], bytes] = {}
+    for *_, theirs in gathered:
+        received.update(theirs)
+    failed = sum(1 for g in gathered if g[0])
+    total = sum(g[1] for g in gathered)
+    peer_total = sum(g[2] for g in gathered)
+    if failed:
+        return reason or f"{failed} other rank(s) cannot take the fast path (verify)", total, peer_total, received
+    return "", total, peer_total, received
+
+
 def _agree(comm: Comm, reason: str, what: str, nbytes: int = 0) -> tuple[str, int]:
-    """Collective (one small all-reduce): ("", bytes summed over ranks) when no rank has a reason to
-    fall back, else (this rank's reason or a note naming how many others have one, the sum)."""
+    """Collective (one small all-reduce): ("", ``nbytes`` summed over ranks) when no rank has a reason
+    to fall back, else (this rank's reason or a note naming how many others have one, the sum)."""
     if not comm.distributed:
         return reason, nbytes
     t = torch.tensor([1 if reason else 0, nbytes], dtype=torch.int64)

@@ -31,9 +31,13 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import ConfigError
 
-__all__ = ["FastEntry", "FastPlan", "Walk", "build_plan", "cached_plan", "remember", "walk"]
+__all__ = ["REMOTE_MAX_BYTES", "FastEntry", "FastPlan", "Walk", "build_plan", "cached_plan", "remember", "walk"]
 
 _CACHE_SIZE = 8  # (job, step record, rank) keys kept; a trainer restores one structure at a time
+REMOTE_MAX_BYTES = 1 << 20
+"""A chunk this node does not hold may still take the fast path when it is at most this big (DCP's
+deduplication stores a replicated value — a step counter, a scheduler's state — in one rank's slot
+only): a rank whose node holds it reads, verifies and sends it in the agreement round."""
 
 
 class FastEntry(NamedTuple):
@@ -55,6 +59,7 @@ class FastPlan:
     fingerprint: str
     signature: tuple[Any, ...]
     entries: tuple[FastEntry, ...]
+    remote: tuple[int, ...] = ()  # positions in ``entries`` of small chunks this node does not hold
 
     def __post_init__(self) -> None:
         if len(self.entries) != len(self.signature):
@@ -107,11 +112,13 @@ def build_plan(
     """Map ``walked`` (of ``flat``) onto the step's chunks; the plan, or why it does not map exactly.
 
     Every entry must be one stored chunk of the same fqn, offset, shape and dtype (no resharding, no
-    dtype conversion) in a slot of a saving rank in ``held_ranks`` (the slots this node holds).
+    dtype conversion) in a slot of a saving rank in ``held_ranks`` (the slots this node holds), or
+    be at most :data:`REMOTE_MAX_BYTES` (listed in ``remote``: another node sends it).
     """
     sdm = metadata.state_dict_metadata
     storage = metadata.storage_data
     entries: list[FastEntry] = []
+    remote: list[int] = []
     for (fqn, value), row, dest in zip(flat.items(), walked.signature, walked.dests):
         md = sdm.get(fqn)
         if md is None:
@@ -144,14 +151,16 @@ def build_plan(
         except KeyError:
             return f"{fqn!r}: the record has no chunk at {index.offset}"
         if ref.rank not in held_ranks:
-            return f"{fqn!r} is stored in rank {ref.rank}'s slot, which this node does not hold"
+            if ref.length > REMOTE_MAX_BYTES:
+                return f"{fqn!r} is stored in rank {ref.rank}'s slot, which this node does not hold"
+            remote.append(len(entries))
         if dest is not None:
             if ref.length != dest.numel() * dest.element_size():
                 return f"{fqn!r}: the record's chunk has {ref.length} bytes, the tensor {dest.numel() * dest.element_size()}"
             if ref.offset % max(1, dest.element_size()):
                 return f"{fqn!r}: chunk not aligned for {dest.dtype}"
         entries.append(FastEntry(fqn, ref.rank, ref.offset, ref.length, ref.algo, ref.checksum, dest is None))
-    return FastPlan(fingerprint=fingerprint, signature=walked.signature, entries=tuple(entries))
+    return FastPlan(fingerprint=fingerprint, signature=walked.signature, entries=tuple(entries), remote=tuple(remote))
 
 
 _cache: OrderedDict[tuple[Any, ...], FastPlan] = OrderedDict()
