@@ -97,8 +97,11 @@ def fast_load(
     reader.read_metadata()  # collective: the reader's own restore decision
     comm = get_comm(reader.timeout_s, reader.process_group)
 
-    flat, mappings = _flatten(state_dict)
-    plan, dests, reason = _local_plan(reader, flat, comm.rank)
+    try:  # no error may leave one rank before the agreement: the others are in the collective
+        flat, mappings = _flatten(state_dict)
+        plan, dests, reason = _local_plan(reader, flat, comm.rank)
+    except Exception as exc:  # noqa: BLE001 - the fallback (dcp.load) raises its own error if it is real
+        flat, mappings, plan, dests, reason = state_dict, None, None, [], f"{type(exc).__name__}: {exc}"
     wants = [] if plan is None else [plan.entries[i] for i in plan.remote]
     reason, n_remote = _agree(comm, reason, "plan", len(wants))
     staged: _Staged | None = None
