@@ -17,7 +17,8 @@ every N, plus a step counter. For each N, in the same processes, the modes in tu
   committed (``handle.wait()``).
 
 After the saves, each mode's last step is restored ``--loads`` times (``dcp.load`` into zeroed
-tensors, stock ``FileSystemReader`` or ``GeminiStorageReader``; the median of the slowest rank).
+tensors, stock ``FileSystemReader`` or ``GeminiStorageReader``; the median of the slowest rank);
+the ``gemini`` mode's also with ``gemini_dcp.fast_load`` (``fast_load_median_ms``; ``--no-fast`` skips it).
 
 The modes take turns save by save, in a rotating order, so that on a shared host every mode
 sees the same load. Each mode: 3 warm-up saves, then ``--saves`` timed ones; a figure is the median over saves
@@ -95,16 +96,18 @@ def _noop_writer() -> Any:
     return NoopWriter()
 
 
-def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads: int = 1) -> tuple[bool, list[float]]:
+def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads: int = 1,
+                   fast: bool = False, paths: list[str] | None = None) -> tuple[bool, list[float]]:
     """Load ``mode``'s last save into zeroed tensors ``loads`` times: (bit-exact with ``sd``, wall
-    time of each load, barrier to return; the last load is the one compared)."""
+    time of each load, barrier to return; the last load is the one compared). ``fast``: with
+    ``gemini_dcp.fast_load`` instead of ``dcp.load`` (the path each load took is appended to ``paths``)."""
     import torch.distributed as dist
 
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
-    from gemini_dcp import GeminiStorageReader
+    from gemini_dcp import GeminiStorageReader, fast_load
 
     times: list[float] = []
     for _ in range(max(1, loads)):
@@ -116,6 +119,12 @@ def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads:
             reader = GeminiStorageReader(root=where[0], job_id=where[1])
         dist.barrier(group=group)
         t0 = time.perf_counter()
+        if fast:
+            got = fast_load(target, storage_reader=reader, process_group=group)
+            times.append(time.perf_counter() - t0)
+            if paths is not None:
+                paths.append(got.path if got.path == "fast" else f"dcp ({got.reason})")
+            continue
         dcp.load(target, storage_reader=reader, process_group=group)
         times.append(time.perf_counter() - t0)
     exact = all(
@@ -125,7 +134,7 @@ def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads:
 
 
 def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: list[int], per_rank_bytes: int,
-            saves: int, warmup: int, modes: list[str], loads: int = 3) -> dict[str, Any]:
+            saves: int, warmup: int, modes: list[str], loads: int = 3, fast_loads: bool = True) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -203,6 +212,10 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                 # The tensors are the same for every mode; the step counter is the mode's last save's.
                 last = dict(sd, step=saved_step[mode])
                 row["exact"], row["load"] = _restore_exact(last, mode, where[mode], group, loads)
+                if mode == "gemini" and fast_loads:  # the same save restored with gemini_dcp.fast_load
+                    row["fast_paths"] = []
+                    row["fast_exact"], row["fast_load"] = _restore_exact(
+                        last, mode, where[mode], group, loads, fast=True, paths=row["fast_paths"])
             res[mode] = row
         out[str(n)] = res
         dist.barrier(group=group)
@@ -224,6 +237,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--loads", type=int, default=3, help="timed restores of each mode's last save, per N")
+    ap.add_argument("--no-fast", action="store_true", help="skip the gemini_dcp.fast_load restores of the gemini mode")
     ap.add_argument("--json", default=str(RESULTS / "many_items.json"))
     args = ap.parse_args()
     world = 2
@@ -236,7 +250,8 @@ def main() -> None:
     load_before = _uptime()
     t0 = time.time()
     per_rank = spawn(_worker, world, roots=roots, stock_dir=str(scratch / "stock"), items=args.items,
-                     per_rank_bytes=args.mib * MIB, saves=args.saves, warmup=args.warmup, modes=args.modes, loads=args.loads)
+                     per_rank_bytes=args.mib * MIB, saves=args.saves, warmup=args.warmup, modes=args.modes, loads=args.loads,
+                     fast_loads=not args.no_fast)
     load_after = _uptime()
     shutil.rmtree(scratch, ignore_errors=True)
     table: dict[str, Any] = {}
@@ -256,6 +271,12 @@ def main() -> None:
                 lw = [max(ls) for ls in zip(*(r[n][mode]["load"] for r in per_rank))]
                 cell["load_median_ms"] = median(lw) * 1e3  # restore of the last save, slowest rank
                 cell["loads_ms"] = [x * 1e3 for x in lw]
+                if "fast_load" in per_rank[0][n][mode]:
+                    fw = [max(ls) for ls in zip(*(r[n][mode]["fast_load"] for r in per_rank))]
+                    cell["fast_load_median_ms"] = median(fw) * 1e3
+                    cell["fast_loads_ms"] = [x * 1e3 for x in fw]
+                    cell["fast_exact"] = all(r[n][mode]["fast_exact"] for r in per_rank)
+                    cell["fast_paths"] = sorted({p for r in per_rank for p in r[n][mode]["fast_paths"]})
             cell["saves_ms"] = [w * 1e3 for w in walls]
             row[mode] = cell
         if "noop" in row:
@@ -280,6 +301,9 @@ def main() -> None:
                for m, c in row.items() if "above_floor_ms" in c})
     for n, row in table.items():
         print(n, "restore ms (median, slowest rank):", {m: round(c["load_median_ms"], 1) for m, c in row.items() if "load_median_ms" in c})
+        if "fast_load_median_ms" in row.get("gemini", {}):
+            g = row["gemini"]
+            print(n, f"fast_load ms: {g['fast_load_median_ms']:.1f} (paths {g['fast_paths']}, exact {g['fast_exact']})")
     print("load before:", load_before)
     print("load after: ", load_after)
     res = {"config": vars(args) | {"world": world}, "machine": machine_info(), "load_before": load_before,

@@ -48,6 +48,8 @@ _LAZY = {
     "AsyncCheckpointer": "gemini_dcp.snapshot.checkpointer",
     "AsyncGeminiStorageWriter": "gemini_dcp.snapshot.checkpointer",
     "InterleaveOptions": "gemini_dcp.snapshot.checkpointer",
+    "fast_load": "gemini_dcp.dcp.fast_load",
+    "FastLoadResult": "gemini_dcp.dcp.fast_load",
 }
 
 
@@ -71,6 +73,8 @@ __all__ = [
     "AsyncCheckpointer",
     "AsyncGeminiStorageWriter",
     "InterleaveOptions",
+    "fast_load",
+    "FastLoadResult",
     "GeminiError",
     "ConfigError",
     "InvalidStepError",

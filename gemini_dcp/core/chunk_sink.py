@@ -17,6 +17,9 @@ From the bottom up:
   conversion stock DCP does for another dtype), or ``planner.load_bytes`` for a bytes item.
 * :class:`StagedChunks` — verified chunks held outside the state dict and landed together,
   so a load that fails before :meth:`StagedChunks.land_all` lands nothing.
+* :func:`failed_spans` / :func:`land_same_dtype` — the batched form for many small chunks of one
+  buffer (``gemini_dcp.dcp.fast_load``): one checksum call per chunk over a memoryview, then one
+  ``torch._foreach_copy_`` for all of them.
 
 A chunk's bytes are a flat uint8 CPU tensor (a slot view, a receive buffer), ``bytes``, or a
 tensor as read back (its own bytes are hashed).
@@ -26,14 +29,14 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import ChecksumMismatchError, IncompatibleCheckpointError
-from .checksum import as_bytes, checksum, copy_and_checksum
+from .checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 
 __all__ = [
     "ChunkRef",
@@ -46,7 +49,9 @@ __all__ = [
     "corrupt_error",
     "corrupt_message",
     "describe_item",
+    "failed_spans",
     "land",
+    "land_same_dtype",
     "stored_view",
     "verify_chunk",
 ]
@@ -290,3 +295,30 @@ class StagedChunks:
                     after_first()
         finally:
             chunks.clear()
+
+
+# ---- batched: many chunks of one buffer ------------------------------------------------------------
+def failed_spans(buf: memoryview, spans: Sequence[tuple[int, int, str, int]]) -> list[int]:
+    """The positions in ``spans`` (``(offset, length, algo, checksum)`` into ``buf``) whose bytes fail
+    their checksum; empty when all match. One checksum call per span, no tensor built."""
+    bad: list[int] = []
+    fns: dict[str, Callable[[memoryview], int]] = {}
+    for i, (off, length, algo, expected) in enumerate(spans):
+        fn = fns.get(algo)
+        if fn is None:
+            fn = fns[algo] = buffer_checksum(algo)
+        if fn(buf[off : off + length]) != expected:
+            bad.append(i)
+    return bad
+
+
+def land_same_dtype(dests: Sequence[torch.Tensor], stored: Sequence[torch.Tensor]) -> None:
+    """Copy verified chunks into their destinations in one call (``torch._foreach_copy_``).
+
+    ``stored[i]`` must hold exactly ``dests[i]``'s bytes (same dtype and shape, or both flat uint8
+    views of them): the caller checked the structure; only verified bytes may be passed.
+    """
+    if len(dests) != len(stored):
+        raise ValueError(f"{len(dests)} destinations for {len(stored)} chunks")
+    if dests:
+        torch._foreach_copy_(list(dests), list(stored))
