@@ -97,10 +97,21 @@ def calibrate(step_s: float, device: str = "cpu") -> tuple[torch.Tensor, torch.T
 
 def train(
     sd: dict[str, Any], steps: range, mats: tuple[torch.Tensor, torch.Tensor, int], root: str, job: str,
-    persistent: str | None, every: int, work: str, step_s: float,
+    persistent: str | None, every: int, work: str, step_s: float, stock_async_dir: str | None = None,
+    async_memory: bool = False,
 ) -> list[dict[str, float]]:
+    """Training steps; each saves into the memory tier (with a drain every ``every`` when
+    ``persistent``), or, with ``stock_async_dir``, the stock alternative: no memory tier and a
+    ``dcp.async_save`` to disk every ``every`` steps (the previous one waited first, as torchtitan does)."""
     a, b, reps = mats
     out = []
+    pending: Any = None
+    ckpt: Any = None
+    if async_memory and stock_async_dir is None:
+        from gemini_dcp.snapshot import AsyncCheckpointer  # noqa: PLC0415
+
+        kw0: dict[str, Any] = {"persistent": persistent, "persist_every": every, "persist_keep": 2} if persistent else {}
+        ckpt = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id=job, **kw0), interleave=False)
     for step in steps:
         t0 = time.perf_counter()
         if work in ("cpu", "cuda"):
@@ -110,11 +121,25 @@ def train(
         else:  # "gpu": the host thread waits for the device, as in cudaStreamSynchronize
             time.sleep(step_s)
         t1 = time.perf_counter()
+        if ckpt is not None:
+            ckpt.wait_copied()  # the optimizer-step guard: the last snapshot's bytes are in the tier
         bump(sd, step)
-        kw: dict[str, Any] = {"persistent": persistent, "persist_every": every, "persist_keep": 2} if persistent else {}
-        dcp.save(sd, storage_writer=GeminiStorageWriter(root=root, job_id=job, **kw), checkpoint_id=step)
+        if ckpt is not None:
+            ckpt.save(sd, step)
+        elif stock_async_dir is not None:
+            if step % every == 0:
+                if pending is not None:
+                    pending.result()
+                pending = dcp.async_save(sd, checkpoint_id=os.path.join(stock_async_dir, f"step-{step % 3}"))
+        else:
+            kw: dict[str, Any] = {"persistent": persistent, "persist_every": every, "persist_keep": 2} if persistent else {}
+            dcp.save(sd, storage_writer=GeminiStorageWriter(root=root, job_id=job, **kw), checkpoint_id=step)
         t2 = time.perf_counter()
         out.append({"step": step, "compute_s": t1 - t0, "save_s": t2 - t1, "total_s": t2 - t0})
+    if pending is not None:
+        pending.result()
+    if ckpt is not None:
+        ckpt.close()
     return out
 
 
@@ -131,6 +156,9 @@ def main() -> None:
     ap.add_argument("--store", default=None, help="fsspec URL of the store (default: a temp dir on local disk)")
     ap.add_argument("--root", default=None, help="tier root (default: a temp dir in /dev/shm)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "persistent.json"))
+    ap.add_argument("--async-memory", action="store_true",
+                    help="the memory-tier saves through AsyncCheckpointer (the training path waits only for the "
+                         "previous snapshot's copy before its optimizer step) instead of a blocking dcp.save")
     ap.add_argument("--part", choices=["save", "load"], default="save",
                     help="save: drain throughput and training stall (above); load: the persistent restore vs stock")
     ap.add_argument("--load-mib", type=int, default=1024, help="--part load: state size in MiB (12 x 64 MiB + 2 MiB tensors at 1024)")
@@ -145,6 +173,16 @@ def main() -> None:
         run_load_bench(args)
         return
     torch.set_num_threads(1)  # the "GPU" training loop uses one core; the drain gets what is left
+    if args.async_memory:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if not dist.is_initialized():  # AsyncCheckpointer's control group needs a (world-1) group
+            import socket  # noqa: PLC0415
+
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                port = sk.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
     root = args.root or tempfile.mkdtemp(prefix="gemini-bench-", dir="/dev/shm")
     disk = None
@@ -157,7 +195,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-        "config": {"mib": args.mib, "step_s": args.step_s, "nice": os.environ.get("GEMINI_DCP_DRAIN_NICE", "10"), "every": args.every, "steps": args.steps, "passes": args.passes,
+        "config": {"async_memory": args.async_memory, "mib": args.mib, "step_s": args.step_s, "nice": os.environ.get("GEMINI_DCP_DRAIN_NICE", "10"), "every": args.every, "steps": args.steps, "passes": args.passes,
                    "store": store, "root": root},
     }
     # time the part of a save the persistent tier adds to the training path (the drain request)
@@ -244,22 +282,26 @@ def main() -> None:
         results["stall"] = {}
         step0 = 100
         for work in args.work:
-            passes: dict[str, list[list[dict[str, float]]]] = {"baseline": [], "drain": []}
+            passes: dict[str, list[list[dict[str, float]]]] = {"baseline": [], "drain": [], "stock_async": []}
             if work == "cuda":  # the training state lives on the GPU; the memory tier copies it out
                 wsd = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
                 wmats = calibrate(args.step_s, "cuda")
             else:
                 wsd, wmats = sd, mats
             for i in range(args.passes):
-                for mode in (("baseline", "drain") if i % 2 == 0 else ("drain", "baseline")):  # ABBA: cancels drift
+                modes = ["baseline", "drain"] + (["stock_async"] if disk and work != "cuda" else [])
+                for mode in modes[i % len(modes):] + modes[: i % len(modes)]:  # rotating order: cancels drift
                     job = f"stall-{work}-{mode}"
                     url = store if mode == "drain" else None
+                    sa_dir = os.path.join(disk, "stock-async", work) if mode == "stock_async" and disk else None
                     steps = range(step0, step0 + args.steps)
                     step0 += args.steps + 1
                     # one unmeasured warm-up step (slot files faulted in, drain process running)
-                    train(wsd, range(steps.start - 1, steps.start), wmats, root, job, url, args.every, work, args.step_s)
+                    train(wsd, range(steps.start - 1, steps.start), wmats, root, job, url, args.every, work, args.step_s, sa_dir,
+                          args.async_memory)
                     wait_idle(LocalTier(root, job).layout.persist_dir, 600)
-                    passes[mode].append(train(wsd, steps, wmats, root, job, url, args.every, work, args.step_s))
+                    passes[mode].append(train(wsd, steps, wmats, root, job, url, args.every, work, args.step_s, sa_dir,
+                                              args.async_memory))
                     wait_idle(LocalTier(root, job).layout.persist_dir, 600)
 
             def agg(mode: str, key: str, passes: dict[str, Any] = passes) -> float:
@@ -278,6 +320,9 @@ def main() -> None:
                 "stall_fraction": (drained - base) / base,
                 "stall_fraction_per_pass_pair": pair,
                 "stall_fraction_median_of_pairs": statistics.median(pair),
+                # the stock alternative: dcp.async_save to disk every K, no memory tier (issue 26's target: drain <= this)
+                "step_s_stock_async": agg("stock_async", "total_s") if passes["stock_async"] else None,
+                "drain_vs_stock_async": drained / agg("stock_async", "total_s") if passes["stock_async"] else None,
                 "compute_s_baseline": agg("baseline", "compute_s"),
                 "compute_s_with_drain": agg("drain", "compute_s"),
                 "save_s_baseline": agg("baseline", "save_s"),
@@ -313,7 +358,9 @@ def main() -> None:
               f"{s['step_s_with_drain']:.4f} s -> stall {s['stall_fraction'] * 100:+.2f}% "
               f"(median of {len(s['stall_fraction_per_pass_pair'])} paired passes {s['stall_fraction_median_of_pairs'] * 100:+.2f}%; target <= 2%); "
               f"save call {s['save_s_baseline'] * 1e3:.1f} -> {s['save_s_with_drain'] * 1e3:.1f} ms; "
-              f"drain upload {s['drain_upload_s_median']} s; drains done {s['drains_done']}, abandoned {s['drains_abandoned']}")
+              f"drain upload {s['drain_upload_s_median']} s; drains done {s['drains_done']}, abandoned {s['drains_abandoned']}"
+              + (f"; stock dcp.async_save every {args.every}: {s['step_s_stock_async']:.4f} s -> memory every step + drain "
+                 f"÷ stock async = {s['drain_vs_stock_async']:.3f}x (target <= 1.0)" if s.get("step_s_stock_async") else ""))
     q = results["drain_request"]
     print(f"drain request in the training path: median {q['median_ms']:.2f} ms, max {q['max_ms']:.2f} ms over {q['count']} "
           f"(max includes starting the drain process); load average {results['machine']['loadavg_start'][0]:.2f} -> "
