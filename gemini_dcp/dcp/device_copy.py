@@ -40,7 +40,7 @@ __all__ = ["DeviceCopier", "copy_path"]
 
 log = logging.getLogger(__name__)
 Pacer = Callable[[int], None]
-DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20  # large enough for full-speed DMA, small enough to fit communication gaps
 
 
 class _Waitable(Protocol):
@@ -146,7 +146,7 @@ class DeviceCopier:
         if dst.numel() != n or dst.dtype != torch.uint8 or dst.device.type != "cpu":
             raise GeminiError(f"device copy: destination of {dst.numel()} {dst.dtype} on {dst.device} does not take "
                               f"{n} bytes (an internal error: report it)")
-        chunk = self.chunk_bytes or _chunk_for(src)
+        chunk = self.chunk_bytes or DEFAULT_CHUNK_BYTES
         h = new_hasher(algo)
         pending: tuple[Any, int, int] | None = None  # (event, start, length) of the piece in flight
         for start in range(0, n, chunk):
@@ -166,9 +166,3 @@ class DeviceCopier:
         ev.synchronize()
         h.update(dst[start : start + m])  # the piece is in the CPU's cache: read once, now
         self.chunks_copied += 1
-
-
-def _chunk_for(src: torch.Tensor) -> int:
-    """The piece size when the writer set none: 16 MiB (large enough for full-speed DMA on
-    current GPUs, small enough for the pacer to fit pieces into communication gaps)."""
-    return DEFAULT_CHUNK_BYTES

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.config import DEFAULT_ROOT, ENV_ROOT
+from ..core.regular_file import NotRegularFileError, open_regular
 from ..errors import TierFullError, TierRootError, UntrustedDataError
 
 _STEP_RE = re.compile(r"^step-(\d{12,})\.rec$")  # record_path pads to 12 digits; larger steps are longer
@@ -143,17 +144,17 @@ def open_private(path: Path, flags: int, mode: int = _PRIVATE_FILE, *, single_li
     a non-regular file or another owner; FileNotFoundError / FileExistsError pass through.
     """
     try:
-        fd = os.open(path, flags | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK, mode)  # NONBLOCK: a planted FIFO
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK):
+        fd = open_regular(path, flags, mode)  # no link followed, a planted FIFO never waited on
+    except NotRegularFileError as exc:
+        if exc.st is None:
             raise _refuse_link(path, exc) from exc
+        check_file_stat(path, exc.st, single_link=single_link)  # names what it is and whose
         raise
     try:
         st = os.fstat(fd)
         check_file_stat(path, st, single_link=single_link)
         if flags & (os.O_WRONLY | os.O_RDWR) and stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, _PRIVATE_FILE)
-        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

@@ -28,10 +28,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ...core.faults import fault_point
-from ...core.regular_file import open_regular
 from ...core.safe_pickle import restricted_loads
 from ...errors import UntrustedDataError
 from ...ext import loader as ext_loader
+from ...local.job_dir import open_private
 from ...local.records import StepRecord, read_record
 from ...local.slot_holds import holds_intact, release_holds
 from ...options.persistent import DrainOptions
@@ -374,7 +374,7 @@ class _ReadMap:
         self._fd = -1
 
     def __enter__(self) -> "_ReadMap":
-        self._fd = open_regular(self.path)
+        self._fd = open_private(self.path, os.O_RDONLY)  # a slot or stage file of ours in the tier root
         size = os.fstat(self._fd).st_size
         self.mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ) if size else b""
         return self
