@@ -130,7 +130,8 @@ class LocalWrite:
     """Step 2's outcome: this rank's bytes are in slot ``slot`` (``nbytes`` used)."""
 
     slot: int
-    results: tuple[WriteResult, ...]
+    # Built on first use by the adapter when it can (a compact report never reads them).
+    results: Sequence[WriteResult]
     nbytes: int
     # The results' checksums in order, and a token whose identity says "the same results as the
     # last write with this token, checksums aside" (the adapter's cached program; None: unknown).
@@ -142,6 +143,7 @@ class LocalWrite:
     save_bytes: tuple[int, int] | None = None
     delta_offer: Any = None
     replica_bases: tuple[Any, ...] = ()
+    item_bytes: int | None = None  # the results' size_in_bytes summed (None: sum them)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -296,7 +298,7 @@ class CommitProtocol:
         replicate: Replicate | None = None,
         after_commit: Callable[[StepRecord, int], None] | None = None,
         protect: Protect | None = None,
-    ) -> tuple[WriteResult, ...]:
+    ) -> Sequence[WriteResult]:
         """Run steps 1-8 for ``spec.step``; returns this rank's write results.
 
         Collective over the control group: all ranks call it together. ``write_local`` is

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
@@ -36,7 +36,7 @@ class RankReport:
     node_id: str
     slot: int
     nbytes: int
-    results: tuple[WriteResult, ...]
+    results: Sequence[WriteResult]  # pickled as a tuple
     replica_slots: tuple[RankSlot, ...] = ()  # peer replicas this rank stored for other nodes
     # Rank 0 only, on a planned save: the digest of the planner's global metadata (pickled
     # without storage_data / storage_meta, see records.metadata_shell_blob) and this save's

@@ -8,16 +8,22 @@ Per item, the plain way costs ~100 us of Python and torch calls at 738 items (re
 ``as_bytes`` views, argument checks, a pacer call and a fused copy call per item, a
 ``ShardRef`` and a ``WriteResult``): 75 ms of a 36 MiB save whose copy is ~4 ms. So the
 work that depends only on the plan is done once per (plan, slot) and kept in a
-:class:`_Program`: the offsets, the write results' templates, the typed destination views
-in the slot, and the items grouped into blocks of at most ``block`` bytes. A save then:
+:class:`~gemini_dcp.dcp.copy_program._Program`: the offsets, the write results' templates, the
+typed destination views in the slot, and the items grouped into blocks of at most ``block``
+bytes. A save then:
 
-1. resolves the items (DTensor shards by attribute, without DCP's ``to_local()`` call),
+1. resolves the items: with the program's FQNs in a few C-level maps when it has seen
+   these items (``copy_program._resolve_known``), else item by item (DTensor shards by
+   attribute, without DCP's ``to_local()`` call),
 2. checks the resolved tensors against the program with C-level maps (shape, dtype,
-   device, layout: any difference builds a new program),
-3. copies each group with one ``torch._foreach_copy_`` call (one pacer call per group),
-   then checksums its items over one ``memoryview`` of the slot (one C call each:
-   ``crc32c`` / ``xxhash``; the same values as :func:`gemini_dcp.core.checksum.checksum`),
-4. builds the results from the templates.
+   device, layout: any difference builds a new program); the offsets are the program's
+   unless a pickled item changed size,
+3. copies each group (one pacer call per group) through
+   :func:`gemini_dcp.dcp.batch_copy.copy_group`: the extension's fused copy+CRC per item
+   when it can, else one ``torch._foreach_copy_`` call and one checksum call per item over a
+   ``memoryview`` of the slot (the same values as :func:`gemini_dcp.core.checksum.checksum`),
+4. hands back the results as :class:`~gemini_dcp.dcp.copy_program.WriteResults`, built from
+   the templates only if read.
 
 Items of ``block`` bytes or more keep the fused copy+checksum (block by block, paced), and
 pickled (BYTE_IO) items the plain path: their size can change from save to save.
@@ -25,17 +31,11 @@ pickled (BYTE_IO) items the plain path: their size can change from save to save.
 
 from __future__ import annotations
 
-import dataclasses
-import io
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from ..commit.hooks import block_bytes
@@ -44,125 +44,36 @@ from ..commit.slot_pool import SlotPool
 from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
 from ..local.records import ShardRef
-from ..local.slots import align
+from .batch_copy import copy_group, fused_available
 from .carry import CarryPlan, CarryTracker, note_plain_write
+from .copy_program import (
+    _CPU,
+    WriteResults,
+    _bytes_of,
+    _device,
+    _direct_types,
+    _dtype,
+    _fqn,
+    _getter,
+    _Group,
+    _index,
+    _layout_of,
+    _offset,
+    _Program,
+    _resolve_known,
+    _resolve_tensor,
+    _same_items,
+    _same_tensors,
+    _shape,
+    _sizes,
+    _type,
+    direct_lookup,
+)
 from .device_copy import DeviceCopier
 
-__all__ = ["LocalWriter"]
+__all__ = ["LocalWriter", "WriteResults", "direct_lookup"]
 
-_shape = operator.attrgetter("shape")
-_dtype = operator.attrgetter("dtype")
-_device = operator.attrgetter("device")
-_layout = operator.attrgetter("layout")
-_index = operator.attrgetter("index")
-_type = operator.attrgetter("type")
-_fqn = operator.attrgetter("index.fqn")
-_offset = operator.attrgetter("index.offset")
-_CPU = torch.device("cpu")
 Pacer = Callable[[int], None]
-
-
-def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
-    """The planner's flattened state dict when its items may be resolved without it: a
-    ``DefaultSavePlanner`` whose ``resolve_data`` / ``transform_object`` are DCP's and whose
-    ``lookup_object`` is DCP's or declared equivalent (``direct_lookup = True``); else None."""
-    cls = type(planner)
-    if not isinstance(planner, DefaultSavePlanner):
-        return None
-    if cls.resolve_data is not DefaultSavePlanner.resolve_data or cls.transform_object is not DefaultSavePlanner.transform_object:  # type: ignore[attr-defined]
-        return None
-    if cls.lookup_object is not DefaultSavePlanner.lookup_object and not getattr(cls, "direct_lookup", False):  # type: ignore[attr-defined]
-        return None
-    sd = getattr(planner, "state_dict", None)
-    return sd if isinstance(sd, dict) else None
-
-
-def _resolve_tensor(flat: dict[str, Any] | None, planner: SavePlanner, item: WriteItem) -> torch.Tensor:
-    """What ``planner.resolve_data(item)`` returns for a tensor item (DCP's lookup), cheaply where exact."""
-    if flat is not None:
-        obj = flat.get(item.index.fqn)
-        t = type(obj)
-        if t is DTensor:  # DCP: __get_tensor_shard__ -> to_local(), the same local tensor
-            local = obj._local_tensor  # type: ignore[union-attr]
-            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):  # type: ignore[union-attr]
-                return local
-        elif (t is torch.Tensor or t is torch.nn.Parameter) and (
-            item.index.offset is None or not any(item.index.offset)
-        ):
-            return obj  # type: ignore[return-value]
-    out = planner.resolve_data(item)
-    assert isinstance(out, torch.Tensor)
-    return out.detach()
-
-
-def _bytes_of(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
-    data = planner.resolve_data(item)
-    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Group:
-    """Small tensor items copied by one ``_foreach_copy_`` call: their positions and typed slot views."""
-
-    pos: list[int]
-    getter: Callable[[Sequence[Any]], Any]
-    spans: list[tuple[int, int]]  # (offset, length) of each in the slot
-    dtypes: list[torch.dtype]
-    shapes: list[torch.Size]
-    nbytes: int
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Program:
-    """What a save of ``plan`` does, computed once (module docstring); compared by identity."""
-
-    plan: SavePlan  # held: the key is its identity
-    algo: str
-    block: int
-    offsets: list[int]
-    sizes: list[int]
-    total: int
-    templates: list[ShardRef]  # the results' storage_data, checksum 0
-    indexes: list[MetadataIndex]
-    types: list[WriteItemType]
-    fqns: list[str]
-    index_offsets: list[Any]
-    tensor_pos: list[int]
-    getter: Callable[[Sequence[Any]], Any] | None  # the tensor items of the resolved entries
-    shapes: list[Any]
-    dtypes: list[Any]
-    devices: list[Any]
-    groups: list[_Group]
-    single: list[int]  # tensor positions copied one by one (large, or not a plain CPU tensor)
-    byte_pos: list[int]
-    # slot index -> (the slot's mapping, each group's typed destination views in it)
-    views: dict[int, tuple[torch.Tensor, list[list[torch.Tensor]]]] = dataclasses.field(default_factory=dict)
-
-    def dsts(self, slot_idx: int, slot_tensor: torch.Tensor) -> list[list[torch.Tensor]]:
-        """The groups' destination views in this slot (made once per slot mapping)."""
-        held = self.views.get(slot_idx)
-        if held is None or held[0] is not slot_tensor:
-            views = [
-                [slot_tensor[o : o + n].view(dt).view(shape) for (o, n), dt, shape in zip(g.spans, g.dtypes, g.shapes)]
-                for g in self.groups
-            ]
-            held = self.views[slot_idx] = (slot_tensor, views)
-        return held[1]
-
-
-def _sizes(entries: list[torch.Tensor]) -> list[int]:
-    return [t.numel() * t.element_size() for t in entries]
-
-
-def _layout_of(sizes: list[int]) -> tuple[list[int], int]:
-    offsets: list[int] = []
-    total = 0
-    for n in sizes:
-        offsets.append(total)
-        total = align(total + n)
-    return offsets, total
-
 
 class LocalWriter:
     """One writer's local copies (step 2), with the program of its last plans kept."""
@@ -179,45 +90,58 @@ class LocalWriter:
         """Copy ``plan``'s items into a slot of ``rank`` and checksum them (local work)."""
         flat = direct_lookup(planner)
         items = plan.items
-        entries: list[torch.Tensor] = [
-            _bytes_of(planner, it) if it.type == WriteItemType.BYTE_IO else _resolve_tensor(flat, planner, it) for it in items
-        ]
-        sizes = _sizes(entries)
-        offsets, total = _layout_of(sizes)
+        block = block_bytes(pace)
+        prog = self._programs.get(rank)
+        # The items of the last program, resolved and checked against it in a few C-level maps.
+        known = _resolve_known(prog, plan, flat, planner, algo, block) if prog is not None else None
+        if known is None:
+            entries: list[torch.Tensor] = [
+                _bytes_of(planner, it) if it.type == WriteItemType.BYTE_IO else _resolve_tensor(flat, planner, it)
+                for it in items
+            ]
+            sizes = _sizes(entries)
+        else:
+            assert prog is not None
+            entries = known
+            sizes = prog.sizes
+            if prog.byte_pos:  # pickled values: their size may change from save to save
+                sizes = list(sizes)
+                for i in prog.byte_pos:
+                    sizes[i] = entries[i].numel()
+        if known is not None and prog is not None and (sizes is prog.sizes or sizes == prog.sizes):
+            offsets, total = prog.offsets, prog.total
+        else:
+            known = None
+            offsets, total = _layout_of(sizes)
         slot_idx = self.slot_pool.choose(rank)
         slot = self.slot_pool.slot(rank, slot_idx)
-        block = block_bytes(pace)
         with slot.lock:
             self.slot_pool.grow(slot, total)
-            prog = self._programs.get(rank)
-            if prog is None or not self._fits(prog, plan, algo, block, entries, offsets):
-                prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block)
+            if known is None and (prog is None or not self._fits(prog, plan, algo, block, entries, offsets)):
+                prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block, flat)
                 self._programs[rank] = prog
+            assert prog is not None
             plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos) if self.carry is not None else None
             if plan_c is None:
                 note_plain_write(slot)
             skip = plan_c.carry if plan_c is not None and plan_c.any else None
             sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace,
-                              self.device_copier, skip)
+                              self.device_copier, skip, slot_idx)
             if plan_c is not None:
                 assert self.carry is not None
                 if skip is not None:
                     sums = [c if k else s for s, c, k in zip(sums, plan_c.sums, skip)]
                 self.carry.remember(rank, slot_idx, slot, prog, plan_c, sums)
                 self.last_carry = (plan_c, sizes)
-        results = list(map(_result, prog.indexes, sizes, prog.templates, sums))
         template: _Program | None = prog
-        for i in prog.byte_pos:  # pickled values: their size may change from save to save
-            n = sizes[i]
-            results[i] = WriteResult(index=prog.indexes[i], size_in_bytes=n, storage_data=prog.templates[i]._replace(length=n, checksum=sums[i]))
-            if n != prog.sizes[i]:
-                template = None  # the results are not the program's templates plus checksums
+        if prog.byte_pos and sizes is not prog.sizes and any(sizes[i] != prog.sizes[i] for i in prog.byte_pos):
+            template = None  # the results are not the program's templates plus checksums
         save_bytes = None
         if plan_c is not None:
             carried = sum(n for n, c in zip(sizes, plan_c.carry) if c)
             save_bytes = (sum(sizes) - carried, carried)
-        return LocalWrite(slot=slot_idx, results=tuple(results), nbytes=total, checksums=tuple(sums), template=template,
-                          save_bytes=save_bytes)
+        return LocalWrite(slot=slot_idx, results=WriteResults(prog, sizes, sums), nbytes=total, checksums=tuple(sums),
+                          template=template, save_bytes=save_bytes, item_bytes=sum(sizes))
 
     def delta_offer(self, rank: int, token: str, seq: int) -> tuple[Any, ...] | None:
         """The last write's offer for delta replication (``peer.delta``), as save ``seq`` of writer ``token``."""
@@ -235,29 +159,11 @@ class LocalWriter:
     def _fits(prog: _Program, plan: SavePlan, algo: str, block: int, entries: list[torch.Tensor], offsets: list[int]) -> bool:
         if prog.algo != algo or prog.block != block or prog.offsets != offsets:
             return False
-        if prog.plan is not plan:  # plain dcp.save plans anew every save: the same items?
-            items = plan.items
-            # MetadataIndex equality is (fqn, offset): compared as two C-level lists, not per item in Python.
-            if (
-                len(items) != len(prog.indexes)
-                or list(map(_fqn, items)) != prog.fqns
-                or list(map(_offset, items)) != prog.index_offsets
-                or list(map(_type, items)) != prog.types
-            ):
-                return False
-            prog.plan = plan
-        if prog.getter is None:
-            return True
-        ts = prog.getter(entries)
-        return (
-            list(map(_shape, ts)) == prog.shapes
-            and list(map(_dtype, ts)) == prog.dtypes
-            and list(map(_device, ts)) == prog.devices  # grouped items are CPU tensors; CUDA ones copy alone
-            and all(lay is torch.strided for lay in map(_layout, ts))
-        )
+        return _same_items(prog, plan) and _same_tensors(prog, entries)
 
     def _build(self, plan: SavePlan, items: list[WriteItem], entries: list[torch.Tensor], sizes: list[int],
-               offsets: list[int], total: int, rank: int, algo: str, block: int) -> _Program:
+               offsets: list[int], total: int, rank: int, algo: str, block: int,
+               flat: dict[str, Any] | None = None) -> _Program:
         self.programs_built += 1
         templates: list[ShardRef] = []
         tensor_pos: list[int] = []
@@ -270,7 +176,8 @@ class LocalWriter:
         def close() -> None:
             nonlocal cur, cur_bytes
             if cur:
-                getter = operator.itemgetter(*cur) if len(cur) > 1 else (lambda v, i=cur[0]: (v[i],))
+                getter = _getter(cur)
+                assert getter is not None
                 groups.append(_Group(cur, getter, [(offsets[i], sizes[i]) for i in cur], [entries[i].dtype for i in cur],
                                      [entries[i].shape for i in cur], cur_bytes))
             cur, cur_bytes = [], 0
@@ -292,35 +199,54 @@ class LocalWriter:
             cur_bytes += n
         close()
         ts = [entries[i] for i in tensor_pos]
-        getter = operator.itemgetter(*tensor_pos) if len(tensor_pos) > 1 else (
-            (lambda v, i=tensor_pos[0]: (v[i],)) if tensor_pos else None)
+        getter = _getter(tensor_pos)
+        fqns = list(map(_fqn, items))
+        tensor_fqns = [fqns[i] for i in tensor_pos]
+        obj_types = _direct_types(flat, items, tensor_pos)
+        dt_pos = [k for k, t in enumerate(obj_types or ()) if t is DTensor]
+        grouped = [i for g in groups for i in g.pos]
+        ranges, start = [], 0
+        for g in groups:
+            ranges.append((start, start + len(g.pos)))
+            start += len(g.pos)
         return _Program(
+            tensor_fqns=tensor_fqns, obj_types=obj_types, dt_getter=_getter(dt_pos), dt_pos=dt_pos,
+            grouped=_getter(grouped) if fused_available(algo) else None, ranges=ranges,
             plan=plan, algo=algo, block=block, offsets=offsets, sizes=sizes, total=total,
             templates=templates, indexes=list(map(_index, items)), types=list(map(_type, items)),
-            fqns=list(map(_fqn, items)), index_offsets=list(map(_offset, items)), tensor_pos=tensor_pos, getter=getter,
+            fqns=fqns, index_offsets=list(map(_offset, items)), tensor_pos=tensor_pos, getter=getter,
             shapes=list(map(_shape, ts)), dtypes=list(map(_dtype, ts)), devices=list(map(_device, ts)), groups=groups, single=single, byte_pos=byte_pos,
         )
 
     # ---- the copy ---------------------------------------------------------------------------
     @staticmethod
     def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
-              algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None) -> list[int]:
-        """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves)."""
+              algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None,
+              slot_idx: int | None = None) -> list[int]:
+        """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves).
+        The groups go through :func:`gemini_dcp.dcp.batch_copy.copy_group` (fused per item when it can)."""
         if skip is not None:
             return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier)
         sums = [0] * len(entries)
         hasher = buffer_checksum(algo)
-        view = memoryview(slot.tensor.numpy()) if prog.groups else None
+        view = memoryview(slot.tensor.numpy()) if prog.groups else memoryview(b"")
+        src_bytes = dst_bytes = None
+        if prog.grouped is not None and slot_idx is not None:
+            src_bytes = prog.sources.views(list(prog.grouped(entries)))
+            if src_bytes is not None:
+                dst_bytes = prog.dst_bytes(slot_idx, slot.tensor)
         half = max(1, len(entries) // 2)
         done = 0
         with torch.no_grad():
-            for g, g_dsts in zip(prog.groups, dsts):
+            for g, g_dsts, (a, b) in zip(prog.groups, dsts, prog.ranges):
                 if pace is not None:
                     pace(g.nbytes)
-                torch._foreach_copy_(g_dsts, list(g.getter(entries)))
-                assert view is not None
-                for i, (o, n) in zip(g.pos, g.spans):
-                    sums[i] = hasher(view[o : o + n])
+                got = copy_group(
+                    g_dsts, g.getter(entries), dst_bytes=None if dst_bytes is None else dst_bytes[a:b],
+                    src_bytes=None if src_bytes is None else src_bytes[a:b], slot_view=view, spans=g.spans, hasher=hasher,
+                )
+                for i, c in zip(g.pos, got):
+                    sums[i] = c
                 done += len(g.pos)
                 if done >= half > done - len(g.pos):
                     fault_point("save.mid_copy")
@@ -375,6 +301,3 @@ def _copy_one(t: torch.Tensor, slot: Any, offset: int, n: int, algo: str, block:
     dst.view(t.dtype).view(t.shape).copy_(t)
     return checksum(dst, algo)
 
-
-def _result(index: MetadataIndex, n: int, ref: ShardRef, cs: int) -> WriteResult:
-    return WriteResult(index=index, size_in_bytes=n, storage_data=ref.with_checksum(cs))

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -312,7 +312,7 @@ class GeminiStorageWriter(StorageWriter):
         spec = SaveSpec(step=self._require_step(), planned=planned if isinstance(planned, Metadata) else None, use_basis=True)
         results = self._save(comm, plan, planner, spec)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
+        fut.set_result(list(results))
         return fut
 
     def write_replayed(
@@ -322,7 +322,7 @@ class GeminiStorageWriter(StorageWriter):
         metadata: Metadata,
         layout: Mapping[MetadataIndex, ShardRef] | None = None,
         agreed: list[int] | None = None,
-    ) -> list[WriteResult]:
+    ) -> Sequence[WriteResult]:
         """Write ``plan`` and commit with ``metadata``, both from an earlier ``dcp.save
         of a state dict of the same structure (:mod:`gemini_dcp.snapshot.replay`).
 
@@ -341,6 +341,9 @@ class GeminiStorageWriter(StorageWriter):
         ``agreed``: :meth:`prewrite_values` of this step already combined by MIN over all
         ranks (the caller's own agreement collective carried them); else one all-reduce runs.
         All ranks pass it, or none.
+
+        Returns this rank's write results as a sequence built on first use (a replay that
+        never reads them does not pay for building them).
         """
         comm = get_comm(self.options.timeout_s, self.process_group)
         spec = SaveSpec(step=self._require_step(), known=metadata, layout=layout, agreed=agreed)
@@ -349,7 +352,7 @@ class GeminiStorageWriter(StorageWriter):
     def _save(
         self, comm: Comm, plan: SavePlan, planner: SavePlanner, spec: SaveSpec,
         check_space: Callable[[], object] | None = None,
-    ) -> list[WriteResult]:
+    ) -> Sequence[WriteResult]:
         """One save through the commit protocol (collective: all ranks call it together)."""
         rank = comm.rank
         self._pending_save = None
@@ -361,7 +364,7 @@ class GeminiStorageWriter(StorageWriter):
             protect=(lambda step, reports: self._protect(comm, step, reports)) if self.parity_group else None,
         )
         self.last_save = self._pending_save
-        return list(results)
+        return results
 
     def prewrite_values(self, step: int) -> list[int]:
         """This rank's part of the pre-write agreement of saving ``step``: three int64 values,
@@ -498,7 +501,7 @@ def _save_stats(step: int, done: LocalWrite, local_writer: LocalWriter) -> SaveS
     """This rank's :class:`SaveStats` of a local write (every item copied unless it says otherwise)."""
     held = local_writer.last_carry
     if done.save_bytes is None or held is None:
-        n = sum(r.size_in_bytes for r in done.results)
+        n = done.item_bytes if done.item_bytes is not None else sum(r.size_in_bytes for r in done.results)
         return SaveStats(step=step, bytes_written=n, bytes_carried=0, items_written=len(done.results), items_carried=0,
                          full=True, reason="incremental=False", slot=done.slot)
     plan_c, _ = held

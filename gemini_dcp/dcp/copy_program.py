@@ -1,0 +1,319 @@
+"""The copy program of a plan: what a save of the same items does, computed once, and the
+cheap per-save resolution of the items against it.
+
+:class:`gemini_dcp.dcp.local_write.LocalWriter` keeps one :class:`_Program` per rank (see that
+module for why): the items' offsets in the slot, the write results' templates, the typed
+destination views, the groups of small items. This module holds the program and what each save
+does with it before the copy:
+
+* :func:`_resolve_known` resolves the items of a plan the program already describes with a few
+  C-level maps over its FQNs (the objects of the flattened state dict, the DTensors' local
+  tensors and specs) and checks them against it (shapes, dtypes, devices, layouts): at 738
+  items ~0.3 ms, against ~3 ms item by item (``_resolve_tensor`` per item, then the checks);
+* :class:`WriteResults` builds the DCP write results only when read (a compact commit report
+  never reads them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+
+from ..local.records import ShardRef
+from ..local.slots import align
+from .batch_copy import SourceViews
+
+__all__ = ["WriteResults"]
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+_layout = operator.attrgetter("layout")
+_index = operator.attrgetter("index")
+_type = operator.attrgetter("type")
+_fqn = operator.attrgetter("index.fqn")
+_offset = operator.attrgetter("index.offset")
+_local_tensor = operator.attrgetter("_local_tensor")
+_spec = operator.attrgetter("_spec")
+_PLAIN = {torch.Tensor}
+_CPU = torch.device("cpu")
+Pacer = Callable[[int], None]
+
+
+def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
+    """The planner's flattened state dict when its items may be resolved without it: a
+    ``DefaultSavePlanner`` whose ``resolve_data`` / ``transform_object`` are DCP's and whose
+    ``lookup_object`` is DCP's or declared equivalent (``direct_lookup = True``); else None."""
+    cls = type(planner)
+    if not isinstance(planner, DefaultSavePlanner):
+        return None
+    if cls.resolve_data is not DefaultSavePlanner.resolve_data or cls.transform_object is not DefaultSavePlanner.transform_object:  # type: ignore[attr-defined]
+        return None
+    if cls.lookup_object is not DefaultSavePlanner.lookup_object and not getattr(cls, "direct_lookup", False):  # type: ignore[attr-defined]
+        return None
+    sd = getattr(planner, "state_dict", None)
+    return sd if isinstance(sd, dict) else None
+
+
+def _resolve_tensor(flat: dict[str, Any] | None, planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """What ``planner.resolve_data(item)`` returns for a tensor item (DCP's lookup), cheaply where exact."""
+    if flat is not None:
+        obj = flat.get(item.index.fqn)
+        t = type(obj)
+        if t is DTensor:  # DCP: __get_tensor_shard__ -> to_local(), the same local tensor
+            local = obj._local_tensor  # type: ignore[union-attr]
+            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):  # type: ignore[union-attr]
+                return local
+        elif (t is torch.Tensor or t is torch.nn.Parameter) and (
+            item.index.offset is None or not any(item.index.offset)
+        ):
+            return obj  # type: ignore[return-value]
+    out = planner.resolve_data(item)
+    assert isinstance(out, torch.Tensor)
+    return out.detach()
+
+
+def _bytes_of(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    data = planner.resolve_data(item)
+    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Group:
+    """Small tensor items copied by one ``_foreach_copy_`` call: their positions and typed slot views."""
+
+    pos: list[int]
+    getter: Callable[[Sequence[Any]], Any]
+    spans: list[tuple[int, int]]  # (offset, length) of each in the slot
+    dtypes: list[torch.dtype]
+    shapes: list[torch.Size]
+    nbytes: int
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Program:
+    """What a save of ``plan`` does, computed once (module docstring); compared by identity."""
+
+    plan: SavePlan  # held: the key is its identity
+    algo: str
+    block: int
+    offsets: list[int]
+    sizes: list[int]
+    total: int
+    templates: list[ShardRef]  # the results' storage_data, checksum 0
+    indexes: list[MetadataIndex]
+    types: list[WriteItemType]
+    fqns: list[str]
+    index_offsets: list[Any]
+    tensor_pos: list[int]
+    getter: Callable[[Sequence[Any]], Any] | None  # the tensor items of the resolved entries
+    shapes: list[Any]
+    dtypes: list[Any]
+    devices: list[Any]
+    groups: list[_Group]
+    single: list[int]  # tensor positions copied one by one (large, or not a plain CPU tensor)
+    byte_pos: list[int]
+    # Resolving the items without DCP (``_resolve_known``): each tensor item's FQN and the type of
+    # its object in the flattened state dict (None: some item needs ``planner.resolve_data``), the
+    # positions among them of the DTensors, and the DTensor specs last seen without a Partial.
+    tensor_fqns: list[str] = dataclasses.field(default_factory=list)
+    obj_types: list[type] | None = None
+    dt_getter: Callable[[Sequence[Any]], Any] | None = None
+    dt_pos: list[int] = dataclasses.field(default_factory=list)
+    specs: list[Any] = dataclasses.field(default_factory=list)
+    # The grouped items over every group, in group order (the fused copy's source views), and
+    # each group's range in that list.
+    grouped: Callable[[Sequence[Any]], Any] | None = None
+    ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    sources: SourceViews = dataclasses.field(default_factory=SourceViews)
+    # slot index -> (the slot's mapping, each group's typed destination views in it, and the flat
+    # uint8 views of every grouped item in group order, made on first use by the fused copy)
+    views: dict[int, tuple[torch.Tensor, list[list[torch.Tensor]], list[torch.Tensor] | None]] = dataclasses.field(
+        default_factory=dict)
+
+    def dsts(self, slot_idx: int, slot_tensor: torch.Tensor) -> list[list[torch.Tensor]]:
+        """The groups' destination views in this slot (made once per slot mapping)."""
+        held = self.views.get(slot_idx)
+        if held is None or held[0] is not slot_tensor:
+            views = [
+                [slot_tensor[o : o + n].view(dt).view(shape) for (o, n), dt, shape in zip(g.spans, g.dtypes, g.shapes)]
+                for g in self.groups
+            ]
+            held = self.views[slot_idx] = (slot_tensor, views, None)
+        return held[1]
+
+    def dst_bytes(self, slot_idx: int, slot_tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The grouped items' flat uint8 views in this slot, in group order (after :meth:`dsts`)."""
+        held = self.views[slot_idx]
+        if held[2] is None:
+            flat = [slot_tensor[o : o + n] for g in self.groups for o, n in g.spans]
+            held = self.views[slot_idx] = (held[0], held[1], flat)
+        assert held[2] is not None
+        return held[2]
+
+
+def _sizes(entries: list[torch.Tensor]) -> list[int]:
+    return [t.numel() * t.element_size() for t in entries]
+
+
+def _layout_of(sizes: list[int]) -> tuple[list[int], int]:
+    offsets: list[int] = []
+    total = 0
+    for n in sizes:
+        offsets.append(total)
+        total = align(total + n)
+    return offsets, total
+
+
+def _result(index: MetadataIndex, n: int, ref: ShardRef, cs: int) -> WriteResult:
+    return WriteResult(index=index, size_in_bytes=n, storage_data=ref.with_checksum(cs))
+
+
+class WriteResults(Sequence[WriteResult]):
+    """One local write's DCP write results, built on first use.
+
+    A replayed save whose commit report goes compact (checksums only, the usual case) never
+    reads them: building 738 ``WriteResult`` / ``ShardRef`` pairs costs ~2 ms. Pickled (a full
+    commit report) as the plain tuple of results.
+    """
+
+    __slots__ = ("_prog", "_sizes", "_sums", "_built")
+
+    def __init__(self, prog: _Program, sizes: list[int], sums: list[int]) -> None:
+        self._prog, self._sizes, self._sums = prog, sizes, sums
+        self._built: tuple[WriteResult, ...] | None = None
+
+    def _all(self) -> tuple[WriteResult, ...]:
+        built = self._built
+        if built is None:
+            prog, sizes, sums = self._prog, self._sizes, self._sums
+            out = list(map(_result, prog.indexes, sizes, prog.templates, sums))
+            for i in prog.byte_pos:  # pickled values: the length of this save
+                out[i] = WriteResult(index=prog.indexes[i], size_in_bytes=sizes[i],
+                                     storage_data=prog.templates[i]._replace(length=sizes[i], checksum=sums[i]))
+            built = self._built = tuple(out)
+        return built
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[WriteResult]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, (WriteResults, tuple, list)) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (tuple, (self._all(),))
+
+
+def _getter(pos: list[int]) -> Callable[[Sequence[Any]], Any] | None:
+    """A C-level getter of the entries at ``pos`` (always a tuple); None for no positions."""
+    if not pos:
+        return None
+    if len(pos) == 1:
+        i = pos[0]
+
+        def one(v: Sequence[Any]) -> tuple[Any]:
+            return (v[i],)
+
+        return one
+    return operator.itemgetter(*pos)
+
+
+def _same_items(prog: _Program, plan: SavePlan) -> bool:
+    """``plan`` has the program's items (plain dcp.save plans anew every save)."""
+    if prog.plan is plan:
+        return True
+    items = plan.items
+    # MetadataIndex equality is (fqn, offset): compared as two C-level lists, not per item in Python.
+    if (
+        len(items) != len(prog.indexes)
+        or list(map(_fqn, items)) != prog.fqns
+        or list(map(_offset, items)) != prog.index_offsets
+        or list(map(_type, items)) != prog.types
+    ):
+        return False
+    prog.plan = plan
+    return True
+
+
+def _same_tensors(prog: _Program, entries: Sequence[Any]) -> bool:
+    """The resolved tensors have the program's shapes, dtypes, devices and (strided) layouts."""
+    if prog.getter is None:
+        return True
+    ts = prog.getter(entries)
+    return (
+        list(map(_shape, ts)) == prog.shapes
+        and list(map(_dtype, ts)) == prog.dtypes
+        and list(map(_device, ts)) == prog.devices  # grouped items are CPU tensors; CUDA ones copy alone
+        and all(lay is torch.strided for lay in map(_layout, ts))
+    )
+
+
+def _direct_types(flat: dict[str, Any] | None, items: list[WriteItem], tensor_pos: list[int]) -> list[type] | None:
+    """The type of each tensor item's object in the flattened state dict when every one resolves
+    without DCP (a DTensor with a plain local tensor, or a whole plain tensor / Parameter); else None."""
+    if flat is None:
+        return None
+    out: list[type] = []
+    for i in tensor_pos:
+        it = items[i]
+        obj = flat.get(it.index.fqn)
+        t = type(obj)
+        if t is DTensor:
+            if type(obj._local_tensor) is not torch.Tensor:  # type: ignore[union-attr]
+                return None
+        elif not ((t is torch.Tensor or t is torch.nn.Parameter) and (it.index.offset is None or not any(it.index.offset))):
+            return None
+        out.append(t)
+    return out
+
+
+def _resolve_known(prog: _Program | None, plan: SavePlan, flat: dict[str, Any] | None, planner: SavePlanner,
+                   algo: str, block: int) -> list[Any] | None:
+    """``plan``'s entries resolved the way ``_resolve_tensor`` / ``_bytes_of`` would, with a few
+    C-level maps over the program's FQNs, when they are the program's items with its tensor
+    properties; else None (the caller resolves item by item and checks the program as before)."""
+    if prog is None or flat is None or prog.obj_types is None or prog.algo != algo or prog.block != block:
+        return None
+    if not _same_items(prog, plan):
+        return None
+    objs = list(map(flat.get, prog.tensor_fqns))
+    if list(map(type, objs)) != prog.obj_types:
+        return None
+    if prog.dt_getter is not None:
+        dts = prog.dt_getter(objs)
+        locs = list(map(_local_tensor, dts))
+        if set(map(type, locs)) != _PLAIN:
+            return None
+        specs = list(map(_spec, dts))
+        if len(specs) != len(prog.specs) or not all(map(operator.is_, specs, prog.specs)):
+            if any(p.is_partial() for sp in specs for p in sp.placements):
+                return None  # DCP's lookup reduces a Partial: resolved by the planner
+            prog.specs = specs
+        for k, t in zip(prog.dt_pos, locs):
+            objs[k] = t
+    entries: list[Any] = [None] * len(prog.indexes)
+    for i, t in zip(prog.tensor_pos, objs):
+        entries[i] = t
+    items = plan.items
+    for i in prog.byte_pos:
+        entries[i] = _bytes_of(planner, items[i])
+    return entries if _same_tensors(prog, entries) else None
