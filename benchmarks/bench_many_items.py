@@ -96,6 +96,32 @@ def _noop_writer() -> Any:
     return NoopWriter()
 
 
+class _WriterClock:
+    """Wall time spent inside a writer's own StorageWriter calls during one save (gemini's own
+    cost, without DCP's planning around it): this rank's sum over the calls of the save."""
+
+    CALLS = ("reset", "set_up_storage_writer", "prepare_local_plan", "prepare_global_plan", "write_data", "finish")
+
+    def __init__(self, writer: Any) -> None:
+        self.total = 0.0
+        for name in self.CALLS:
+            setattr(writer, name, self._timed(getattr(writer, name)))
+
+    def _timed(self, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total += time.perf_counter() - t0
+
+        return call
+
+    def take(self) -> float:
+        out, self.total = self.total, 0.0
+        return out
+
+
 def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads: int = 1,
                    fast: bool = False, paths: list[str] | None = None) -> tuple[bool, list[float]]:
     """Load ``mode``'s last save into zeroed tensors ``loads`` times: (bit-exact with ``sd``, wall
@@ -151,6 +177,7 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
     for n in items:
         sd = _state(n, per_rank_bytes, rank, world, mesh)
         writers: dict[str, Any] = {}
+        clocks: dict[str, _WriterClock] = {}
         ckpt = None
         for mode in modes:
             job = f"many-{mode}-{n}"
@@ -159,7 +186,9 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                                          interleave=False)
             elif mode.startswith("gemini"):
                 writers[mode] = GeminiStorageWriter(root=roots[rank], job_id=job, keep=2, process_group=group)
+                clocks[mode] = _WriterClock(writers[mode])
         walls: dict[str, list[float]] = {m: [] for m in modes}
+        inside: dict[str, list[float]] = {m: [] for m in clocks}
         blocked: list[float] = []
         where: dict[str, Any] = {}
         saved_step: dict[str, int] = {}
@@ -191,6 +220,9 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                     where[mode] = (roots[rank], job)
                 wall = time.perf_counter() - t0
                 saved_step[mode] = step
+                spent = clocks[mode].take() if mode in clocks else None
+                if i >= warmup and spent is not None:
+                    inside[mode].append(spent)
                 if i >= warmup:
                     if mode == "async":
                         walls[mode].append(h.total_s)
@@ -201,6 +233,8 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
         res: dict[str, Any] = {}
         for mode in modes:
             row: dict[str, Any] = {"wall": walls[mode]}
+            if mode in inside:
+                row["writer"] = inside[mode]
             if mode == "async":
                 assert ckpt is not None
                 row["blocked"] = blocked
@@ -277,6 +311,10 @@ def main() -> None:
                     cell["fast_loads_ms"] = [x * 1e3 for x in fw]
                     cell["fast_exact"] = all(r[n][mode]["fast_exact"] for r in per_rank)
                     cell["fast_paths"] = sorted({p for r in per_rank for p in r[n][mode]["fast_paths"]})
+            if "writer" in per_rank[0][n][mode]:
+                # gemini's own calls (slowest rank per save): its cost without DCP's planning around it.
+                ww = [max(xs) for xs in zip(*(r[n][mode]["writer"] for r in per_rank))]
+                cell["writer_median_ms"] = median(ww) * 1e3
             cell["saves_ms"] = [w * 1e3 for w in walls]
             row[mode] = cell
         if "noop" in row:
@@ -298,7 +336,8 @@ def main() -> None:
     for n, row in table.items():
         print(n, {m: c.get("exact") for m, c in row.items()}, "above floor (medians / paired per round):",
               {m: (round(c["above_floor_ms"], 1), round(c["above_floor_paired_ms"], 1))
-               for m, c in row.items() if "above_floor_ms" in c})
+               for m, c in row.items() if "above_floor_ms" in c},
+              "inside the writer's calls:", {m: round(c["writer_median_ms"], 1) for m, c in row.items() if "writer_median_ms" in c})
     for n, row in table.items():
         print(n, "restore ms (median, slowest rank):", {m: round(c["load_median_ms"], 1) for m, c in row.items() if "load_median_ms" in c})
         if "fast_load_median_ms" in row.get("gemini", {}):

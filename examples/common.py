@@ -355,7 +355,7 @@ class GeminiCheckpointer(Checkpointer):
         return self._previous.guard_wait_s if self._previous is not None else 0.0
 
     def restore(self, app: TrainState, ctx: Ctx) -> ResumeInfo | None:
-        from gemini_dcp import CheckpointNotFoundError, GeminiStorageReader, find_gemini_error
+        from gemini_dcp import CheckpointNotFoundError, GeminiStorageReader, fast_load, find_gemini_error
 
         t0 = time.perf_counter()
         # Nothing in any node's memory nor in the persistent tier: skip dcp.load, whose "no
@@ -369,7 +369,9 @@ class GeminiCheckpointer(Checkpointer):
                 return None
         reader = GeminiStorageReader(root=self.args.root, job_id=self.args.job_id, persistent=self.args.persistent)
         try:
-            dcp.load({"app": app}, storage_reader=reader)
+            # Straight from the node's slots into the live tensors when the structure is the one
+            # saved; else (a reshard, a wiped node, the persistent tier) dcp.load with this reader.
+            got = fast_load({"app": app}, storage_reader=reader)
         except BaseException as exc:  # DCP wraps our errors in CheckpointException
             err = find_gemini_error(exc)
             if isinstance(err, CheckpointNotFoundError) and not isinstance(err, _step_not_found()):
@@ -381,6 +383,7 @@ class GeminiCheckpointer(Checkpointer):
             if err is not None:
                 raise err from exc
             raise
+        ctx.log(f"restore path: {got.path}" + (f" ({got.reason})" if got.reason else ""))
         return ResumeInfo(step=int(reader.restored_step), seconds=time.perf_counter() - t0,
                           tiers=dict(reader.restored_from), reader_seconds=reader.restore_seconds)
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ..core.chunk_sink import failed_spans, land_same_dtype
 from ..errors import ConfigError
@@ -86,7 +87,31 @@ def fast_load(
     ``root``/``job_id`` build a :class:`GeminiStorageReader` (or pass ``storage_reader``, not both);
     ``step``: the step to load (default: the newest restorable). Every rank takes the same path.
     Errors are those of ``dcp.load`` with a ``GeminiStorageReader`` (the fallback raises them).
+
+    Top-level ``Stateful`` values (a trainer's app state, torchtitan's model and optimizer
+    wrappers) are handled as ``dcp.load`` handles them: restored into their ``state_dict()``, then
+    given back with ``load_state_dict()`` — only after a successful restore, on either path.
     """
+    stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
+    if stateful:
+        inner = {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}
+        result = _fast_load(inner, root, job_id, storage_reader, step, process_group, timeout_s)
+        for k, obj in stateful.items():
+            obj.load_state_dict(inner[k])
+        for k, v in inner.items():  # a plain top-level value replaced by the load (a step counter)
+            if k not in stateful:
+                state_dict[k] = v
+        return result
+    return _fast_load(state_dict, root, job_id, storage_reader, step, process_group, timeout_s)
+
+
+def _fast_load(
+    state_dict: dict[str, Any], root: str | None, job_id: str | None, storage_reader: GeminiStorageReader | None,
+    step: int | None, process_group: Any, timeout_s: float,
+) -> FastLoadResult:
+    """:func:`fast_load` of a state dict without top-level ``Stateful`` values (collective); its
+    ``seconds`` (and the reader's ``restore_seconds``) are the restore's own, without ``state_dict()``
+    / ``load_state_dict()`` of Stateful values around it."""
     t0 = time.perf_counter()
     if storage_reader is not None and (root is not None or job_id is not None):
         raise ConfigError("fast_load: pass either storage_reader or root/job_id, not both.")
@@ -111,7 +136,7 @@ def fast_load(
         staged = _Staged(reader, plan)
         serve: list[FastEntry] = []
         if n_remote:  # small chunks only another node holds: route each to a rank whose node holds it
-            reason, serve = _routes(comm, set(reader._local), wants)
+            reason, serve = _routes(comm, set(reader.local_slots), wants)
         if not reason:
             try:
                 reason = staged.verify(dests) or staged.serve(serve)
@@ -163,8 +188,8 @@ def _local_plan(
     reader: GeminiStorageReader, flat: Mapping[str, Any], rank: int
 ) -> tuple[FastPlan | None, list[torch.Tensor | None], str]:
     """This rank's plan and destinations, or why this rank cannot take the fast path (no collective)."""
-    # The reader's decision (private to the dcp/ adapters): the record and the slots this node holds.
-    decision, record = reader._decision, reader._record
+    # The reader's decision: the record and the slots this node holds.
+    decision, record = reader.decision, reader.record
     if decision is None or record is None or decision.fingerprint is None:
         return None, [], "the step is restored from the persistent tier"
     if decision.rebuilt:
@@ -172,10 +197,10 @@ def _local_plan(
     walked = walk(flat)
     if walked.reason:
         return None, [], walked.reason
-    key = (str(reader.root), reader.job_id, rank, decision.fingerprint, frozenset(reader._local))
+    key = (str(reader.root), reader.job_id, rank, decision.fingerprint, frozenset(reader.local_slots))
     plan = cached_plan(key, walked.signature)
     if plan is None:
-        built = build_plan(flat, walked, record.metadata, decision.fingerprint, set(reader._local))
+        built = build_plan(flat, walked, record.metadata, decision.fingerprint, set(reader.local_slots))
         if isinstance(built, str):
             return None, [], built
         plan = built
@@ -256,7 +281,7 @@ class _Staged:
         slot = self.slots.get(slot_rank)
         if slot is None:
             try:
-                slot = self.slots[slot_rank] = ReadOnlySlot(self.reader._local[slot_rank])
+                slot = self.slots[slot_rank] = ReadOnlySlot(self.reader.local_slots[slot_rank])
             except (OSError, KeyError) as exc:
                 return f"slot of rank {slot_rank} unreadable: {exc}"
         lo = min(e.offset for e in entries)

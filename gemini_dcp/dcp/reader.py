@@ -39,7 +39,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Sequence
 
 import torch
@@ -151,6 +153,24 @@ class GeminiStorageReader(StorageReader):
         ``reset(step)``), else None: how ``gemini_dcp.integrations`` learns the newest restorable step
         before deciding where to load from."""
         return None if self._decision is None else self._decision.step
+
+    @property
+    def decision(self) -> RestoreDecision | None:
+        """The collective restore decision (after ``read_metadata``): the step, the copy and how it
+        is restored (fingerprint, parity rebuild); read-only, the same on every rank. None before."""
+        return self._decision
+
+    @property
+    def record(self) -> StepRecord | None:
+        """This node's step record of the decided step (after ``read_metadata``); None before, or
+        when the step is restored from the persistent tier only. Read-only: do not modify it."""
+        return self._record
+
+    @property
+    def local_slots(self) -> Mapping[int, Path]:
+        """Saving rank -> path of its slot file on this node for the decided step (after
+        ``read_metadata``): the chunks this node holds. A read-only view."""
+        return MappingProxyType(self._local)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """Select a step. With a step given (as ``dcp.load(..., checkpoint_id=step)`` does

@@ -16,6 +16,9 @@ for a third-party storage writer, so gemini_dcp comes in as a subclass, :class:`
 - on (re)start, ``load`` resumes from the newest of gemini_dcp's newest restorable step (local, peer,
   and persistent memory tiers) and torchtitan's newest complete ``step-<N>`` folder (a tie goes to
   gemini_dcp); ``--checkpoint.load_step N`` loads step N from gemini_dcp if it holds it, else from the folder.
+  A resume from gemini_dcp goes through :func:`gemini_dcp.fast_load` (straight from the node's slots
+  into the live model and optimizer state when the structure is the one saved; ``dcp.load`` with
+  the same reader otherwise: a reshard, a wiped node, the persistent tier).
 
 Select it without touching torchtitan's code, on the command line of any config::
 
@@ -98,6 +101,7 @@ def checkpoint_manager_class() -> Any:
     from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER  # noqa: PLC0415
     from torchtitan.tools import filesystem  # noqa: PLC0415
 
+    from ..dcp.fast_load import fast_load  # noqa: PLC0415 - torch
     from ..dcp.reader import GeminiStorageReader  # noqa: PLC0415 - torch
     from ..dcp.writer import GeminiStorageWriter  # noqa: PLC0415
     from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
@@ -190,15 +194,19 @@ def checkpoint_manager_class() -> Any:
                 return bool(super()._load(step))
             begin = time.monotonic()
             states = self._states_to_load(model_only=False)
-            dcp.load(states, storage_reader=reader, checkpoint_id=choice.step)
+            # Straight into the live model and optimizer state when the structure is the one saved
+            # (gemini_dcp.fast_load); anything else goes through dcp.load with the same reader.
+            got = fast_load(states, storage_reader=reader, step=choice.step)
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(states)  # torchtitan flattens the model states (as its dcp_load)
-            self.gemini_last_load = {"step": reader.restored_step, "from": dict(reader.restored_from)}
+            self.gemini_last_load = {"step": reader.restored_step, "from": dict(reader.restored_from), "path": got.path,
+                                     "reason": got.reason, "read_seconds": got.seconds}
             if dist.get_rank() == 0:
                 tiers = ", ".join(f"{k}: {v} B" for k, v in reader.restored_from.items() if v) or "-"
                 log.info(
-                    "gemini_dcp: resumed from step %s (%s; torchtitan's folder newest: %s) in %.2f s",
-                    reader.restored_step, tiers, folder_step if folder_step >= 0 else "none", time.monotonic() - begin,
+                    "gemini_dcp: resumed from step %s (%s; torchtitan's folder newest: %s) in %.2f s (%s path, tiers read "
+                    "in %.2f s)", reader.restored_step, tiers, folder_step if folder_step >= 0 else "none",
+                    time.monotonic() - begin, got.path, got.seconds,
                 )
             return True
 
