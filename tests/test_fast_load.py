@@ -107,6 +107,38 @@ def test_fast_path_is_bit_exact_and_the_second_restore_uses_the_cached_map(root:
     assert torch.equal(subset["w"], _saved()["w"])
 
 
+class _App:
+    """A Stateful application state, as a trainer hands it to dcp.load: state_dict() / load_state_dict()."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+        self.loaded: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": self.state["w"], "nested": dict(self.state["nested"]), "epoch": self.state["epoch"]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loaded.append(sd)
+        self.state["w"].copy_(sd["w"])
+        self.state["nested"] = sd["nested"]
+        self.state["epoch"] = sd["epoch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64: the dcp.load fallback
+def test_top_level_stateful_values_are_restored_as_dcp_load_does(root: str, dtype: torch.dtype) -> None:
+    saved = _saved()
+    app_saved = _App({"w": saved["w"], "nested": saved["nested"], "epoch": saved["epoch"]})
+    dcp.save({"app": app_saved, "top": 5}, storage_writer=GeminiStorageWriter(root=root, job_id="fl"), checkpoint_id=1)
+    app = _App({"w": torch.zeros(8, 5, dtype=dtype), "nested": {"m": torch.zeros(2, 2), "step": 0}, "epoch": 0})
+    sd: dict[str, Any] = {"app": app, "top": 0}
+    res = fast_load(sd, root=root, job_id="fl")
+    assert res.path == ("fast" if dtype == torch.float32 else "dcp")
+    assert len(app.loaded) == 1  # given back once, after the restore
+    assert torch.equal(app.state["w"], saved["w"].to(dtype)) and app.state["epoch"] == 3
+    assert torch.equal(app.state["nested"]["m"], saved["nested"]["m"]) and app.state["nested"]["step"] == 11
+    assert sd["top"] == 5
+
+
 def test_structure_differs_falls_back_to_dcp_load_exactly(root: str) -> None:
     _save(root)
     got = _zeros()
