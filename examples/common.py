@@ -46,6 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 MiB = float(1 << 20)
 
@@ -199,6 +200,10 @@ class TrainState(Stateful):
     def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, data: Any, ctx: Ctx) -> None:
         self.model, self.optim, self.data, self.ctx = model, optim, data, ctx
         self.step = 0
+        # Seconds of the last state_dict() / load_state_dict() (the restore's torch part) and how
+        # the last load put the state in ("in place" or "set_state_dict").
+        self.timings: dict[str, float] = {}
+        self.last_load = ""
 
     def _rng(self) -> dict[str, torch.Tensor]:
         out = {"cpu": torch.get_rng_state()}
@@ -214,10 +219,22 @@ class TrainState(Stateful):
     def load_model_optim(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        if _loaded_in_place(self.model, self.optim, model_sd, optim_sd):
+            # The restore wrote into the tensors get_state_dict handed out, which are the live
+            # parameters and optimizer state (gemini_dcp.fast_load and dcp.load both load tensors in
+            # place): only the param groups' values (lr, betas, ...) are left to set. set_state_dict
+            # would copy every tensor onto itself and rebuild the optimizer state.
+            for group, loaded in zip(self.optim.param_groups, optim_sd["param_groups"]):
+                group.update({k: v for k, v in loaded.items() if k != "params"})
+            self.last_load = "in place"
+            return
         set_state_dict(self.model, self.optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        self.last_load = "set_state_dict"
 
     def state_dict(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
         msd, osd = self.model_optim_state()
+        self.timings["state_dict"] = time.perf_counter() - t0
         sd = {
             "model": msd,
             "optim": osd,
@@ -242,13 +259,48 @@ class TrainState(Stateful):
         self.optim.state.clear()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         self.load_model_optim(sd["model"], sd["optim"])
+        self.timings["load_state_dict"] = time.perf_counter() - t0
         self.step = int(sd["step"])
         self.data.load_state_dict({k[len("data_"):]: v for k, v in sd.items() if k.startswith("data_")})
         rng = sd["rng"][f"rank{self.ctx.rank}"]
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and self.ctx.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.ctx.device)
+
+
+def _local(t: Any) -> torch.Tensor | None:
+    """The local tensor of a DTensor or a plain tensor / Parameter; None for anything else (a
+    ShardedTensor, a tensor subclass): the in-place shortcut below is then not taken."""
+    if type(t) is DTensor:
+        return t._local_tensor  # type: ignore[no-any-return]
+    return t if type(t) in (torch.Tensor, torch.nn.Parameter) else None
+
+
+def _loaded_in_place(model: torch.nn.Module, optim: torch.optim.Optimizer, model_sd: dict[str, Any],
+                     optim_sd: dict[str, Any]) -> bool:
+    """Every tensor of the loaded model and optimizer state dicts is a live parameter, buffer or
+    optimizer state tensor (the same memory, the same size), and the param groups line up."""
+    live: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for st in optim.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        loc = _local(t)
+        if loc is None:
+            return False
+        live[loc.data_ptr()] = loc.numel()
+    groups = optim_sd.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optim.param_groups):
+        return False
+    state = optim_sd.get("state")
+    if not isinstance(state, dict):
+        return False
+    for v in list(model_sd.values()) + [v for st in state.values() for v in st.values()]:
+        loc = _local(v)
+        if loc is None or (loc.numel() and live.get(loc.data_ptr()) != loc.numel()):
+            return False
+    return True
 
 
 # ---- checkpointers --------------------------------------------------------------------------
@@ -258,6 +310,8 @@ class ResumeInfo:
     seconds: float                 # whole restore: planning + reading + set_state_dict
     tiers: dict[str, int] = field(default_factory=dict)  # tier -> bytes, summed over ranks
     reader_seconds: float | None = None
+    torch_seconds: dict[str, float] = field(default_factory=dict)  # state_dict / load_state_dict
+    path: str = ""  # gemini: "fast" or "dcp" (gemini_dcp.fast_load), and how the state went in
 
     def describe(self) -> str:
         used = {t: b for t, b in self.tiers.items() if b}
@@ -272,7 +326,10 @@ class ResumeInfo:
         if self.reader_seconds is not None:
             # The rest is torch's, not the tiers': get_state_dict initializes the optimizer
             # state (one fake step through DTensor), set_state_dict copies it back in.
-            line += f" (reading the tiers {self.reader_seconds:.2f} s, torch state-dict setup the rest)"
+            line += f" (reading the tiers {self.reader_seconds:.2f} s, torch state-dict setup the rest"
+            if self.torch_seconds:
+                line += ": " + ", ".join(f"{k} {v:.2f} s" for k, v in self.torch_seconds.items())
+            line += f"; {self.path})" if self.path else ")"
         return line
 
 
@@ -383,9 +440,10 @@ class GeminiCheckpointer(Checkpointer):
             if err is not None:
                 raise err from exc
             raise
-        ctx.log(f"restore path: {got.path}" + (f" ({got.reason})" if got.reason else ""))
+        path = f"{got.path} path" + (f" ({got.reason})" if got.reason else "") + f", state put in {app.last_load}"
         return ResumeInfo(step=int(reader.restored_step), seconds=time.perf_counter() - t0,
-                          tiers=dict(reader.restored_from), reader_seconds=reader.restore_seconds)
+                          tiers=dict(reader.restored_from), reader_seconds=reader.restore_seconds,
+                          torch_seconds=dict(app.timings), path=path)
 
     def close(self, ctx: Ctx) -> None:
         if self.snapshots is not None:  # waits for the last commit; raises a pending error
