@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -215,8 +214,7 @@ class GeminiStorageWriter(StorageWriter):
         self.local_writer = LocalWriter(self.slot_pool, carry)  # step 2, with its per-plan programs
         self.last_save: SaveStats | None = None  # this rank's last committed save (bytes written / carried)
         self._pending_save: SaveStats | None = None
-        # (plan, _plan_key of it, its tensor bytes), for _check_space
-        self._planned_total: tuple[SavePlan, tuple[list[Any], ...], int] | None = None
+        self._planned_total: tuple[SavePlan, int] | None = None  # (plan, its tensor bytes), for _check_space
         # The async path's pacers and copy-done callback for the next save (see SaveHooks).
         self.hooks: SaveHooks = NO_HOOKS
         self.process_group = process_group
@@ -477,12 +475,8 @@ class GeminiStorageWriter(StorageWriter):
         """Fail before writing when the ring of slots cannot fit in the tier root."""
         held = self._planned_total
         if held is None or held[0] is not plan:  # a replayed plan is the same object save after save
-            # A plain dcp.save plans anew: the same items as last time cost a few C-level maps.
-            key = _plan_key(plan)
-            if held is None or held[1] != key:
-                held = (plan, key, sum(_planned_bytes(item) for item in plan.items))
-            self._planned_total = held = (plan, key, held[2])
-        self.slot_pool.check_space(self._rank, held[2], len(plan.items))
+            held = self._planned_total = (plan, sum(_planned_bytes(item) for item in plan.items))
+        self.slot_pool.check_space(self._rank, held[1], len(plan.items))
 
     def _write_local(self, plan: SavePlan, planner: SavePlanner, step: int, rank: int) -> LocalWrite:
         """Step 2 of the commit protocol: resolve this rank's DCP items and copy them, checksummed,
@@ -515,17 +509,6 @@ def _save_stats(step: int, done: LocalWrite, local_writer: LocalWriter) -> SaveS
     return SaveStats(step=step, bytes_written=done.save_bytes[0], bytes_carried=done.save_bytes[1],
                      items_written=len(plan_c.carry) - carried, items_carried=carried, full=carried == 0,
                      reason=plan_c.reason, slot=done.slot)
-
-
-_ITEM_KEY = operator.attrgetter("index.fqn", "index.offset", "type")
-_ITEM_SIZE = operator.attrgetter("tensor_data.chunk.sizes", "tensor_data.properties.dtype")
-
-
-def _plan_key(plan: SavePlan) -> tuple[list[Any], ...]:
-    """What the planned bytes of ``plan`` depend on, as lists built by C-level getters."""
-    items = plan.items
-    tensors = [it for it in items if it.tensor_data is not None]
-    return (list(map(_ITEM_KEY, items)), list(map(_ITEM_SIZE, tensors)))
 
 
 def _planned_bytes(item: WriteItem) -> int:
