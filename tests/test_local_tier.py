@@ -465,3 +465,30 @@ def test_decoded_layout_is_packed_and_behaves_like_the_dict() -> None:
     # content only: the same chunks built from other string objects (not interned) fingerprint alike
     rebuilt = {MetadataIndex("".join(list(k.fqn)), k.offset, k.index): ShardRef(*v) for k, v in plain.items()}
     assert record(rebuilt).fingerprint() == record(plain).fingerprint() == decoded.fingerprint()
+
+
+def test_metadata_shell_of_a_replanned_save_is_compared_once_and_pickled_never(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of a plain dcp.save digests the newly planned metadata, then encodes the record with
+    the equal shell every rank already holds: one comparison per save, no pickling, and the held
+    shell stays an identity hit (the cache keeps several entries)."""
+    import copy
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from gemini_dcp.local import record_caches
+
+    def planned() -> Metadata:
+        return Metadata(state_dict_metadata={f"w{i}": BytesStorageMetadata() for i in range(40)},
+                        planner_data={f"w{i}": (f"w{i}",) for i in range(40)})
+
+    held = planned()
+    first = record_caches.metadata_shell_blob(held)
+    compares: list[int] = []
+    pickles: list[int] = []
+    real_equal, real_dumps = record_caches._equal_parts, record_caches.pickle.dumps
+    monkeypatch.setattr(record_caches, "_equal_parts", lambda *a: compares.append(1) or real_equal(*a))
+    monkeypatch.setattr(record_caches.pickle, "dumps", lambda *a, **k: pickles.append(1) or real_dumps(*a, **k))
+    for save in range(1, 6):
+        assert record_caches.metadata_shell_blob(copy.deepcopy(planned())) == first  # the protocol's digest
+        assert record_caches.metadata_shell_blob(held) == first  # the record's encoding
+        assert len(compares) == save and pickles == []
