@@ -41,9 +41,9 @@ def _u8_buffer(t: torch.Tensor) -> memoryview:
     return t.numpy().data.cast("B")
 
 
-def _crc32c_update(value: int, buf: torch.Tensor) -> int:
+def _crc32c_update(value: int, buf: torch.Tensor, threads: int = 1) -> int:
     if ext_loader.load():
-        return ext_cpu.crc32c(buf, value)
+        return ext_cpu.crc32c(buf, value, threads)
     return _crc32c_pkg.crc32c(_u8_buffer(buf), value)
 
 
@@ -57,11 +57,12 @@ class _Hasher:
         else:
             raise ValueError(f"unknown checksum algorithm {algo!r}")
 
-    def update(self, buf: torch.Tensor) -> None:
+    def update(self, buf: torch.Tensor, threads: int = 1) -> None:
+        """Hash ``buf`` (flat uint8) next; ``threads`` > 1 splits a crc32c over threads (extension only)."""
         if self.algo == "xxh3":
             self._h.update(_u8_buffer(buf))
         else:
-            self._v = _crc32c_update(self._v, buf)
+            self._v = _crc32c_update(self._v, buf, threads)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dst`` (flat uint8, same length) and hash the bytes copied: one fused
