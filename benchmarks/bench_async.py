@@ -164,7 +164,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         f = stock_state["staging"]
         if f is not None:
             t = time.perf_counter()
-            f.result()
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - recorded; the stock mode stops, the others go on
+                stock_state["error"] = f"{type(exc).__name__}: {exc}"
+                stock_state["upload"] = None
             stock_state["guard"].append(time.perf_counter() - t)
             stock_state["staging"] = None
 
@@ -217,16 +221,29 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                                        checkpoint_id=step_no, process_group=group)
                     )
                     records[mode]["blocked"].append(time.perf_counter() - tb)
-                elif mode == "stock":
+                elif mode == "stock" and stock_state.get("error") is None:
                     msd, osd = get_state_dict(model, opt)
                     tb = time.perf_counter()
-                    if stock_state["upload"] is not None:
-                        stock_state["upload"].result()  # DCP: one async_save in flight
-                    w = dcp.FileSystemWriter(os.path.join(root, "stock", f"s{step_no % 3}"), overwrite=True)
-                    resp = dcp.async_save(
-                        {"model": msd, "optim": osd, "step": step_no}, storage_writer=w, async_stager=stager, process_group=group
-                    )
-                    stock_state["staging"], stock_state["upload"] = resp.staging_completion, resp.upload_completion
+                    path = os.path.join(root, "stock", f"s{step_no % 3}")
+                    state = {"model": msd, "optim": osd, "step": step_no}
+                    try:
+                        if stock_state["upload"] is not None:
+                            stock_state["upload"].result()  # DCP: one async_save in flight
+                        if cuda:
+                            # DCP's pinned staging on a GPU: FileSystemWriter's cached pinned CPU state dict, copied
+                            # into inside async_save (DefaultStager's pinned path fails on DTensor state dicts
+                            # with torch 2.11: KeyError <class 'type'> in its deepcopy).
+                            if stock_state.get("writer") is None:
+                                stock_state["writer"] = dcp.FileSystemWriter(path, overwrite=True, cache_staged_state_dict=True)
+                            fut = dcp.async_save(state, storage_writer=stock_state["writer"], checkpoint_id=path, process_group=group)
+                            stock_state["staging"], stock_state["upload"] = None, getattr(fut, "upload_completion", fut)
+                        else:
+                            w = dcp.FileSystemWriter(path, overwrite=True)
+                            resp = dcp.async_save(state, storage_writer=w, async_stager=stager, process_group=group)
+                            stock_state["staging"], stock_state["upload"] = resp.staging_completion, resp.upload_completion
+                    except Exception as exc:  # noqa: BLE001 - a stock failure must not lose the other modes' figures
+                        stock_state["error"] = f"{type(exc).__name__}: {exc}"
+                        stock_state["staging"] = stock_state["upload"] = None
                     records[mode]["blocked"].append(time.perf_counter() - tb)
                 sync()
                 if i >= args.skip:
@@ -259,7 +276,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             elif mode == "stock":
                 stock_guard()
                 if stock_state["upload"] is not None:
-                    stock_state["upload"].result()
+                    try:
+                        stock_state["upload"].result()
+                    except Exception as exc:  # noqa: BLE001 - recorded, see above
+                        stock_state["error"] = f"{type(exc).__name__}: {exc}"
                     stock_state["upload"] = None
     trace = None
     if args.trace and rank == 0:
@@ -274,7 +294,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         for t in _tensors(sd)
     )
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"records": records, "state_bytes": state_bytes, "profile": profile, "trace": trace})
+    dist.all_gather_object(gathered, {"records": records, "state_bytes": state_bytes, "profile": profile, "trace": trace,
+                                      "stock_error": stock_state.get("error")})
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
         shutil.rmtree(base, ignore_errors=True)
@@ -371,6 +392,7 @@ def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
         "state_bytes_per_rank": [r["state_bytes"] for r in per_rank],
         "profile_rank0": per_rank[0]["profile"],
         "trace_rank0": per_rank[0].get("trace"),
+        "stock_error_rank0": per_rank[0].get("stock_error"),
         "modes": modes,
     }
 

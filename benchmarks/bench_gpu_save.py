@@ -182,6 +182,8 @@ def main() -> None:
         tensors = locals_of(sd)
         nbytes = sum(t.nbytes for t in tensors)
         pinned = [pin(torch.empty(t.shape, dtype=t.dtype)) for t in tensors]
+        from gemini_dcp.dcp.device_copy import DeviceCopier
+
         writer = GeminiStorageWriter(root=str(base / "tier"), job_id="gpu", keep=1)
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=writer, checkpoint_id=0)
@@ -189,6 +191,14 @@ def main() -> None:
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=writer, checkpoint_id=1)  # the second slot of the ring (keep=1)
         second_save = time.perf_counter() - t0
+        # the same save with the checksum on the CPU (crc32c of each landed piece over 4 / 8 threads)
+        variants: dict[str, Any] = {}
+        for name, threads in (("gemini_save_cpu_crc4", 4), ("gemini_save_cpu_crc8", 8)):
+            vw = GeminiStorageWriter(root=str(base / "tier"), job_id=f"gpu-{threads}", keep=1)
+            vw.local_writer.device_copier = DeviceCopier(checksum_on="cpu", crc_threads=threads)
+            for i in range(2):
+                dcp.save(sd, storage_writer=vw, checkpoint_id=i)
+            variants[name] = vw
         step = [2]
         target = zeroed_like(sd)
 
@@ -206,16 +216,22 @@ def main() -> None:
             dcp.save(sd, storage_writer=writer, checkpoint_id=step[0])
             step[0] += 1
 
+        def variant_save(name: str) -> Any:
+            def run() -> None:
+                dcp.save(sd, storage_writer=variants[name], checkpoint_id=step[0])
+                step[0] += 1
+            return run
+
         def stock_save() -> None:
             d = base / "stock"
             shutil.rmtree(d, ignore_errors=True)
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(d)))
 
-        def gemini_load(mode: str) -> Any:
+        def gemini_load(mode: str, job: str = "gpu") -> Any:
             def run() -> None:
                 os.environ["GEMINI_DCP_H2D_REGISTER"] = mode
                 try:
-                    r = GeminiStorageReader(root=str(base / "tier"), job_id="gpu")
+                    r = GeminiStorageReader(root=str(base / "tier"), job_id=job)
                     dcp.load(target, storage_reader=r)
                     sync()
                     extra["last_landing_" + mode] = {
@@ -234,7 +250,10 @@ def main() -> None:
         extra: dict[str, Any] = {}
         methods: dict[str, Any] = {"pinned_d2h": pinned_d2h, "gemini_save": gemini_save, "pinned_h2d": pinned_h2d,
                                    "gemini_load_registered": gemini_load("1"), "gemini_load_pageable": gemini_load("0"),
-                                   "gemini_load_auto": gemini_load("auto")}
+                                   "gemini_load_auto": gemini_load("auto"),
+                                   "gemini_save_cpu_crc4": variant_save("gemini_save_cpu_crc4"),
+                                   "gemini_save_cpu_crc8": variant_save("gemini_save_cpu_crc8"),
+                                   "gemini_load_auto_crc_items": gemini_load("auto", "gpu-4")}
         if not args.skip_stock:
             stock_save()
             methods.update(stock_save=stock_save, stock_load=stock_load)
@@ -260,13 +279,21 @@ def main() -> None:
             "command": " ".join([sys.executable, *sys.argv]),
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "bytes": nbytes, "items": len(tensors), "copy_path": copy_path(),
-            "device_copier": {"bytes_copied": dc.bytes_copied, "chunks_copied": dc.chunks_copied,
+            "device_copier": {"bytes_copied": dc.bytes_copied, "chunks_copied": dc.chunks_copied, "seconds": dc.seconds,
+                              "gbps_inside_copier": gbps(dc.bytes_copied, dc.seconds), "checksum_on": dc.checksum_on,
+                              "item_algo": dc.item_algo("crc32c"),
                               "register_failed": dc.register_failed, "chunk_bytes": dc.chunk_bytes},
+            "device_copier_variants": {k: {"gbps_inside_copier": gbps(v.local_writer.device_copier.bytes_copied,
+                                                                       v.local_writer.device_copier.seconds)}
+                                       for k, v in variants.items()},
             "first_save_s": first_save, "second_save_s": second_save,
             "methods": res, "bit_exact": exact, "landing": extra,
             "checksum": checksum_costs(min(nbytes, 1 << 30), max(3, args.rounds)),
             "ratios": {
                 "gemini_save_over_pinned_d2h": res["gemini_save"]["gbps"] / res["pinned_d2h"]["gbps"],
+                "copier_inside_save_over_pinned_d2h": (gbps(dc.bytes_copied, dc.seconds) or 0.0) / res["pinned_d2h"]["gbps"],
+                "gemini_save_cpu_crc4_over_pinned_d2h": res["gemini_save_cpu_crc4"]["gbps"] / res["pinned_d2h"]["gbps"],
+                "gemini_save_cpu_crc8_over_pinned_d2h": res["gemini_save_cpu_crc8"]["gbps"] / res["pinned_d2h"]["gbps"],
                 "gemini_load_registered_over_pinned_h2d": res["gemini_load_registered"]["gbps"] / res["pinned_h2d"]["gbps"],
                 "gemini_load_pageable_over_pinned_h2d": res["gemini_load_pageable"]["gbps"] / res["pinned_h2d"]["gbps"],
                 "gemini_load_auto_over_pinned_h2d": res["gemini_load_auto"]["gbps"] / res["pinned_h2d"]["gbps"],

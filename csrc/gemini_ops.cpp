@@ -677,6 +677,42 @@ int64_t xsum64_cpu(const at::Tensor& t) {
   return static_cast<int64_t>(mix64(s ^ n ^ kXsumSeed));
 }
 
+// The sum term of xsum64 over t's words keyed from word `word_offset` on (t is a piece of a larger
+// buffer starting at byte 8 * word_offset; a trailing partial word is zero-padded, so only the last
+// piece of a buffer may have a length that is not a multiple of 8). xsum64 of the whole buffer is
+// mix64((sum of the pieces' terms) ^ nbytes ^ SEED): the CPU checks, piece by piece, a checksum the
+// GPU computed in one pass (gemini_dcp/core/checksum.py).
+int64_t xsum64_sum(const at::Tensor& t, int64_t word_offset, int64_t num_threads) {
+  TORCH_CHECK(t.device().is_cpu(), "gemini_dcp::xsum64_sum: expected a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "gemini_dcp::xsum64_sum: tensor must be contiguous");
+  TORCH_CHECK(word_offset >= 0, "gemini_dcp::xsum64_sum: word_offset must be >= 0, got ", word_offset);
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  const uint64_t n = static_cast<uint64_t>(t.nbytes());
+  const uint64_t full = n / 8;
+  const uint64_t words = (n + 7) / 8;
+  const uint64_t base = static_cast<uint64_t>(word_offset);
+  const int threads = num_threads == 1 ? 1 : pick_threads(num_threads, n);
+  std::vector<uint64_t> sums(threads, 0);
+  const uint64_t per = (words + threads - 1) / std::max(1, threads);
+  run_threads(threads, [&](int i) {
+    const uint64_t b = std::min(words, per * i), e = std::min(words, per * (i + 1));
+    uint64_t acc = 0;
+    for (uint64_t w = b; w < e; ++w) {
+      uint64_t v = 0;
+      if (w < full) {
+        v = load_u64(p + 8 * w);
+      } else {
+        for (uint64_t j = 0; 8 * w + j < n; ++j) v |= uint64_t(p[8 * w + j]) << (8 * j);
+      }
+      acc += mix64(v ^ ((base + w + 1) * kXsumK));
+    }
+    sums[i] = acc;
+  });
+  uint64_t s = 0;
+  for (uint64_t v : sums) s += v;
+  return static_cast<int64_t>(s);
+}
+
 // Testing/benchmark knob: "" queries, "crc32" / "pclmul" force that x86 kernel,
 // "blocks" makes copy_with_crc32c copy blocks then checksum them (instead of one
 // pass), "auto" restores the defaults. Returns the implementation now in use.
@@ -714,6 +750,7 @@ TORCH_LIBRARY(gemini_dcp, m) {
   m.def("crc32c(Tensor buf, int value=0, int num_threads=1) -> int");
   m.def("copy_with_crc32c(Tensor(a!) dst, Tensor src, int num_threads=0, int value=0) -> int");
   m.def("xsum64(Tensor t) -> int");
+  m.def("xsum64_sum(Tensor t, int word_offset=0, int num_threads=1) -> int");
   m.def("build_info() -> str", &build_info);
   m.def("crc32c_path(str path=\"\") -> str", &crc32c_path);
 }
@@ -723,6 +760,7 @@ TORCH_LIBRARY_IMPL(gemini_dcp, CPU, m) {
   m.impl("crc32c", &crc32c);
   m.impl("copy_with_crc32c", &copy_with_crc32c);
   m.impl("xsum64", &xsum64_cpu);
+  m.impl("xsum64_sum", &xsum64_sum);
 }
 
 }  // namespace gemini_dcp

@@ -26,17 +26,17 @@ in the mapping before any of them could land, which is the restore's rule for ev
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["MIN_REGISTER_BYTES", "REGISTER_ENV", "DeviceLander", "register_read_only", "unregister"]
+from ..options.device import DeviceOptions
+
+__all__ = ["MIN_REGISTER_BYTES", "DeviceLander", "register_read_only", "unregister"]
 
 log = logging.getLogger(__name__)
 
-REGISTER_ENV = "GEMINI_DCP_H2D_REGISTER"
 MIN_REGISTER_BYTES = 64 << 20
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly (CUDA >= 11.1)
 _CUDA_ERROR_ALREADY_REGISTERED = 712
@@ -68,8 +68,7 @@ def unregister(t: torch.Tensor) -> None:
 
 
 def _mode() -> str:
-    mode = os.environ.get(REGISTER_ENV, "auto").strip().lower() or "auto"
-    return mode if mode in ("auto", "0", "1") else "auto"
+    return {"auto": "auto", "always": "1", "never": "0"}[DeviceOptions.from_env().h2d_register]
 
 
 class DeviceLander:
@@ -122,7 +121,7 @@ class DeviceLander:
                 if self.register_failed is None:
                     log.warning("gemini_dcp: page-locking a slot mapping for the restore failed (%s); the chunks go "
                                 "to the GPU pageable (correct, slower). Raise the memlock limit (ulimit -l) or set "
-                                "%s=0 to skip the attempt.", exc, REGISTER_ENV)
+                                "GEMINI_DCP_H2D_REGISTER=0 to skip the attempt.", exc)
                 self.register_failed = str(exc)
                 continue
             self._registered.append(m)
