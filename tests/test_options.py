@@ -216,3 +216,18 @@ def test_only_gemini_dcp_options_names_a_gemini_dcp_variable() -> None:
                 if "GEMINI_DCP" in text or "ENV_" in text:
                     found.append(f"{rel}:{node.lineno}: {text}")
     assert not found, "read GEMINI_DCP_* variables through gemini_dcp.options:\n" + "\n".join(found)
+
+
+def test_device_options_from_env_and_their_errors() -> None:
+    from gemini_dcp.options.device import DeviceOptions
+
+    assert DeviceOptions.from_env({}) == DeviceOptions()
+    o = DeviceOptions.from_env({"GEMINI_DCP_D2H_CHECKSUM": "CPU", "GEMINI_DCP_H2D_REGISTER": "0"})
+    assert o.d2h_checksum == "cpu" and o.h2d_register == "never"
+    assert DeviceOptions.from_env({"GEMINI_DCP_H2D_REGISTER": "1"}).h2d_register == "always"
+    with pytest.raises(ConfigError, match="GEMINI_DCP_D2H_CHECKSUM='fast'.*auto, gpu or cpu"):
+        DeviceOptions.from_env({"GEMINI_DCP_D2H_CHECKSUM": "fast"})
+    with pytest.raises(ConfigError, match="GEMINI_DCP_H2D_REGISTER='maybe'"):
+        DeviceOptions.from_env({"GEMINI_DCP_H2D_REGISTER": "maybe"})
+    with pytest.raises(ConfigError, match="d2h_checksum"):
+        DeviceOptions(d2h_checksum="tpu")  # type: ignore[arg-type]
