@@ -110,7 +110,8 @@ class DeviceCopier:
         self.register_failed: str | None = None  # why registration is off for this writer
         self.bytes_copied = 0
         self.chunks_copied = 0
-        self.seconds = 0.0  # wall time inside copy(): bytes_copied / seconds is the GPU -> tier rate
+        self.seconds = 0.0  # wall time inside copy() and wait(): bytes_copied / seconds is the GPU -> tier rate
+        self._in_flight: _Waitable | None = None  # the last queued piece of the GPU-checksummed path
 
     # ---- page-locking the slot mappings -----------------------------------------------------------
     def ensure_registered(self, slot: _Slot) -> None:
@@ -173,7 +174,9 @@ class DeviceCopier:
         """Copy CUDA tensor ``src`` into ``dst`` (a flat uint8 CPU view of the slot, ``src``'s byte
         size) piece by piece, and return the checksum (``algo``) of the bytes as they landed.
 
-        Returns only once every piece is in ``dst``.
+        With the slot's own algorithm this returns once every piece is in ``dst``; with ``xsum64``
+        (the GPU checksum) once every piece is queued: call :meth:`wait` before ``dst`` is read or
+        the save is called done (``LocalWriter`` does, once per write).
         """
         t0 = time.perf_counter()
         try:
@@ -218,9 +221,20 @@ class DeviceCopier:
             self.chunks_copied += 1
         value = gpu_checksum(s)  # of the device bytes the copies read (same stream order: nothing wrote them since)
         if last is not None:
-            last.synchronize()  # every piece is in the slot: the save may be called done
+            # No wait here: the next tensor's pieces queue behind these on the same stream, so the copy
+            # engine never idles between tensors; wait() (once per local write) waits for the last one.
+            self._in_flight = last
         self.bytes_copied += n
         return value
+
+    def wait(self) -> None:
+        """Wait until every piece queued by :meth:`copy` is in the slot (the local write calls this
+        before it returns, also on an error: no DMA may outlive the write)."""
+        last, self._in_flight = self._in_flight, None
+        if last is not None:
+            t0 = time.perf_counter()
+            last.synchronize()
+            self.seconds += time.perf_counter() - t0
 
     def _land(self, h: Any, dst: torch.Tensor, ev: _Waitable, start: int, m: int) -> None:
         ev.synchronize()

@@ -197,8 +197,11 @@ class LocalWriter:
             if plan_c is None:
                 note_plain_write(slot)
             skip = plan_c.carry if plan_c is not None and plan_c.any else None
-            sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace,
-                              self.device_copier, skip)
+            try:
+                sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace,
+                                  self.device_copier, skip)
+            finally:
+                self.device_copier.wait()  # CUDA items: every queued device-to-host piece is in the slot
             if plan_c is not None:
                 assert self.carry is not None
                 if skip is not None:
