@@ -647,51 +647,11 @@ inline uint64_t mix64(uint64_t z) {
   return z;
 }
 
-int64_t xsum64_cpu(const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu(), "gemini_dcp::xsum64: expected a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), "gemini_dcp::xsum64: tensor must be contiguous");
-  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
-  const uint64_t n = static_cast<uint64_t>(t.nbytes());
+// The sum term of xsum64 over the n bytes at p, keyed from word `base` on (a trailing partial word
+// zero-padded), over `threads` threads splitting on word boundaries.
+uint64_t xsum64_terms(const uint8_t* p, uint64_t n, uint64_t base, int threads) {
   const uint64_t full = n / 8;
   const uint64_t words = (n + 7) / 8;
-  const int threads = pick_threads(0, n);
-  std::vector<uint64_t> sums(threads, 0);
-  // Split on word boundaries.
-  const uint64_t per = (words + threads - 1) / std::max(1, threads);
-  run_threads(threads, [&](int i) {
-    const uint64_t b = std::min(words, per * i), e = std::min(words, per * (i + 1));
-    uint64_t acc = 0;
-    for (uint64_t w = b; w < e; ++w) {
-      uint64_t v = 0;
-      if (w < full) {
-        v = load_u64(p + 8 * w);
-      } else {
-        for (uint64_t j = 0; 8 * w + j < n; ++j) v |= uint64_t(p[8 * w + j]) << (8 * j);
-      }
-      acc += mix64(v ^ ((w + 1) * kXsumK));
-    }
-    sums[i] = acc;
-  });
-  uint64_t s = 0;
-  for (uint64_t v : sums) s += v;
-  return static_cast<int64_t>(mix64(s ^ n ^ kXsumSeed));
-}
-
-// The sum term of xsum64 over t's words keyed from word `word_offset` on (t is a piece of a larger
-// buffer starting at byte 8 * word_offset; a trailing partial word is zero-padded, so only the last
-// piece of a buffer may have a length that is not a multiple of 8). xsum64 of the whole buffer is
-// mix64((sum of the pieces' terms) ^ nbytes ^ SEED): the CPU checks, piece by piece, a checksum the
-// GPU computed in one pass (gemini_dcp/core/checksum.py).
-int64_t xsum64_sum(const at::Tensor& t, int64_t word_offset, int64_t num_threads) {
-  TORCH_CHECK(t.device().is_cpu(), "gemini_dcp::xsum64_sum: expected a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), "gemini_dcp::xsum64_sum: tensor must be contiguous");
-  TORCH_CHECK(word_offset >= 0, "gemini_dcp::xsum64_sum: word_offset must be >= 0, got ", word_offset);
-  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
-  const uint64_t n = static_cast<uint64_t>(t.nbytes());
-  const uint64_t full = n / 8;
-  const uint64_t words = (n + 7) / 8;
-  const uint64_t base = static_cast<uint64_t>(word_offset);
-  const int threads = num_threads == 1 ? 1 : pick_threads(num_threads, n);
   std::vector<uint64_t> sums(threads, 0);
   const uint64_t per = (words + threads - 1) / std::max(1, threads);
   run_threads(threads, [&](int i) {
@@ -710,7 +670,30 @@ int64_t xsum64_sum(const at::Tensor& t, int64_t word_offset, int64_t num_threads
   });
   uint64_t s = 0;
   for (uint64_t v : sums) s += v;
-  return static_cast<int64_t>(s);
+  return s;
+}
+
+int64_t xsum64_cpu(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "gemini_dcp::xsum64: expected a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "gemini_dcp::xsum64: tensor must be contiguous");
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  const uint64_t n = static_cast<uint64_t>(t.nbytes());
+  return static_cast<int64_t>(mix64(xsum64_terms(p, n, 0, pick_threads(0, n)) ^ n ^ kXsumSeed));
+}
+
+// The sum term of xsum64 over t's words keyed from word `word_offset` on (t is a piece of a larger
+// buffer starting at byte 8 * word_offset; only the last piece of a buffer may have a length that is
+// not a multiple of 8). xsum64 of the whole buffer is mix64((sum of the pieces' terms) ^ nbytes ^
+// SEED): the CPU checks, piece by piece, a checksum the GPU computed in one pass
+// (gemini_dcp/core/checksum.py).
+int64_t xsum64_sum(const at::Tensor& t, int64_t word_offset, int64_t num_threads) {
+  TORCH_CHECK(t.device().is_cpu(), "gemini_dcp::xsum64_sum: expected a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "gemini_dcp::xsum64_sum: tensor must be contiguous");
+  TORCH_CHECK(word_offset >= 0, "gemini_dcp::xsum64_sum: word_offset must be >= 0, got ", word_offset);
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  const uint64_t n = static_cast<uint64_t>(t.nbytes());
+  const int threads = num_threads == 1 ? 1 : pick_threads(num_threads, n);
+  return static_cast<int64_t>(xsum64_terms(p, n, static_cast<uint64_t>(word_offset), threads));
 }
 
 // Testing/benchmark knob: "" queries, "crc32" / "pclmul" force that x86 kernel,
