@@ -144,7 +144,7 @@ def checksum_costs(n: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=4.0)
     ap.add_argument("--big", type=int, default=16, help="large float32 tensors")
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the script's logic")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     global DEV
     DEV = args.device
     if DEV == "cuda" and not torch.cuda.is_available():
