@@ -282,9 +282,10 @@ def test_merge_runs_and_pair_decision() -> None:
     from gemini_dcp.peer.delta import ReplicaMemory, merge_runs, pair_runs, touches
 
     assert merge_runs([(0, 10), (20, 5), (1 << 20, 8), (2 << 20, 0)], gap=64) == ((0, 25), (1 << 20, 8))
-    offer = ("tok", 7, ((5, ((0, 64),)), (6, ())))
-    assert pair_runs(offer, [(1, 2, "tok", 5)], src=1) == (2, ((0, 64),))
-    assert pair_runs(offer, [(1, 2, "tok", 6)], src=1) == (2, ())  # nothing changed: no bytes move
+    rows = ((128, 4096, 16, b"\x03\x00\x00\x00"),)  # a table at 128: row 3 of 256 written
+    offer = ("tok", 7, ((5, ((0, 64),), rows), (6, (), ())))
+    assert pair_runs(offer, [(1, 2, "tok", 5)], src=1) == (2, ((0, 64),), rows)
+    assert pair_runs(offer, [(1, 2, "tok", 6)], src=1) == (2, (), ())  # nothing changed: no bytes move
     assert pair_runs(offer, [(1, 2, "other", 5)], src=1) is None  # another writer (a restarted sender)
     assert pair_runs(offer, [(0, 2, "tok", 5)], src=1) is None  # a base of another rank
     assert pair_runs(offer, [(1, 2, "tok", 4)], src=1) is None  # a save the offer has no runs against
@@ -440,7 +441,8 @@ def test_delta_offer_runs_and_full_every_sends_whole(root: str) -> None:
     reason, (token, seq, since) = offers[2]
     assert reason == "incremental" and token == "tok" and seq == 2
     lora = 8 * 256 * 4
-    assert [b for b, _ in since] == [0, 1] and all(sum(n for _, n in runs) >= lora for _, runs in since)
-    assert all(sum(n for _, n in runs) < FROZEN for _, runs in since)  # the frozen tensor is in no run
+    assert [b for b, _, _ in since] == [0, 1] and all(sum(n for _, n in runs) >= lora for _, runs, _ in since)
+    assert all(sum(n for _, n in runs) < FROZEN for _, runs, _ in since)  # the frozen tensor is in no run
+    assert all(packed == () for _, _, packed in since)  # no sharded embedding table: no row deltas
     # 0 and 1 are the ring's first writes (full), then 3 incremental saves, then the 4th is forced full.
     assert [r for r, _ in offers[2:]] == ["incremental"] * 3 + ["full_every=4"] and offers[5][1][2] == ()

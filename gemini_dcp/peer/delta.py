@@ -5,10 +5,13 @@ still holds what an earlier save of that rank sent there. Two values ride in the
 gather (step 3, plain tuples in :class:`~gemini_dcp.commit.reports.RankReport`):
 
 - the sender's **offer** ``(token, seq, since)``: ``token`` names the writer (a process),
-  ``seq`` this save, and ``since`` = ``((base seq, runs), ...)``: for each recent save of this
-  writer with the same layout, the ``(offset, length)`` runs of this save's slot that may
-  differ from that save's (items whose tensor changed since, per the change rule; gaps below
-  :data:`MERGE_GAP` merged: those bytes are equal on both sides or padding);
+  ``seq`` this save, and ``since`` = ``((base seq, runs, packed), ...)``: for each recent save
+  of this writer with the same layout, the ``(offset, length)`` runs of this save's slot that
+  may differ from that save's (items whose tensor changed since, per the change rule; gaps
+  below :data:`MERGE_GAP` merged: those bytes are equal on both sides or padding), and the
+  row deltas of sharded embedding tables, ``packed`` = ``((offset, length, row_bytes, rows),
+  ...)`` with ``rows`` the int32 indices of the rows written (sent packed: one message stream
+  per table, however scattered the rows; the receiver scatters them into its replica);
 - the receiver's **bases** ``((src rank, slot index, token, seq), ...)``: which save of which
   writer each replica slot it will receive into holds, verified (:class:`ReplicaMemory`).
 
@@ -26,13 +29,16 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["MERGE_GAP", "ReplicaMemory", "merge_runs", "pair_runs", "touches"]
+import torch
+
+__all__ = ["MERGE_GAP", "Packed", "ReplicaMemory", "merge_runs", "packed_rows", "pair_runs", "touches"]
 
 #: Changed items closer than this are sent as one run (fewer messages; the gap bytes are equal).
 MERGE_GAP = 64 << 10
 
 Runs = tuple[tuple[int, int], ...]
-Offer = tuple[str, int, tuple[tuple[int, Runs], ...]]  # (token, seq, ((base seq, runs), ...))
+Packed = tuple[tuple[int, int, int, bytes], ...]  # ((item offset, item length, row bytes, int32 row indices), ...)
+Offer = tuple[str, int, tuple[tuple[int, Runs, Packed], ...]]  # (token, seq, ((base seq, runs, packed), ...))
 Base = tuple[int, int, str, int]  # (src rank, slot index, token, seq)
 
 
@@ -55,17 +61,32 @@ def touches(runs: Runs, offset: int, length: int) -> bool:
     return i >= 0 and runs[i][0] + runs[i][1] > offset and length > 0
 
 
-def pair_runs(offer: Offer | None, bases: Sequence[Base], src: int) -> tuple[int, Runs] | None:
-    """``(slot index, runs)`` when the receiver (``bases``) holds a save of ``src`` that ``offer``
-    has runs against; None: the whole slot is sent. Pure: both ends compute it alike."""
+def pair_runs(offer: Offer | None, bases: Sequence[Base], src: int) -> tuple[int, Runs, Packed] | None:
+    """``(slot index, runs, packed)`` when the receiver (``bases``) holds a save of ``src`` that
+    ``offer`` has runs against; None: the whole slot is sent. Pure: both ends compute it alike."""
     if offer is None:
         return None
     token, _seq, since = offer
-    runs_by_base = dict(since)
+    runs_by_base = {b: (runs, packed) for b, runs, packed in since}
     for b_src, idx, b_token, b_seq in bases:
         if b_src == src and b_token == token and b_seq in runs_by_base:
-            return idx, runs_by_base[b_seq]
+            runs, packed = runs_by_base[b_seq]
+            return idx, runs, packed
     return None
+
+
+def packed_rows(spec: tuple[int, int, int, bytes], nbytes: int) -> tuple[int, int, int, Any]:
+    """``(offset, length, row_bytes, row indices as an int64 tensor)`` of one packed table delta,
+    checked against the slot's ``nbytes`` (the offer came over the wire: a bad one raises ValueError)."""
+    off, length, row_bytes, raw = spec
+    if row_bytes <= 0 or length <= 0 or length % row_bytes or off < 0 or off + length > nbytes or len(raw) % 4:
+        raise ValueError(f"bad packed row delta (offset {off}, length {length}, row bytes {row_bytes}) "
+                         f"for a slot of {nbytes} bytes")
+    idx = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+    rows = length // row_bytes
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+        raise ValueError(f"packed row delta names rows outside 0..{rows - 1}")
+    return off, length, row_bytes, idx
 
 
 class ReplicaMemory:

@@ -27,7 +27,7 @@ from ..errors import PeerError
 from ..local.records import RankSlot, ShardRef, StepRecord
 from ..transport.comm import Comm, restart_required
 from ..transport.p2p import Pending, Transport
-from .delta import ReplicaMemory, pair_runs, touches
+from .delta import ReplicaMemory, merge_runs, packed_rows, pair_runs, touches
 from .routes import SlotReport, choose_order, replication_routes
 
 __all__ = ["ReplicaTier", "Replicated", "ReplicationOptions", "SlotBuffer", "node_order", "replicate"]
@@ -140,6 +140,7 @@ def replicate(
     me = comm.rank
     works: list[Pending] = []
     received: list[tuple[int, int, SlotBuffer, Any]] = []  # (src, slot index, slot, delta runs or None)
+    scatter: list[tuple[SlotBuffer, int, int, int, torch.Tensor, torch.Tensor]] = []  # received packed rows
     delta_sent = delta_pairs = 0
     sent = recv_bytes = 0
     error: str | None = None
@@ -166,7 +167,14 @@ def replicate(
                 for off, n in plan[1]:
                     works += transport.recv_ranges(_at(into, off), n, reports[src].wire_chunk, src, what)
                     recv_bytes += n
-            received.append((src, idx, into, plan[1] if plan is not None else None))
+                for off, length, row_bytes, rows in plan[2]:  # table row deltas: packed, scattered on arrival
+                    staging = torch.empty(rows.numel() * row_bytes, dtype=torch.uint8)
+                    works += transport.recv_ranges(_in(staging), staging.numel(), reports[src].wire_chunk, src,
+                                                   f"{what} rows")
+                    recv_bytes += staging.numel()
+                    scatter.append((into, off, length, row_bytes, rows, staging))
+            touched = None if plan is None else merge_runs(sorted([*plan[1], *((o, n) for o, n, _, _ in plan[2])]), 0)
+            received.append((src, idx, into, touched))
         targets = [dst for src, dst in sorted(routes) if src == me]
         nbytes = reports[me].nbytes
         if targets and nbytes:
@@ -189,9 +197,17 @@ def replicate(
                                                    deadline_s=deadline)
                     sent += n
                     delta_sent += n
+                for off, length, row_bytes, rows in plan[2]:  # the table's written rows, packed
+                    packed = mine.view(off, length).view(-1, row_bytes).index_select(0, rows).reshape(-1)
+                    works += transport.send_ranges(_in(packed), packed.numel(), chunk, [dst], f"{what} rows",
+                                                   pace=paced, deadline_s=deadline)
+                    sent += packed.numel()
+                    delta_sent += packed.numel()
         fault_point("replicate.mid_send")  # sends posted, not all delivered
         for w in works:
             transport.wait(w, deadline_s=deadline)
+        for into, off, length, row_bytes, rows, staging in scatter:
+            into.view(off, length).view(-1, row_bytes).index_copy_(0, rows, staging.view(-1, row_bytes))
     except PeerError as exc:  # gloo timeout / peer gone
         transport_failed = True
         error = str(exc)
@@ -222,9 +238,24 @@ def replicate(
     return Replicated(tuple(replica_slots), stats, order)
 
 
-def _pair(reports: Sequence[Any], src: int, dst: int) -> tuple[int, Any] | None:
-    """The delta plan of the pair ``src -> dst`` (``peer.delta.pair_runs``), the same at both ends."""
-    return pair_runs(getattr(reports[src], "delta_offer", None), getattr(reports[dst], "replica_bases", ()), src)
+def _pair(reports: Sequence[Any], src: int, dst: int) -> tuple[int, Any, list[tuple[int, int, int, torch.Tensor]]] | None:
+    """The delta plan of the pair ``src -> dst`` (``peer.delta.pair_runs``), the same at both ends:
+    ``(slot index, runs, [(offset, length, row bytes, row indices), ...])``. An offer whose packed rows
+    do not fit the slot sends the whole slot (both ends decide so from the same gathered reports)."""
+    got = pair_runs(getattr(reports[src], "delta_offer", None), getattr(reports[dst], "replica_bases", ()), src)
+    if got is None:
+        return None
+    idx, runs, packed = got
+    try:
+        return idx, runs, [packed_rows(spec, reports[src].nbytes) for spec in packed]
+    except (ValueError, TypeError) as exc:
+        log.warning("rank %d's delta offer is unusable (%s): its whole slot is sent", src, exc)
+        return None
+
+
+def _in(buf: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
+    """A range view over a flat uint8 staging tensor (packed table rows)."""
+    return lambda off, n: buf[off : off + n]
 
 
 def _at(buf: SlotBuffer, base: int) -> Callable[[int, int], torch.Tensor]:
