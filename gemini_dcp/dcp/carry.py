@@ -116,7 +116,8 @@ class _SlotMemory:
 @dataclasses.dataclass(frozen=True, slots=True)
 class CarryPlan:
     """What a save into a slot copies: ``carry[i]`` True means item i is already there with ``sums[i]``;
-    ``rows[i]`` True: item i (a table) is written as its rows that differ from the slot's.
+    ``rows[i]``: 0 for a plain item; a sharded embedding table is never carried on its key: 2 when
+    it is written as its rows that differ from the slot's, 1 when it is copied whole.
 
     ``wno`` numbers this write among the tracker's writes of the rank; ``base`` is the number of the
     write whose bytes the slot holds (what ``rows`` are compared against; None: no valid memory).
@@ -127,13 +128,13 @@ class CarryPlan:
     keys: list[Key | None]
     storages: list[Any]
     reason: str
-    rows: list[bool] = dataclasses.field(default_factory=list)
+    rows: list[int] = dataclasses.field(default_factory=list)
     wno: int = 0
     base: int | None = None
 
     @property
     def any(self) -> bool:
-        return any(self.carry) or any(self.rows)
+        return any(self.carry) or 2 in self.rows
 
 
 class CarryTracker:
@@ -183,13 +184,13 @@ class CarryTracker:
         if reason is None and mem is not None and last != mem.stamp:
             reason = "slot written by another writer"
         carry = [False] * n
-        rows = [False] * n
+        rows = [0] * n
         sums = [0] * n
         if reason is None:
             assert mem is not None
             for i in tensor_pos:
                 if row_items is not None and row_items[i]:
-                    rows[i] = row_items[i] == 2
+                    rows[i] = row_items[i]
                     continue
                 k = keys[i]
                 if k is not None and k == mem.keys[i]:
@@ -232,15 +233,15 @@ class CarryTracker:
         hist[:] = [h for h in hist if h[1] is program]  # another layout: no runs against it
         out: list[tuple[int, Runs, Packed]] = []
         deltas = deltas or {}
-        row_pos = [i for i, r in enumerate(plan.rows) if r]
+        row_pos = [i for i, r in enumerate(plan.rows) if r == 2]
         for b_seq, _prog, b_keys, b_storages, b_wno in hist:
             spans = []
             packed: list[tuple[int, int, int, bytes]] = []
             for i, k in enumerate(plan.keys):
-                if plan.rows and plan.rows[i]:
+                if plan.rows and plan.rows[i] == 2:
                     continue
                 ref = b_storages[i]
-                if k is None or k != b_keys[i] or ref is None or ref() is None:
+                if k is None or k != b_keys[i] or ref is None or ref() is None or (plan.rows and plan.rows[i]):
                     spans.append((offsets[i], sizes[i]))
             for i in row_pos:
                 rd = deltas.get(i)

@@ -312,7 +312,7 @@ class LocalWriter:
     @staticmethod
     def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
               algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None,
-              rows: list[bool] | None = None, deltas: dict[int, RowDelta] | None = None) -> list[int]:
+              rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None) -> list[int]:
         """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves);
         of the tables ``rows`` marks, only the rows that differ from the slot's (their deltas into ``deltas``)."""
         if skip is not None:
@@ -358,9 +358,9 @@ def _row_items(prog: _Program, flat: dict[str, Any] | None, entries: list[torch.
 
 def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int],
                   slot: Any, algo: str, pace: Pacer | None, skip: list[bool], device_copier: DeviceCopier,
-                  rows: list[bool] | None = None, deltas: dict[int, RowDelta] | None = None) -> list[int]:
+                  rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None) -> list[int]:
     """``LocalWriter._copy`` of the items ``skip`` does not mark (their checksums; 0 for the skipped);
-    the tables ``rows`` marks get their changed rows only (``row_delta.copy_changed_rows``)."""
+    the tables ``rows`` marks 2 get their changed rows only (``row_delta.copy_changed_rows``)."""
     sums = [0] * len(entries)
     hasher = buffer_checksum(algo)
     view = memoryview(slot.tensor.numpy()) if prog.groups else None
@@ -381,7 +381,7 @@ def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[
         for i in prog.single + prog.byte_pos:
             if skip[i]:
                 continue
-            if rows is not None and rows[i]:
+            if rows is not None and rows[i] == 2:
                 sums[i], rd = copy_changed_rows(slot.view(prog.offsets[i], sizes[i]), entries[i], algo, pace=pace)
                 if deltas is not None:
                     deltas[i] = rd
