@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..options.incremental import IncrementalOptions
-from ..peer.delta import Packed, Runs, merge_runs
+from ..peer.delta import PACK_MAX_SHARE, Packed, Runs, merge_runs
 from .row_delta import RowDelta
 
 __all__ = ["CarryPlan", "CarryTracker", "IncrementalOptions", "SaveStats", "note_plain_write", "tensor_key"]
@@ -227,7 +227,7 @@ class CarryTracker:
         seen then is still alive (:func:`tensor_key`); everything else is in a run. A table
         (``plan.rows``) is never unchanged on its key: against the save the slot held (``plan.base``)
         it is its changed rows (``deltas[i]``, ``(offset, length, row_bytes, int32 row indices)``),
-        against any other save the whole item.
+        unless they are ``PACK_MAX_SHARE`` of it or more; against any other save the whole item.
         """
         hist = self._history.setdefault(rank, [])
         hist[:] = [h for h in hist if h[1] is program]  # another layout: no runs against it
@@ -245,7 +245,7 @@ class CarryTracker:
                     spans.append((offsets[i], sizes[i]))
             for i in row_pos:
                 rd = deltas.get(i)
-                if b_wno == plan.base and rd is not None and rd[1] < 2**31:
+                if b_wno == plan.base and rd is not None and rd[1] < 2**31 and rd.bytes_written < PACK_MAX_SHARE * sizes[i]:
                     if rd.changed.numel():
                         packed.append((offsets[i], sizes[i], rd.row_bytes, rd.changed.to(torch.int32).numpy().tobytes()))
                 else:

@@ -27,7 +27,7 @@ from ..core.checksum import new_hasher
 __all__ = ["RowDelta", "copy_changed_rows", "is_row_item", "row_geometry"]
 
 #: Rows compared and written per pass (the slot's block is hashed while it is in cache).
-ROW_BLOCK_BYTES = 2 << 20
+ROW_BLOCK_BYTES = 1 << 20
 
 
 class RowDelta(tuple[int, int, torch.Tensor]):
@@ -112,6 +112,7 @@ def copy_changed_rows(dst: torch.Tensor, src: torch.Tensor, algo: str, *, block:
     h = new_hasher(algo)
     step = max(1, block // row_bytes)
     neq = np.empty((min(step, rows), s_words.shape[1]), dtype=bool)
+    wide = s_words.shape[1] % 8 == 0
     found: list[np.ndarray] = []
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -120,9 +121,10 @@ def copy_changed_rows(dst: torch.Tensor, src: torch.Tensor, algo: str, *, block:
         s, d = s_words[r0:r1], d_words[r0:r1]
         ne = neq[: r1 - r0]
         np.not_equal(s, d, out=ne)
-        idx = np.flatnonzero(ne.any(axis=1))
+        # ``any`` per row over 8 flags at a time (a bool row viewed as uint64 words: ~2x faster)
+        idx = np.flatnonzero((ne.view(np.uint64) if wide else ne).any(axis=1))
         k = idx.size
-        if k == r1 - r0:
+        if 2 * k >= r1 - r0:  # half the block or more: one plain copy is cheaper than a gather and scatter
             d[...] = s
         elif k:
             d[idx] = s[idx]

@@ -31,10 +31,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["MERGE_GAP", "Packed", "ReplicaMemory", "merge_runs", "packed_rows", "pair_runs", "touches"]
+__all__ = ["MERGE_GAP", "PACK_MAX_SHARE", "Packed", "ReplicaMemory", "merge_runs", "packed_rows", "pair_runs", "row_view", "touches"]
 
 #: Changed items closer than this are sent as one run (fewer messages; the gap bytes are equal).
 MERGE_GAP = 64 << 10
+#: A table whose written rows are this share of it or more is sent whole (one run: no gather on the
+#: sender, no staging buffer and scatter on the receiver, which cost more than the bytes saved).
+PACK_MAX_SHARE = 0.5
 
 Runs = tuple[tuple[int, int], ...]
 Packed = tuple[tuple[int, int, int, bytes], ...]  # ((item offset, item length, row bytes, int32 row indices), ...)
@@ -73,6 +76,15 @@ def pair_runs(offer: Offer | None, bases: Sequence[Base], src: int) -> tuple[int
             runs, packed = runs_by_base[b_seq]
             return idx, runs, packed
     return None
+
+
+def row_view(flat: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """A flat uint8 tensor as ``[rows, k]`` of the widest integer word dividing a row (gathers and
+    scatters of whole rows run ~2-3x faster on 8-byte words than on bytes)."""
+    for dt, w in ((torch.int64, 8), (torch.int32, 4)):
+        if row_bytes % w == 0 and flat.data_ptr() % w == 0:
+            return flat.view(dt).view(-1, row_bytes // w)
+    return flat.view(-1, row_bytes)
 
 
 def packed_rows(spec: tuple[int, int, int, bytes], nbytes: int) -> tuple[int, int, int, Any]:

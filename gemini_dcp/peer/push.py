@@ -27,7 +27,7 @@ from ..errors import PeerError
 from ..local.records import RankSlot, ShardRef, StepRecord
 from ..transport.comm import Comm, restart_required
 from ..transport.p2p import Pending, Transport
-from .delta import ReplicaMemory, merge_runs, packed_rows, pair_runs, touches
+from .delta import ReplicaMemory, merge_runs, packed_rows, pair_runs, row_view, touches
 from .routes import SlotReport, choose_order, replication_routes
 
 __all__ = ["ReplicaTier", "Replicated", "ReplicationOptions", "SlotBuffer", "node_order", "replicate"]
@@ -168,7 +168,8 @@ def replicate(
                     works += transport.recv_ranges(_at(into, off), n, reports[src].wire_chunk, src, what)
                     recv_bytes += n
                 for off, length, row_bytes, rows in plan[2]:  # table row deltas: packed, scattered on arrival
-                    staging = torch.empty(rows.numel() * row_bytes, dtype=torch.uint8)
+                    staging = torch.empty(rows.numel() * row_bytes // 8 + 1, dtype=torch.int64).view(torch.uint8)
+                    staging = staging[: rows.numel() * row_bytes]
                     works += transport.recv_ranges(_in(staging), staging.numel(), reports[src].wire_chunk, src,
                                                    f"{what} rows")
                     recv_bytes += staging.numel()
@@ -198,7 +199,7 @@ def replicate(
                     sent += n
                     delta_sent += n
                 for off, length, row_bytes, rows in plan[2]:  # the table's written rows, packed
-                    packed = mine.view(off, length).view(-1, row_bytes).index_select(0, rows).reshape(-1)
+                    packed = row_view(mine.view(off, length), row_bytes).index_select(0, rows).reshape(-1).view(torch.uint8)
                     works += transport.send_ranges(_in(packed), packed.numel(), chunk, [dst], f"{what} rows",
                                                    pace=paced, deadline_s=deadline)
                     sent += packed.numel()
@@ -207,7 +208,8 @@ def replicate(
         for w in works:
             transport.wait(w, deadline_s=deadline)
         for into, off, length, row_bytes, rows, staging in scatter:
-            into.view(off, length).view(-1, row_bytes).index_copy_(0, rows, staging.view(-1, row_bytes))
+            dst_rows = row_view(into.view(off, length), row_bytes)
+            dst_rows.index_copy_(0, rows, staging.view(dst_rows.dtype).view(-1, dst_rows.shape[1]))
     except PeerError as exc:  # gloo timeout / peer gone
         transport_failed = True
         error = str(exc)
