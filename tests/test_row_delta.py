@@ -275,3 +275,42 @@ def test_torchrec_corrupt_carried_row_detected() -> None:
     finally:
         cleanup()
 
+
+
+def _drain_phase(rank: int, world: int, root: str, store: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from gemini_dcp import GeminiStorageWriter
+
+    model = _build(world)
+    w = GeminiStorageWriter(root, JOB, keep=1, incremental=True, persistent=f"file://{store}", persist_every=1,
+                            persist_keep=1)
+    for step in range(4):
+        _step(model, rank, step)
+        dcp.save(_state(model), storage_writer=w, checkpoint_id=step)
+    st = w.last_save
+    want = _local(_state(model))
+    done = w.wait_persisted(3, timeout_s=180)
+    check = _zeroed(_build(world))
+    dcp.load(check, checkpoint_id=f"{store}/{JOB}/step-3")  # stock FileSystemReader: no gemini_dcp in the read
+    got = _local(check)
+    return {"rows_written": st.rows_written if st else None, "persisted": done,
+            "ok": sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)}
+
+
+@pytest.mark.slow  # starts the detached drain server (through library code: the scan cannot see it)
+def test_torchrec_row_delta_step_drained_as_stock_dcp() -> None:
+    """A row-delta step's slot is complete: the drain writes a stock-DCP step that stock dcp.load reads."""
+    pytest.importorskip("torchrec")
+    import tempfile
+
+    from mp_utils import node_root_factory, run_ranks
+
+    make, cleanup = node_root_factory("gemini-rows-drain-")
+    try:
+        (root,) = make(1)
+        with tempfile.TemporaryDirectory(prefix="gemini-rows-store-") as store:
+            (res,) = run_ranks(_drain_phase, 1, [root], timeout=300, store=store)
+        assert res["rows_written"] and res["persisted"] == 3 and res["ok"], res
+    finally:
+        cleanup()
