@@ -141,6 +141,7 @@ def replicate(
     works: list[Pending] = []
     received: list[tuple[int, int, SlotBuffer, Any]] = []  # (src, slot index, slot, delta runs or None)
     scatter: list[tuple[SlotBuffer, int, int, int, torch.Tensor, torch.Tensor]] = []  # received packed rows
+    recv_at = send_at = 0  # bytes of this save's packed rows in the receive / send staging buffers
     delta_sent = delta_pairs = 0
     sent = recv_bytes = 0
     error: str | None = None
@@ -168,8 +169,8 @@ def replicate(
                     works += transport.recv_ranges(_at(into, off), n, reports[src].wire_chunk, src, what)
                     recv_bytes += n
                 for off, length, row_bytes, rows in plan[2]:  # table row deltas: packed, scattered on arrival
-                    staging = torch.empty(rows.numel() * row_bytes // 8 + 1, dtype=torch.int64).view(torch.uint8)
-                    staging = staging[: rows.numel() * row_bytes]
+                    staging = _STAGING.take("recv", recv_at, rows.numel() * row_bytes, _recv_total(reports, me, routes))
+                    recv_at += _round8(staging.numel())
                     works += transport.recv_ranges(_in(staging), staging.numel(), reports[src].wire_chunk, src,
                                                    f"{what} rows")
                     recv_bytes += staging.numel()
@@ -199,7 +200,10 @@ def replicate(
                     sent += n
                     delta_sent += n
                 for off, length, row_bytes, rows in plan[2]:  # the table's written rows, packed
-                    packed = row_view(mine.view(off, length), row_bytes).index_select(0, rows).reshape(-1).view(torch.uint8)
+                    src_rows = row_view(mine.view(off, length), row_bytes)
+                    packed = _STAGING.take("send", send_at, rows.numel() * row_bytes, _send_total(plans))
+                    send_at += _round8(packed.numel())
+                    torch.index_select(src_rows, 0, rows, out=packed.view(src_rows.dtype).view(-1, src_rows.shape[1]))
                     works += transport.send_ranges(_in(packed), packed.numel(), chunk, [dst], f"{what} rows",
                                                    pace=paced, deadline_s=deadline)
                     sent += packed.numel()
@@ -253,6 +257,48 @@ def _pair(reports: Sequence[Any], src: int, dst: int) -> tuple[int, Any, list[tu
     except (ValueError, TypeError) as exc:
         log.warning("rank %d's delta offer is unusable (%s): its whole slot is sent", src, exc)
         return None
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def _recv_total(reports: Sequence[Any], me: int, routes: Any) -> int:
+    """Bytes of every packed row delta this rank receives in this save (8-byte aligned each)."""
+    total = 0
+    for src, dst in routes:
+        if dst == me and reports[src].nbytes:
+            plan = _pair(reports, src, me)
+            total += sum(_round8(rows.numel() * rb) for _, _, rb, rows in plan[2]) if plan is not None else 0
+    return total
+
+
+def _send_total(plans: dict[int, Any]) -> int:
+    """Bytes of every packed row delta this rank sends in this save (8-byte aligned each)."""
+    return sum(_round8(rows.numel() * rb) for p in plans.values() if p is not None for _, _, rb, rows in p[2])
+
+
+class _Staging:
+    """Grow-only staging buffers of packed table rows, one per direction, kept across saves: a fresh
+    allocation each save would page-fault its whole size (~1-2 GB/s here), more than the copy itself.
+    Held memory: the largest delta sent / received so far (each under half a table: PACK_MAX_SHARE)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, at: int, n: int, total: int) -> torch.Tensor:
+        """``n`` bytes at ``at`` of ``role``'s buffer, grown (8-byte aligned) to ``total`` first if needed."""
+        buf = self._bufs.get(role)
+        need = max(total, at + n)
+        if buf is None or buf.numel() < need:
+            buf = self._bufs[role] = torch.empty(_round8(need) // 8, dtype=torch.int64).view(torch.uint8)
+        return buf[at : at + n]
+
+    def release(self) -> None:
+        self._bufs.clear()
+
+
+_STAGING = _Staging()
 
 
 def _in(buf: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
