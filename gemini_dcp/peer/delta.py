@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MERGE_GAP", "PACK_MAX_SHARE", "Packed", "ReplicaMemory", "merge_runs", "packed_rows", "pair_runs", "row_view", "touches"]
+__all__ = ["MERGE_GAP", "PACK_MAX_SHARE", "Packed", "ReplicaMemory", "Staging", "merge_runs", "packed_rows", "pair_runs", "row_view", "touches"]
 
 #: Changed items closer than this are sent as one run (fewer messages; the gap bytes are equal).
 MERGE_GAP = 64 << 10
@@ -78,6 +78,10 @@ def pair_runs(offer: Offer | None, bases: Sequence[Base], src: int) -> tuple[int
     return None
 
 
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
 def row_view(flat: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """A flat uint8 tensor as ``[rows, k]`` of the widest integer word dividing a row (gathers and
     scatters of whole rows run ~2-3x faster on 8-byte words than on bytes)."""
@@ -101,8 +105,26 @@ def packed_rows(spec: tuple[int, int, int, bytes], nbytes: int) -> tuple[int, in
     return off, length, row_bytes, idx
 
 
+class Staging:
+    """Grow-only staging buffers of packed table rows, one per direction, kept across saves: a fresh
+    allocation each save would page-fault its whole size (~1-2 GB/s here), more than the copy itself.
+    Held memory: the largest delta sent / received so far (each under half a table: PACK_MAX_SHARE)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, at: int, n: int, total: int) -> torch.Tensor:
+        """``n`` bytes at ``at`` of ``role``'s buffer, grown (8-byte aligned) to ``total`` first if needed."""
+        buf = self._bufs.get(role)
+        need = max(total, at + n)
+        if buf is None or buf.numel() < need:
+            buf = self._bufs[role] = torch.empty(_round8(need) // 8, dtype=torch.int64).view(torch.uint8)
+        return buf[at : at + n]
+
+
 class ReplicaMemory:
-    """Receiver side: which writer's save each replica slot ``(src rank, slot index)`` holds.
+    """Receiver side: which writer's save each replica slot ``(src rank, slot index)`` holds (and the
+    writer's packed-row staging buffers, both directions: :class:`Staging`).
 
     Set only after every item of a received replica verified; dropped before the slot is
     written again, so a failed or partial receive is never a base. Local state, no collective.
@@ -110,6 +132,7 @@ class ReplicaMemory:
 
     def __init__(self) -> None:
         self._held: dict[tuple[int, int], tuple[str, int]] = {}
+        self.staging = Staging()  # this writer's packed-row buffers (send and receive), kept across saves
 
     def bases(self, choose_slot: Callable[[int], int]) -> tuple[Base, ...]:
         """What this node would receive each known rank's next replica on top of (``choose_slot(src)``:

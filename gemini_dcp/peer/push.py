@@ -169,7 +169,8 @@ def replicate(
                     works += transport.recv_ranges(_at(into, off), n, reports[src].wire_chunk, src, what)
                     recv_bytes += n
                 for off, length, row_bytes, rows in plan[2]:  # table row deltas: packed, scattered on arrival
-                    staging = _STAGING.take("recv", recv_at, rows.numel() * row_bytes, _recv_total(reports, me, routes))
+                    assert memory is not None  # a delta plan needs the receiver's memory
+                    staging = memory.staging.take("recv", recv_at, rows.numel() * row_bytes, _recv_total(reports, me, routes))
                     recv_at += _round8(staging.numel())
                     works += transport.recv_ranges(_in(staging), staging.numel(), reports[src].wire_chunk, src,
                                                    f"{what} rows")
@@ -201,7 +202,8 @@ def replicate(
                     delta_sent += n
                 for off, length, row_bytes, rows in plan[2]:  # the table's written rows, packed
                     src_rows = row_view(mine.view(off, length), row_bytes)
-                    packed = _STAGING.take("send", send_at, rows.numel() * row_bytes, _send_total(plans))
+                    assert memory is not None
+                    packed = memory.staging.take("send", send_at, rows.numel() * row_bytes, _send_total(plans))
                     send_at += _round8(packed.numel())
                     torch.index_select(src_rows, 0, rows, out=packed.view(src_rows.dtype).view(-1, src_rows.shape[1]))
                     works += transport.send_ranges(_in(packed), packed.numel(), chunk, [dst], f"{what} rows",
@@ -278,27 +280,6 @@ def _send_total(plans: dict[int, Any]) -> int:
     return sum(_round8(rows.numel() * rb) for p in plans.values() if p is not None for _, _, rb, rows in p[2])
 
 
-class _Staging:
-    """Grow-only staging buffers of packed table rows, one per direction, kept across saves: a fresh
-    allocation each save would page-fault its whole size (~1-2 GB/s here), more than the copy itself.
-    Held memory: the largest delta sent / received so far (each under half a table: PACK_MAX_SHARE)."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def take(self, role: str, at: int, n: int, total: int) -> torch.Tensor:
-        """``n`` bytes at ``at`` of ``role``'s buffer, grown (8-byte aligned) to ``total`` first if needed."""
-        buf = self._bufs.get(role)
-        need = max(total, at + n)
-        if buf is None or buf.numel() < need:
-            buf = self._bufs[role] = torch.empty(_round8(need) // 8, dtype=torch.int64).view(torch.uint8)
-        return buf[at : at + n]
-
-    def release(self) -> None:
-        self._bufs.clear()
-
-
-_STAGING = _Staging()
 
 
 def _in(buf: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
