@@ -287,7 +287,8 @@ class LocalWriter:
                 templates.append(ShardRef(rank, offsets[i], n, 0, algo, None, None))
                 byte_pos.append(i)
                 continue
-            templates.append(ShardRef(rank, offsets[i], n, 0, algo, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+            item_algo = self.device_copier.item_algo(algo) if t.is_cuda else algo  # CUDA: checksummed on the GPU
+            templates.append(ShardRef(rank, offsets[i], n, 0, item_algo, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
             tensor_pos.append(i)
             plain = t.device == _CPU and t.layout is torch.strided and not t.is_quantized and n > 0
             if not plain or n >= block:
@@ -334,7 +335,8 @@ class LocalWriter:
                 if done >= half > done - len(g.pos):
                     fault_point("save.mid_copy")
             for i in prog.single + prog.byte_pos:
-                sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], algo, prog.block, pace, device_copier)
+                sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block, pace,
+                                    device_copier)
                 done += 1
                 if done == half:
                     fault_point("save.mid_copy")
@@ -381,12 +383,14 @@ def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[
         for i in prog.single + prog.byte_pos:
             if skip[i]:
                 continue
-            if rows is not None and rows[i] == 2:
-                sums[i], rd = copy_changed_rows(slot.view(prog.offsets[i], sizes[i]), entries[i], algo, pace=pace)
+            if rows is not None and rows[i] == 2:  # a table (CPU): its changed rows, checksummed like the slot
+                sums[i], rd = copy_changed_rows(slot.view(prog.offsets[i], sizes[i]), entries[i], prog.templates[i].algo,
+                                                pace=pace)
                 if deltas is not None:
                     deltas[i] = rd
                 continue
-            sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], algo, prog.block, pace, device_copier)
+            sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block, pace,
+                                device_copier)
     return sums
 
 
