@@ -365,3 +365,72 @@ def test_torchrec_column_wise_dtensor_shards_as_row_deltas() -> None:
         assert res["ok"]
     finally:
         cleanup()
+
+
+def _step_ids(step: int) -> list[torch.Tensor]:
+    """The ids :func:`_step` looks up at ``step`` (per table)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randint(0, ROWS, (ROWS // 100,), generator=g) for _ in range(2)]
+
+
+def _corrupt_base_phase(rank: int, world: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from gemini_dcp import GeminiStorageWriter, find_gemini_error
+    from gemini_dcp.errors import PeerError
+    from gemini_dcp.ops.verify import verify
+
+    model = _build(world)
+    w = GeminiStorageWriter(root, JOB, keep=1, replicas=2, incremental=True, timeout_s=120)
+    for step in range(4):
+        _step(model, rank, step)
+        dcp.save(_state(model), storage_writer=w, checkpoint_id=step)
+    out: dict[str, Any] = {}
+    if rank == 0:  # node 0 holds rank 1's replicas: damage a row the next delta will not send, in every ring slot
+        rec = w.tier.record(3)
+        ref = next(v for v in rec.metadata.storage_data.values()
+                   if v.rank == 1 and v.length == ROWS * DIM * 4)
+        touched = set(torch.cat([_step_ids(s)[t] for s in (3, 4) for t in range(2)]).tolist())
+        row = next(r for r in range(ROWS) if r not in touched)
+        for idx in range(2):
+            path = w.tier.slot_path(1, idx)
+            with open(path, "r+b") as f:
+                f.seek(ref.offset + row * DIM * 4 + 2)
+                b = f.read(1)
+                f.seek(ref.offset + row * DIM * 4 + 2)
+                f.write(bytes([b[0] ^ 0x04]))
+    dist.barrier()
+    _step(model, rank, 4)
+    try:
+        dcp.save(_state(model), storage_writer=w, checkpoint_id=4)
+        out["caught"] = None
+    except BaseException as exc:  # DCP may wrap the package's error
+        err = find_gemini_error(exc)
+        out["caught"] = (type(err).__name__ if err is not None else type(exc).__name__, str(err or exc)[:400])
+        out["peer_error"] = isinstance(err, PeerError)
+    _step(model, rank, 5)
+    dcp.save(_state(model), storage_writer=w, checkpoint_id=5)  # no base any more: the whole slot is sent
+    out["after"] = dict(w.last_replication)
+    out["verify_ok"] = verify(root, JOB, 5).ok
+    return out
+
+
+def test_torchrec_delta_onto_a_damaged_replica_base_is_caught_by_the_holder() -> None:
+    """The holder applies received rows onto its base and verifies the whole table: a base damaged
+    since it arrived fails the save on every rank (nothing committed), and the next save sends whole."""
+    pytest.importorskip("torchrec")
+    from mp_utils import node_root_factory, run_ranks
+
+    make, cleanup = node_root_factory("gemini-rows-base-")
+    try:
+        roots = make(2)
+        out = run_ranks(_corrupt_base_phase, 2, roots, timeout=400)
+        for res in out:
+            assert res["caught"] is not None and res["peer_error"], res
+            assert "failed checksum" in res["caught"][1] and "rank 1" in res["caught"][1], res
+            assert res["verify_ok"], res
+        # rank 1's next replica is not sent as rows onto a base it failed on: its table goes whole
+        assert out[1]["after"]["sent_bytes"] >= ROWS * DIM * 4, out[1]["after"]
+    finally:
+        cleanup()
