@@ -47,6 +47,7 @@ from ..local.records import ShardRef
 from ..local.slots import align
 from .carry import CarryPlan, CarryTracker, note_plain_write
 from .device_copy import DeviceCopier
+from .row_delta import RowDelta, copy_changed_rows, is_row_item, row_geometry
 
 __all__ = ["LocalWriter"]
 
@@ -172,7 +173,8 @@ class LocalWriter:
         self._programs: dict[int, _Program] = {}  # rank -> the program of its last plan
         self.programs_built = 0
         self.carry = carry  # incremental saves: what each slot already holds (dcp/carry.py)
-        self.last_carry: tuple[CarryPlan, list[int]] | None = None  # (the last write's carry plan, item sizes)
+        # (the last write's carry plan, item sizes, the row deltas of its tables by item position)
+        self.last_carry: tuple[CarryPlan, list[int], dict[int, RowDelta]] | None = None
         self.device_copier = DeviceCopier()  # CUDA tensors: chunked D2H into the page-locked slot
 
     def write(self, plan: SavePlan, planner: SavePlanner, rank: int, algo: str, pace: Pacer | None) -> LocalWrite:
@@ -193,13 +195,17 @@ class LocalWriter:
             if prog is None or not self._fits(prog, plan, algo, block, entries, offsets):
                 prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block)
                 self._programs[rank] = prog
-            plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos) if self.carry is not None else None
+            plan_c = None
+            if self.carry is not None:
+                plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos, _row_items(prog, flat, entries))
             if plan_c is None:
                 note_plain_write(slot)
             skip = plan_c.carry if plan_c is not None and plan_c.any else None
+            deltas: dict[int, RowDelta] = {}
             try:
                 sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace,
-                                  self.device_copier, skip)
+                                  self.device_copier, skip,
+                                  plan_c.rows if skip is not None and plan_c is not None else None, deltas)
             finally:
                 self.device_copier.wait()  # CUDA items: every queued device-to-host piece is in the slot
             if plan_c is not None:
@@ -207,7 +213,7 @@ class LocalWriter:
                 if skip is not None:
                     sums = [c if k else s for s, c, k in zip(sums, plan_c.sums, skip)]
                 self.carry.remember(rank, slot_idx, slot, prog, plan_c, sums)
-                self.last_carry = (plan_c, sizes)
+                self.last_carry = (plan_c, sizes, deltas)
         results = list(map(_result, prog.indexes, sizes, prog.templates, sums))
         template: _Program | None = prog
         for i in prog.byte_pos:  # pickled values: their size may change from save to save
@@ -218,6 +224,7 @@ class LocalWriter:
         save_bytes = None
         if plan_c is not None:
             carried = sum(n for n, c in zip(sizes, plan_c.carry) if c)
+            carried += sum(sizes[i] - rd.bytes_written for i, rd in deltas.items())
             save_bytes = (sum(sizes) - carried, carried)
         return LocalWrite(slot=slot_idx, results=tuple(results), nbytes=total, checksums=tuple(sums), template=template,
                           save_bytes=save_bytes)
@@ -227,8 +234,8 @@ class LocalWriter:
         prog = self._programs.get(rank)
         if self.carry is None or self.last_carry is None or prog is None:
             return None
-        plan_c, sizes = self.last_carry
-        since = self.carry.changed_since(rank, seq, prog, plan_c, prog.offsets, sizes)
+        plan_c, sizes, deltas = self.last_carry
+        since = self.carry.changed_since(rank, seq, prog, plan_c, prog.offsets, sizes, deltas)
         # A forced full save (full_every) re-sends the whole slot too: what it guards against (a change
         # the rule cannot see) would otherwise stay in the replica.
         return (token, seq, () if plan_c.reason.startswith("full_every") else since)
@@ -308,10 +315,12 @@ class LocalWriter:
     # ---- the copy ---------------------------------------------------------------------------
     @staticmethod
     def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
-              algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None) -> list[int]:
-        """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves)."""
+              algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None,
+              rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None) -> list[int]:
+        """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves);
+        of the tables ``rows`` marks, only the rows that differ from the slot's (their deltas into ``deltas``)."""
         if skip is not None:
-            return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier)
+            return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier, rows, deltas)
         sums = [0] * len(entries)
         hasher = buffer_checksum(algo)
         view = memoryview(slot.tensor.numpy()) if prog.groups else None
@@ -337,9 +346,26 @@ class LocalWriter:
         return sums
 
 
+def _row_items(prog: _Program, flat: dict[str, Any] | None, entries: list[torch.Tensor]) -> list[int] | None:
+    """Per item: 0, or a sharded embedding table (``row_delta.is_row_item``: a ``ShardedTensor`` or a
+    DTensor over torchrec's ``LocalShardsWrapper``), never carried on its version counter: 2 when it
+    is written as a row delta (a plain CPU tensor copied alone: ``block`` bytes or more), 1 when it
+    is copied whole (small tables, grouped). None when there is none, or no flat state dict to ask."""
+    if flat is None:
+        return None
+    out = [0] * len(entries)
+    single = set(prog.single)
+    for i in prog.tensor_pos:
+        if is_row_item(flat.get(prog.fqns[i])):
+            out[i] = 2 if i in single and row_geometry(entries[i]) is not None else 1
+    return out if any(out) else None
+
+
 def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int],
-                  slot: Any, algo: str, pace: Pacer | None, skip: list[bool], device_copier: DeviceCopier) -> list[int]:
-    """``LocalWriter._copy`` of the items ``skip`` does not mark (their checksums; 0 for the skipped)."""
+                  slot: Any, algo: str, pace: Pacer | None, skip: list[bool], device_copier: DeviceCopier,
+                  rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None) -> list[int]:
+    """``LocalWriter._copy`` of the items ``skip`` does not mark (their checksums; 0 for the skipped);
+    the tables ``rows`` marks 2 get their changed rows only (``row_delta.copy_changed_rows``)."""
     sums = [0] * len(entries)
     hasher = buffer_checksum(algo)
     view = memoryview(slot.tensor.numpy()) if prog.groups else None
@@ -360,8 +386,14 @@ def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[
         for i in prog.single + prog.byte_pos:
             if skip[i]:
                 continue
+            if rows is not None and rows[i] == 2:  # a table (CPU): its changed rows, checksummed like the slot
+                sums[i], rd = copy_changed_rows(slot.view(prog.offsets[i], sizes[i]), entries[i], prog.templates[i].algo,
+                                                pace=pace)
+                if deltas is not None:
+                    deltas[i] = rd
+                continue
             sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block, pace,
-                                    device_copier)
+                                device_copier)
     return sums
 
 
