@@ -73,6 +73,16 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modu
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
+    if args.model == "transformer":  # pre-norm encoder blocks (SDPA attention), each block its own FSDP2 unit
+        blocks = [
+            torch.nn.TransformerEncoderLayer(args.width, args.heads, 4 * args.width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(args.layers)
+        ]
+        tmodel = torch.nn.Sequential(*blocks).to(device)
+        for b in tmodel:
+            fully_shard(b)
+        fully_shard(tmodel)
+        return tmodel, torch.optim.AdamW(tmodel.parameters(), lr=1e-4)
     layers: list[torch.nn.Module] = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
@@ -88,12 +98,17 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modu
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from gemini_dcp import GeminiStorageWriter
-    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer, AsyncGeminiStorageWriter, InterleaveOptions, checkpoint_group
+    from gemini_dcp.snapshot.checkpointer import (
+        AsyncCheckpointer,
+        AsyncGeminiStorageWriter,
+        InterleaveOptions,
+        checkpoint_group,
+    )
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if os.environ.get("BENCH_SWITCH_INTERVAL"):
@@ -109,14 +124,21 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         device = torch.device("cpu")
     model, opt = build(args, device)
-    x = torch.randn(args.batch, args.width, device=device)
+    if args.model == "transformer":
+        x = torch.randn(args.batch, args.seq, args.width, device=device)
+    else:
+        x = torch.randn(args.batch, args.width, device=device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
     def train_step() -> None:
-        model(x).square().mean().backward()
+        for _ in range(args.accum):  # gradient accumulation: micro-batches, then one optimizer step
+            with amp:
+                loss = model(x).float().square().mean()
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
 
@@ -142,7 +164,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         f = stock_state["staging"]
         if f is not None:
             t = time.perf_counter()
-            f.result()
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - recorded; the stock mode stops, the others go on
+                stock_state["error"] = f"{type(exc).__name__}: {exc}"
+                stock_state["upload"] = None
             stock_state["guard"].append(time.perf_counter() - t)
             stock_state["staging"] = None
 
@@ -195,16 +221,29 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                                        checkpoint_id=step_no, process_group=group)
                     )
                     records[mode]["blocked"].append(time.perf_counter() - tb)
-                elif mode == "stock":
+                elif mode == "stock" and stock_state.get("error") is None:
                     msd, osd = get_state_dict(model, opt)
                     tb = time.perf_counter()
-                    if stock_state["upload"] is not None:
-                        stock_state["upload"].result()  # DCP: one async_save in flight
-                    w = dcp.FileSystemWriter(os.path.join(root, "stock", f"s{step_no % 3}"), overwrite=True)
-                    resp = dcp.async_save(
-                        {"model": msd, "optim": osd, "step": step_no}, storage_writer=w, async_stager=stager, process_group=group
-                    )
-                    stock_state["staging"], stock_state["upload"] = resp.staging_completion, resp.upload_completion
+                    path = os.path.join(root, "stock", f"s{step_no % 3}")
+                    state = {"model": msd, "optim": osd, "step": step_no}
+                    try:
+                        if stock_state["upload"] is not None:
+                            stock_state["upload"].result()  # DCP: one async_save in flight
+                        if cuda:
+                            # DCP's pinned staging on a GPU: FileSystemWriter's cached pinned CPU state dict, copied
+                            # into inside async_save (DefaultStager's pinned path fails on DTensor state dicts
+                            # with torch 2.11: KeyError <class 'type'> in its deepcopy).
+                            if stock_state.get("writer") is None:
+                                stock_state["writer"] = dcp.FileSystemWriter(path, overwrite=True, cache_staged_state_dict=True)
+                            fut = dcp.async_save(state, storage_writer=stock_state["writer"], checkpoint_id=path, process_group=group)
+                            stock_state["staging"], stock_state["upload"] = None, getattr(fut, "upload_completion", fut)
+                        else:
+                            w = dcp.FileSystemWriter(path, overwrite=True)
+                            resp = dcp.async_save(state, storage_writer=w, async_stager=stager, process_group=group)
+                            stock_state["staging"], stock_state["upload"] = resp.staging_completion, resp.upload_completion
+                    except Exception as exc:  # noqa: BLE001 - a stock failure must not lose the other modes' figures
+                        stock_state["error"] = f"{type(exc).__name__}: {exc}"
+                        stock_state["staging"] = stock_state["upload"] = None
                     records[mode]["blocked"].append(time.perf_counter() - tb)
                 sync()
                 if i >= args.skip:
@@ -237,8 +276,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             elif mode == "stock":
                 stock_guard()
                 if stock_state["upload"] is not None:
-                    stock_state["upload"].result()
+                    try:
+                        stock_state["upload"].result()
+                    except Exception as exc:  # noqa: BLE001 - recorded, see above
+                        stock_state["error"] = f"{type(exc).__name__}: {exc}"
                     stock_state["upload"] = None
+    trace = None
+    if args.trace and rank == 0:
+        trace = profile_steps(args, train_step, ck, model, opt, sync, step_no)
+    dist.barrier()
     ck.close()
     stager.close()
     gwriter.close()
@@ -248,12 +294,38 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         for t in _tensors(sd)
     )
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"records": records, "state_bytes": state_bytes, "profile": profile})
+    dist.all_gather_object(gathered, {"records": records, "state_bytes": state_bytes, "profile": profile, "trace": trace,
+                                      "stock_error": stock_state.get("error")})
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
         shutil.rmtree(base, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def profile_steps(args: argparse.Namespace, train_step: Any, ck: Any, model: Any, opt: Any, sync: Any, step_no: int) -> dict[str, Any]:
+    """``torch.profiler`` over 2 plain steps then 2 steps each followed by an AsyncCheckpointer save;
+    the Chrome trace goes to ``args.trace`` (drawn by benchmarks/plot_gpu_trace.py)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    ck.pacing = True
+    sync()
+    with profile(activities=acts) as prof:
+        for i in range(4):
+            save = i >= 2
+            with record_function(f"bench.step{i}.{'checkpointed' if save else 'plain'}"):
+                train_step()
+                if save:
+                    msd, osd = get_state_dict(model, opt)
+                    ck.save({"model": msd, "optim": osd, "step": step_no + i}, step_no + i)
+            sync()
+        ck.wait()
+        sync()
+    Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(args.trace))
+    return {"trace": str(args.trace)}
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -315,9 +387,12 @@ def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
         )
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+                    **({"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if args.device == "cuda" else {})},
         "state_bytes_per_rank": [r["state_bytes"] for r in per_rank],
         "profile_rank0": per_rank[0]["profile"],
+        "trace_rank0": per_rank[0].get("trace"),
+        "stock_error_rank0": per_rank[0].get("stock_error"),
         "modes": modes,
     }
 
@@ -352,8 +427,10 @@ def plot(res: dict[str, Any], path: Path) -> None:
     b.legend(fontsize=8)
     b.set_title("training thread blocked")
     cfg = res["config"]
+    what = "transformer" if cfg.get("model") == "transformer" else "MLP"
+    extra = f", seq {cfg['seq']}, accum {cfg['accum']}{', bf16' if cfg.get('bf16') else ''}" if what == "transformer" else ""
     fig.suptitle(
-        f"FSDP2 MLP {cfg['layers']}x{cfg['width']}, batch {cfg['batch']}, {cfg['world']} ranks ({cfg['device']}), "
+        f"FSDP2 {what} {cfg['layers']}x{cfg['width']}{extra}, batch {cfg['batch']}, {cfg['world']} ranks ({cfg['device']}), "
         f"{res['state_bytes_per_rank'][0] / 2**20:.0f} MiB state/rank"
         + (f"; replicas={cfg['replicas']}, each rank a simulated node" if cfg.get("replicas", 1) > 1 else ""),
         fontsize=9,
@@ -365,6 +442,13 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp",
+                    help="mlp: Linear+GELU layers (batch x width input); transformer: pre-norm encoder blocks (batch x seq x width)")
+    ap.add_argument("--heads", type=int, default=16, help="transformer attention heads")
+    ap.add_argument("--seq", type=int, default=1024, help="transformer sequence length")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
+    ap.add_argument("--bf16", action="store_true", help="autocast forward/backward to bfloat16 (parameters stay float32)")
+    ap.add_argument("--trace", default=None, help="also profile 2 plain + 2 checkpointed steps (rank 0) into this Chrome trace")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=768)

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_incremental.py               # 256 MiB per rank, 2 ranks on 2 nodes, replicas=2
     python benchmarks/bench_incremental.py --mib 64 --rounds 5 --quick   # smoke run, no files written
+    python benchmarks/bench_incremental.py --dlrm        # torchrec DLRM, row deltas (bench_incremental_dlrm.py)
 
 Two gloo ranks (spawned processes, one intra-op thread each), each its own simulated node (its own
 tier root), ``replicas=2``: every save copies into the local tier and replicates to the other node.
@@ -159,7 +160,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="no JSON or plot unless --json/--png")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--dlrm", action="store_true", help="the torchrec DLRM row-delta figures instead")
+    ap.add_argument("--rows", type=int, default=1 << 20, help="--dlrm: rows per table (x 128 float32)")
+    ap.add_argument("--full-every", type=int, default=4, help="--dlrm: a full save every K saves")
+    ap.add_argument("--cycles", type=int, default=2, help="--dlrm: full_every cycles per sweep setting")
     args = ap.parse_args()
+    if args.dlrm:
+        import bench_incremental_dlrm as dl
+
+        dl.run(args.rows, args.full_every, args.cycles, [dl.pooling_for(s, args.rows) for s in dl.SHARES],
+               dl.pooling_for(dl.REALISTIC, args.rows), args.quick, args.json, args.png)
+        return
     base = "/dev/shm" if Path("/dev/shm").is_dir() else None
     roots = [tempfile.mkdtemp(prefix=f"gemini-bench-incr{i}-", dir=base) for i in range(2)]
     try:

@@ -487,7 +487,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="also print the docs/benchmarks.md table")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="on a shared machine: first wait up to S seconds for CPU pressure (avg10) below 10%%")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the GPU save path instead (benchmarks/bench_gpu_save.py: dcp.save of CUDA DTensors "
+                         "into the tier vs pinned D2H, loads onto the GPU; one process on one GPU)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        import bench_gpu_save  # noqa: PLC0415 - the GPU variant lives in its own script
+
+        fwd = ["--gib", str(args.gib), "--rounds", str(args.rounds), "--root", args.shm]
+        fwd += ["--json", str(args.json)] if args.json else []
+        fwd += ["--png", str(args.png)] if args.png else []
+        bench_gpu_save.main(fwd)
+        return 0
     if args.quick:
         args.gib = min(args.gib, 1 / 16)
         args.rounds = min(args.rounds, 2)

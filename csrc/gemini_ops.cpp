@@ -540,11 +540,27 @@ void copy_bytes(at::Tensor dst, const at::Tensor& src, int64_t num_threads) {
   });
 }
 
-int64_t crc32c(const at::Tensor& buf, int64_t value) {
+// num_threads = 1 (the default): one pass on the calling thread. Otherwise (0 = the default
+// count of pick_threads) each thread checksums a contiguous piece and the CRCs are combined:
+// the device-to-host copy (dcp/device_copy.py) lands pieces faster than one core checksums them.
+int64_t crc32c(const at::Tensor& buf, int64_t value, int64_t num_threads) {
   check_bytes(buf, "gemini_dcp::crc32c", "buf");
   TORCH_CHECK(value >= 0 && value <= 0xFFFFFFFFLL, "gemini_dcp::crc32c: value must be a uint32, got ", value);
   const auto* p = static_cast<const uint8_t*>(buf.data_ptr());
-  return crc32c_update(static_cast<uint32_t>(value), p, static_cast<size_t>(buf.numel()));
+  const auto seed = static_cast<uint32_t>(value);
+  const size_t n = static_cast<size_t>(buf.numel());
+  const int threads = num_threads == 1 ? 1 : pick_threads(num_threads, n);
+  if (threads <= 1) return crc32c_update(seed, p, n);
+  std::vector<uint32_t> crcs(threads, 0);
+  std::vector<size_t> lens(threads, 0);
+  run_split(n, threads, [&](int i, size_t b, size_t e) {
+    lens[i] = e > b ? e - b : 0;
+    crcs[i] = lens[i] ? crc32c_update(0, p + b, lens[i]) : 0;
+  });
+  uint32_t crc = crcs[0];
+  for (int i = 1; i < threads; ++i)
+    if (lens[i]) crc = crc32c_combine(crc, crcs[i], lens[i]);
+  return seed ? crc32c_combine(seed, crc, n) : crc;
 }
 
 // Fused copy + CRC of one piece; returns the (inverted) CRC-32C of the piece.
@@ -631,16 +647,12 @@ inline uint64_t mix64(uint64_t z) {
   return z;
 }
 
-int64_t xsum64_cpu(const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu(), "gemini_dcp::xsum64: expected a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), "gemini_dcp::xsum64: tensor must be contiguous");
-  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
-  const uint64_t n = static_cast<uint64_t>(t.nbytes());
+// The sum term of xsum64 over the n bytes at p, keyed from word `base` on (a trailing partial word
+// zero-padded), over `threads` threads splitting on word boundaries.
+uint64_t xsum64_terms(const uint8_t* p, uint64_t n, uint64_t base, int threads) {
   const uint64_t full = n / 8;
   const uint64_t words = (n + 7) / 8;
-  const int threads = pick_threads(0, n);
   std::vector<uint64_t> sums(threads, 0);
-  // Split on word boundaries.
   const uint64_t per = (words + threads - 1) / std::max(1, threads);
   run_threads(threads, [&](int i) {
     const uint64_t b = std::min(words, per * i), e = std::min(words, per * (i + 1));
@@ -652,13 +664,36 @@ int64_t xsum64_cpu(const at::Tensor& t) {
       } else {
         for (uint64_t j = 0; 8 * w + j < n; ++j) v |= uint64_t(p[8 * w + j]) << (8 * j);
       }
-      acc += mix64(v ^ ((w + 1) * kXsumK));
+      acc += mix64(v ^ ((base + w + 1) * kXsumK));
     }
     sums[i] = acc;
   });
   uint64_t s = 0;
   for (uint64_t v : sums) s += v;
-  return static_cast<int64_t>(mix64(s ^ n ^ kXsumSeed));
+  return s;
+}
+
+int64_t xsum64_cpu(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "gemini_dcp::xsum64: expected a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "gemini_dcp::xsum64: tensor must be contiguous");
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  const uint64_t n = static_cast<uint64_t>(t.nbytes());
+  return static_cast<int64_t>(mix64(xsum64_terms(p, n, 0, pick_threads(0, n)) ^ n ^ kXsumSeed));
+}
+
+// The sum term of xsum64 over t's words keyed from word `word_offset` on (t is a piece of a larger
+// buffer starting at byte 8 * word_offset; only the last piece of a buffer may have a length that is
+// not a multiple of 8). xsum64 of the whole buffer is mix64((sum of the pieces' terms) ^ nbytes ^
+// SEED): the CPU checks, piece by piece, a checksum the GPU computed in one pass
+// (gemini_dcp/core/checksum.py).
+int64_t xsum64_sum(const at::Tensor& t, int64_t word_offset, int64_t num_threads) {
+  TORCH_CHECK(t.device().is_cpu(), "gemini_dcp::xsum64_sum: expected a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "gemini_dcp::xsum64_sum: tensor must be contiguous");
+  TORCH_CHECK(word_offset >= 0, "gemini_dcp::xsum64_sum: word_offset must be >= 0, got ", word_offset);
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  const uint64_t n = static_cast<uint64_t>(t.nbytes());
+  const int threads = num_threads == 1 ? 1 : pick_threads(num_threads, n);
+  return static_cast<int64_t>(xsum64_terms(p, n, static_cast<uint64_t>(word_offset), threads));
 }
 
 // Testing/benchmark knob: "" queries, "crc32" / "pclmul" force that x86 kernel,
@@ -695,9 +730,10 @@ std::string build_info() {
 
 TORCH_LIBRARY(gemini_dcp, m) {
   m.def("copy_bytes(Tensor(a!) dst, Tensor src, int num_threads=0) -> ()");
-  m.def("crc32c(Tensor buf, int value=0) -> int");
+  m.def("crc32c(Tensor buf, int value=0, int num_threads=1) -> int");
   m.def("copy_with_crc32c(Tensor(a!) dst, Tensor src, int num_threads=0, int value=0) -> int");
   m.def("xsum64(Tensor t) -> int");
+  m.def("xsum64_sum(Tensor t, int word_offset=0, int num_threads=1) -> int");
   m.def("build_info() -> str", &build_info);
   m.def("crc32c_path(str path=\"\") -> str", &crc32c_path);
 }
@@ -707,6 +743,7 @@ TORCH_LIBRARY_IMPL(gemini_dcp, CPU, m) {
   m.impl("crc32c", &crc32c);
   m.impl("copy_with_crc32c", &copy_with_crc32c);
   m.impl("xsum64", &xsum64_cpu);
+  m.impl("xsum64_sum", &xsum64_sum);
 }
 
 }  // namespace gemini_dcp

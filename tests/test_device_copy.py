@@ -144,3 +144,19 @@ def test_a_cuda_tensor_of_a_save_goes_through_the_device_copier(tmp_path: Path) 
         assert all(torch.equal(back[k], sd[k]) for k in sd)
     finally:
         dist.destroy_process_group()
+
+
+def test_gpu_checksummed_items_queue_their_pieces_and_wait_once() -> None:
+    """The xsum64 path (checksum on the device) does not wait per tensor: the pieces of every tensor
+    queue on the copy stream and one wait() at the end of the write covers them all."""
+    log: list[str] = []
+    c = DeviceCopier(chunk_bytes=4096, copy_fn=_fake_copy(log))
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (10_000, 5, 4096)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    sums = [c.copy(d, s, "xsum64") for d, s in zip(dsts, srcs)]
+    assert not any(line.startswith("wait") for line in log)  # nothing waited yet
+    c.wait()
+    assert [line for line in log if line.startswith("wait")] == ["wait 4096"]  # the last piece, once
+    c.wait()  # idempotent
+    assert sums == [checksum(s, "xsum64") for s in srcs] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert c.bytes_copied == sum(s.numel() for s in srcs)

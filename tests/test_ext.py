@@ -427,3 +427,15 @@ def test_suggest_chunk_bytes() -> None:
     assert gpuinfo.suggest_chunk_bytes(0, []) == gpuinfo.DEFAULT_CHUNK_BYTES
     chunk = gpuinfo.suggest_chunk_bytes()
     assert 4 << 20 <= chunk <= 64 << 20
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4096 + 7, (3 << 20) + 13])
+@pytest.mark.parametrize("threads", [0, 2, 3, 4])
+def test_crc32c_split_over_threads_equals_one_pass(n: int, threads: int) -> None:
+    """The device-to-host copy checksums each piece on several threads: same CRC as one pass, any seed."""
+    from gemini_dcp.ext import cpu as ext_cpu
+
+    g = torch.Generator().manual_seed(n)
+    buf = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    for seed in (0, 0xDEADBEEF):
+        assert ext_cpu.crc32c(buf, seed, threads) == ext_cpu.crc32c(buf, seed) == crc32c_pkg.crc32c(buf.numpy().tobytes(), seed)

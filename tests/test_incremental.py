@@ -282,9 +282,10 @@ def test_merge_runs_and_pair_decision() -> None:
     from gemini_dcp.peer.delta import ReplicaMemory, merge_runs, pair_runs, touches
 
     assert merge_runs([(0, 10), (20, 5), (1 << 20, 8), (2 << 20, 0)], gap=64) == ((0, 25), (1 << 20, 8))
-    offer = ("tok", 7, ((5, ((0, 64),)), (6, ())))
-    assert pair_runs(offer, [(1, 2, "tok", 5)], src=1) == (2, ((0, 64),))
-    assert pair_runs(offer, [(1, 2, "tok", 6)], src=1) == (2, ())  # nothing changed: no bytes move
+    rows = ((128, 4096, 16, b"\x03\x00\x00\x00"),)  # a table at 128: row 3 of 256 written
+    offer = ("tok", 7, ((5, ((0, 64),), rows), (6, (), ())))
+    assert pair_runs(offer, [(1, 2, "tok", 5)], src=1) == (2, ((0, 64),), rows)
+    assert pair_runs(offer, [(1, 2, "tok", 6)], src=1) == (2, (), ())  # nothing changed: no bytes move
     assert pair_runs(offer, [(1, 2, "other", 5)], src=1) is None  # another writer (a restarted sender)
     assert pair_runs(offer, [(0, 2, "tok", 5)], src=1) is None  # a base of another rank
     assert pair_runs(offer, [(1, 2, "tok", 4)], src=1) is None  # a save the offer has no runs against
@@ -365,7 +366,8 @@ def test_async_checkpointer_with_frozen_model_state_dict(root: str) -> None:
     assert _same(got, refs[5])
 
 
-# ---- torchrec: ShardedTensor local shards (item granularity; row deltas are not built) -----------
+# ---- torchrec: small ShardedTensor tables (below the row-delta size: copied whole, never carried) -----
+# Large tables are written as row deltas: tests/test_row_delta.py.
 def _torchrec_incremental(rank: int, world_size: int, root: str) -> dict[str, object]:
     import torch.distributed as dist
     import torchrec
@@ -406,7 +408,9 @@ def _torchrec_incremental(rank: int, world_size: int, root: str) -> dict[str, ob
     return {"stats": stats, "ok": ok, "held": held}
 
 
-def test_torchrec_sharded_tables_carried_until_touched() -> None:
+def test_torchrec_small_tables_copied_whole_never_carried() -> None:
+    """torchrec's fused optimizers update rows without bumping ``_version``: a table is never carried
+    on its key; one below the row-delta size (1 MiB) is copied whole at every save."""
     pytest.importorskip("torchrec")
     from mp_utils import node_root_factory, run_ranks
 
@@ -419,10 +423,7 @@ def test_torchrec_sharded_tables_carried_until_touched() -> None:
         for res in out:
             assert res["ok"]
             last = res["stats"][-1]
-            if res["held"] == ["embedding_bags.t1.weight"]:  # never touched: carried whole
-                assert last.bytes_carried == table and last.bytes_written == 0, last
-            elif res["held"] == ["embedding_bags.t0.weight"]:  # touched rows: the shard is copied whole
-                assert last.bytes_written == table and last.bytes_carried == 0, last
+            assert last.bytes_written == table and last.bytes_carried == 0 and last.rows_written == 0, last
     finally:
         cleanup()
 
@@ -440,7 +441,8 @@ def test_delta_offer_runs_and_full_every_sends_whole(root: str) -> None:
     reason, (token, seq, since) = offers[2]
     assert reason == "incremental" and token == "tok" and seq == 2
     lora = 8 * 256 * 4
-    assert [b for b, _ in since] == [0, 1] and all(sum(n for _, n in runs) >= lora for _, runs in since)
-    assert all(sum(n for _, n in runs) < FROZEN for _, runs in since)  # the frozen tensor is in no run
+    assert [b for b, _, _ in since] == [0, 1] and all(sum(n for _, n in runs) >= lora for _, runs, _ in since)
+    assert all(sum(n for _, n in runs) < FROZEN for _, runs, _ in since)  # the frozen tensor is in no run
+    assert all(packed == () for _, _, packed in since)  # no sharded embedding table: no row deltas
     # 0 and 1 are the ring's first writes (full), then 3 incremental saves, then the 4th is forced full.
     assert [r for r, _ in offers[2:]] == ["incremental"] * 3 + ["full_every=4"] and offers[5][1][2] == ()

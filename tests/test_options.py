@@ -19,6 +19,7 @@ from gemini_dcp.errors import ConfigError
 from gemini_dcp.options import (
     DrainOptions,
     GeminiOptions,
+    IncrementalOptions,
     LocalOptions,
     PeerOptions,
     PersistentOptions,
@@ -52,6 +53,14 @@ def test_tier_options_stays_importable_from_core_config() -> None:
         (lambda: PeerOptions(replicas=0), r"replicas=0: replicas counts the node's own copy"),
         (lambda: PeerOptions(placement="star"), r"placement='star': choose 'mixed'"),
         (lambda: PeerOptions(on_peer_failure="ignore"), r"on_peer_failure='ignore': choose 'raise'"),
+        (lambda: PeerOptions(parity_group=2), r"parity_group=2: pass an int >= 3"),
+        (lambda: PeerOptions(parity_group=True), r"parity_group=True: pass an int >= 3"),
+        (lambda: PeerOptions(parity_group=4, replicas=2), r"parity_group=4 and replicas=2 both protect the peer tier: choose one"),
+        (lambda: IncrementalOptions(enabled="yes"), r"incremental='yes': pass True or False"),
+        (lambda: IncrementalOptions(enabled=True, full_every=0), r"full_every=0: pass a positive int"),
+        (lambda: IncrementalOptions(enabled=True, full_every=2.5), r"full_every=2.5: pass a positive int"),
+        (lambda: IncrementalOptions(full_every=3), r"full_every=3 only applies to incremental saves: pass incremental=True"),
+        (lambda: GeminiOptions(incremental=True), r"incremental=True: give a IncrementalOptions"),
         (lambda: PersistentOptions(every=0), r"persist_every=0: drain every K-th step"),
         (lambda: PersistentOptions(keep=0), r"persist_keep=0: give an int >= 1, or None"),
         (lambda: PersistentOptions(url=" "), r"persistent=' ': give the fsspec URL"),
@@ -73,7 +82,7 @@ def test_validation_says_what_to_fix(make: object, message: str) -> None:
 
 
 def test_options_are_frozen_slotted_and_keyword_only() -> None:
-    for cls in (LocalOptions, PeerOptions, PersistentOptions, DrainOptions, GeminiOptions, TierOptions):
+    for cls in (LocalOptions, PeerOptions, PersistentOptions, DrainOptions, GeminiOptions, TierOptions, IncrementalOptions):
         assert "__slots__" in cls.__dict__, cls
         with pytest.raises(TypeError):
             cls(1)  # type: ignore[misc]  # keyword-only
@@ -103,9 +112,25 @@ def test_from_env_reads_the_tier_and_drain_variables() -> None:
     assert DrainOptions.from_env({"GEMINI_DCP_DRAIN_NICE": "5"}).nice == 5
 
 
+def test_from_env_reads_incremental_and_parity_variables() -> None:
+    o = GeminiOptions.from_env({"GEMINI_DCP_INCREMENTAL": "yes", "GEMINI_DCP_FULL_EVERY": "8", "GEMINI_DCP_PARITY_GROUP": "4"})
+    assert o.incremental == IncrementalOptions(enabled=True, full_every=8) and o.peer.parity_group == 4
+    assert GeminiOptions.from_env({"GEMINI_DCP_INCREMENTAL": "1"}).incremental == IncrementalOptions(enabled=True)
+    # keywords win over the environment, and are validated together with it
+    assert GeminiOptions.from_env({"GEMINI_DCP_INCREMENTAL": "1"}, full_every=3).incremental.full_every == 3
+    assert GeminiOptions.from_env({"GEMINI_DCP_PARITY_GROUP": "3"}, parity_group=5).peer.parity_group == 5
+    with pytest.raises(ConfigError, match=r"parity_group=3 and replicas=2 both protect"):
+        GeminiOptions.from_env({"GEMINI_DCP_PARITY_GROUP": "3"}, replicas=2)
+
+
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
+        ("GEMINI_DCP_INCREMENTAL", "maybe", r"GEMINI_DCP_INCREMENTAL='maybe' is not a flag; set it to 1 or 0"),
+        ("GEMINI_DCP_FULL_EVERY", "0", r"GEMINI_DCP_FULL_EVERY='0' is below 1"),
+        ("GEMINI_DCP_FULL_EVERY", "5", r"GEMINI_DCP_FULL_EVERY=5 only applies to incremental saves: set GEMINI_DCP_INCREMENTAL=1"),
+        ("GEMINI_DCP_PARITY_GROUP", "2", r"GEMINI_DCP_PARITY_GROUP='2' is below 3"),
+        ("GEMINI_DCP_PARITY_GROUP", "four", r"GEMINI_DCP_PARITY_GROUP='four' is not an integer"),
         ("GEMINI_DCP_DRAIN_THREADS", "two", r"GEMINI_DCP_DRAIN_THREADS='two' is not an integer"),
         ("GEMINI_DCP_DRAIN_THREADS", "0", r"GEMINI_DCP_DRAIN_THREADS='0' is below 1"),
         ("GEMINI_DCP_DRAIN_MODE", "fork", r"GEMINI_DCP_DRAIN_MODE='fork' is not one of process, thread"),
@@ -148,6 +173,13 @@ def test_resolve_options_merges_keywords_and_refuses_conflicts() -> None:
         resolve_options({"keep": 2})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"colour= is not an option"):
         resolve_options(None, colour="blue")
+    inc = GeminiOptions(incremental=IncrementalOptions(enabled=True, full_every=4), peer=PeerOptions(parity_group=3))
+    assert resolve_options(inc, incremental=False, full_every=None, parity_group=None) == inc  # defaults: the options'
+    assert resolve_options(None, incremental=True, full_every=2).incremental == IncrementalOptions(enabled=True, full_every=2)
+    with pytest.raises(ConfigError, match=r"full_every=9 conflicts with options.incremental.full_every=4"):
+        resolve_options(inc, full_every=9)
+    with pytest.raises(ConfigError, match=r"full_every=2 only applies to incremental saves"):
+        resolve_options(None, full_every=2)
 
 
 def test_resolve_options_without_options_takes_the_drain_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,6 +205,11 @@ def test_writer_and_reader_take_options(tmp_path: Path) -> None:
     assert w2.options.replicas == 2 and w2.job_id == "opt2"
     r = GeminiStorageReader(options=opts)
     assert (r.timeout_s, r.job_id, r.node_id, r.root) == (30.0, "opt", "n0", root)
+    inc = GeminiOptions(local=LocalOptions(root=str(root), job_id="opt3"), incremental=IncrementalOptions(enabled=True, full_every=5))
+    w3 = GeminiStorageWriter(options=inc)
+    assert w3.incremental == IncrementalOptions(enabled=True, full_every=5) and w3.local_writer.carry is not None
+    w4 = GeminiStorageWriter(options=GeminiOptions(local=LocalOptions(root=str(root), job_id="opt4"), peer=PeerOptions(parity_group=3)))
+    assert w4.parity_group == 3
 
 
 def test_a_conflict_or_bad_value_fails_before_any_directory_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,6 +222,10 @@ def test_a_conflict_or_bad_value_fails_before_any_directory_is_made(tmp_path: Pa
         GeminiStorageWriter(job_id="c", keep=5, options=opts)
     with pytest.raises(ConfigError, match=r"root=.* conflicts with options.local.root"):
         GeminiStorageReader(root=str(tmp_path), options=opts)
+    with pytest.raises(ConfigError, match=r"parity_group=3 and replicas=2"):
+        GeminiStorageWriter(root=str(root), job_id="c", replicas=2, parity_group=3)
+    with pytest.raises(ConfigError, match=r"full_every=4 only applies to incremental saves"):
+        GeminiStorageWriter(root=str(root), job_id="c", full_every=4)
     monkeypatch.setenv("GEMINI_DCP_DRAIN_THREADS", "-1")
     with pytest.raises(ConfigError, match="GEMINI_DCP_DRAIN_THREADS"):
         GeminiStorageWriter(root=str(root), job_id="c", persistent=f"file://{tmp_path / 'store'}")
@@ -216,3 +257,18 @@ def test_only_gemini_dcp_options_names_a_gemini_dcp_variable() -> None:
                 if "GEMINI_DCP" in text or "ENV_" in text:
                     found.append(f"{rel}:{node.lineno}: {text}")
     assert not found, "read GEMINI_DCP_* variables through gemini_dcp.options:\n" + "\n".join(found)
+
+
+def test_device_options_from_env_and_their_errors() -> None:
+    from gemini_dcp.options.device import DeviceOptions
+
+    assert DeviceOptions.from_env({}) == DeviceOptions()
+    o = DeviceOptions.from_env({"GEMINI_DCP_D2H_CHECKSUM": "CPU", "GEMINI_DCP_H2D_REGISTER": "0"})
+    assert o.d2h_checksum == "cpu" and o.h2d_register == "never"
+    assert DeviceOptions.from_env({"GEMINI_DCP_H2D_REGISTER": "1"}).h2d_register == "always"
+    with pytest.raises(ConfigError, match="GEMINI_DCP_D2H_CHECKSUM='fast'.*auto, gpu or cpu"):
+        DeviceOptions.from_env({"GEMINI_DCP_D2H_CHECKSUM": "fast"})
+    with pytest.raises(ConfigError, match="GEMINI_DCP_H2D_REGISTER='maybe'"):
+        DeviceOptions.from_env({"GEMINI_DCP_H2D_REGISTER": "maybe"})
+    with pytest.raises(ConfigError, match="d2h_checksum"):
+        DeviceOptions(d2h_checksum="tpu")  # type: ignore[arg-type]

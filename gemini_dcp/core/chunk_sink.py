@@ -202,6 +202,7 @@ def land(
     stored: torch.Tensor | bytes,
     planner: LoadPlanner,
     dests: dict[int, torch.Tensor] | None = None,
+    copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> None:
     """Copy one verified chunk into the destinations of ``items`` (the read items it serves).
 
@@ -211,7 +212,8 @@ def land(
     another, as stock DCP converts them. ``dests`` maps ``id(item)`` to a destination resolved
     beforehand (used once, then dropped); otherwise the planner resolves it here. A
     destination of another shape is refused (IncompatibleCheckpointError) before anything
-    is copied into it.
+    is copied into it. ``copy(dest, src)`` replaces ``dest.copy_(src)`` (the restore's CUDA
+    landing: :class:`gemini_dcp.dcp.device_land.DeviceLander`).
     """
     for item in items:
         if item.type == LoadItemType.BYTE_IO:
@@ -230,7 +232,10 @@ def land(
                 f"{item.dest_index.fqn!r}: the stored chunk {tuple(src.size())} does not fit its destination "
                 f"{tuple(dest.size())}; nothing of it was copied. Load with the model that saved this step."
             )
-        dest.copy_(src)  # same dtype: a memcpy; another dtype: converted values, as stock DCP
+        if copy is None:
+            dest.copy_(src)  # same dtype: a memcpy; another dtype: converted values, as stock DCP
+        else:
+            copy(dest, src)
         planner.commit_tensor(item, dest)
 
 
@@ -282,15 +287,16 @@ class StagedChunks:
         planner: LoadPlanner,
         dests: dict[int, torch.Tensor] | None = None,
         after_first: Callable[[], None] | None = None,
+        copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
-        """Land every held chunk (:func:`land`), then hold nothing.
+        """Land every held chunk (:func:`land`, with ``copy``), then hold nothing.
 
         ``after_first`` runs once the first chunk has landed (a fault-injection point).
         """
         chunks, self._chunks = self._chunks, []
         try:
             for n, entry in enumerate(chunks):
-                land(entry.items, entry.stored, planner, dests)
+                land(entry.items, entry.stored, planner, dests, copy)
                 if n == 0 and after_first is not None:
                     after_first()
         finally:

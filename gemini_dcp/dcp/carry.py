@@ -19,6 +19,12 @@ copied into this slot; and the slot, its program (layout, checksum algorithm) an
 file are the same objects. Anything else copies. A save in a new process (a torchrun restart)
 holds no history: it copies everything.
 
+**Row deltas** (:mod:`gemini_dcp.dcp.row_delta`): a sharded embedding table (``row_items``) is
+never carried on the version rule (torchrec's fused optimizers update rows without bumping
+it); while the slot's memory is valid its rows are compared with the slot's and only those
+that differ are written (``CarryPlan.rows``), so what a save copies and sends is the rows
+changed since the slot's last write.
+
 Local work only: each rank decides for its own items; no collective.
 """
 
@@ -32,8 +38,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..peer.delta import Runs, merge_runs
+from ..options.incremental import IncrementalOptions
+from ..peer.delta import PACK_MAX_SHARE, Packed, Runs, merge_runs
+from .row_delta import RowDelta
 
 __all__ = ["CarryPlan", "CarryTracker", "IncrementalOptions", "SaveStats", "note_plain_write", "tensor_key"]
 
@@ -48,38 +55,13 @@ _STAMPS = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class IncrementalOptions:
-    """Whether saves carry unchanged items forward, and how often a full save is forced.
-
-    ``enabled``: copy only the items whose tensor changed since the slot was last written.
-    ``full_every``: with ``enabled``, every K-th save of a writer copies every item (K >= 1;
-    None: only when the change rule requires it). It bounds how long a change the rule cannot
-    see (a write through ``.data``, a fused optimizer: docs/incremental.md) stays unsaved.
-    """
-
-    enabled: bool = False
-    full_every: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"incremental must be True or False, got {self.enabled!r}.")
-        k = self.full_every
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ConfigError(
-                f"full_every must be a positive int (a full save every K saves) or None, got {k!r}: "
-                "pass e.g. full_every=10."
-            )
-        if k is not None and not self.enabled:
-            raise ConfigError("full_every only applies to incremental saves: pass incremental=True with it, or drop it.")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SaveStats:
     """One save on this rank (``writer.last_save``).
 
     ``bytes_written``: item bytes this rank copied into the tier for the step;
     ``bytes_carried``: item bytes the step's slot already held (referenced, not copied);
-    ``full``: nothing was carried; ``reason``: why a save copied everything (or "incremental").
+    ``full``: nothing was carried; ``reason``: why a save copied everything (or "incremental");
+    ``rows_written`` / ``rows_total``: rows of sharded embedding tables written / held (row deltas).
     """
 
     step: int
@@ -90,9 +72,12 @@ class SaveStats:
     full: bool
     reason: str
     slot: int
+    rows_written: int = 0  # rows of sharded embedding tables written (row deltas)
+    rows_total: int = 0  # rows of those tables in the step
 
     def __post_init__(self) -> None:
-        if min(self.bytes_written, self.bytes_carried, self.items_written, self.items_carried) < 0:
+        if min(self.bytes_written, self.bytes_carried, self.items_written, self.items_carried, self.rows_written,
+               self.rows_total) < 0:
             raise ValueError(f"SaveStats counts must be >= 0: {self!r}")
 
     @property
@@ -125,21 +110,31 @@ class _SlotMemory:
     storages: list[Any]  # weak references to the items' storages (None where keys is None)
     sums: list[int]
     stamp: int  # this write's entry in _LAST_WRITE
+    wno: int  # the tracker's number of this write (CarryPlan.wno)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CarryPlan:
-    """What a save into a slot copies: ``carry[i]`` True means item i is already there with ``sums[i]``."""
+    """What a save into a slot copies: ``carry[i]`` True means item i is already there with ``sums[i]``;
+    ``rows[i]``: 0 for a plain item; a sharded embedding table is never carried on its key: 2 when
+    it is written as its rows that differ from the slot's, 1 when it is copied whole.
+
+    ``wno`` numbers this write among the tracker's writes of the rank; ``base`` is the number of the
+    write whose bytes the slot holds (what ``rows`` are compared against; None: no valid memory).
+    """
 
     carry: list[bool]
     sums: list[int]
     keys: list[Key | None]
     storages: list[Any]
     reason: str
+    rows: list[int] = dataclasses.field(default_factory=list)
+    wno: int = 0
+    base: int | None = None
 
     @property
     def any(self) -> bool:
-        return any(self.carry)
+        return any(self.carry) or 2 in self.rows
 
 
 class CarryTracker:
@@ -155,11 +150,16 @@ class CarryTracker:
         self._since_full: dict[int, int | None] = {}  # rank -> saves since its last full save (None: none yet)
         # rank -> its last ``history`` saves: (seq, program, keys, storages), for delta replication.
         self.history = history
-        self._history: dict[int, list[tuple[int, object, list[Key | None], list[Any]]]] = {}
+        self._history: dict[int, list[tuple[int, object, list[Key | None], list[Any], int]]] = {}
+        self._wno = itertools.count(1)
 
     def plan(self, rank: int, slot_idx: int, slot: object, program: object, entries: Sequence[Any],
-             tensor_pos: Sequence[int]) -> CarryPlan:
+             tensor_pos: Sequence[int], row_items: Sequence[int] | None = None) -> CarryPlan:
         """Which of ``entries`` (the resolved items, in plan order) the slot already holds.
+
+        ``row_items[i]`` nonzero: item i is a sharded embedding table, never carried on its key; 2: it
+        is written as its changed rows (``rows[i]``) while the slot's memory is valid, 1 (or no valid
+        memory): copied whole.
 
         Keys are read here, before any byte is copied: a change made during the copy shows
         as a new version at the next save (copied again), never the reverse. The slot's
@@ -184,10 +184,14 @@ class CarryTracker:
         if reason is None and mem is not None and last != mem.stamp:
             reason = "slot written by another writer"
         carry = [False] * n
+        rows = [0] * n
         sums = [0] * n
         if reason is None:
             assert mem is not None
             for i in tensor_pos:
+                if row_items is not None and row_items[i]:
+                    rows[i] = row_items[i]
+                    continue
                 k = keys[i]
                 if k is not None and k == mem.keys[i]:
                     ref = mem.storages[i]
@@ -195,7 +199,8 @@ class CarryTracker:
                         carry[i] = True
                         sums[i] = mem.sums[i]
             reason = "incremental"
-        return CarryPlan(carry=carry, sums=sums, keys=keys, storages=storages, reason=reason)
+        return CarryPlan(carry=carry, sums=sums, keys=keys, storages=storages, reason=reason, rows=rows,
+                         wno=next(self._wno), base=mem.wno if reason == "incremental" and mem is not None else None)
 
     def remember(self, rank: int, slot_idx: int, slot: object, program: object, plan: CarryPlan,
                  sums: Sequence[int]) -> None:
@@ -206,29 +211,47 @@ class CarryTracker:
         _LAST_WRITE[str(getattr(slot, "path", id(slot)))] = stamp
         self._slots[(rank, slot_idx)] = _SlotMemory(
             program=program, slot=slot, keys=list(plan.keys), storages=list(plan.storages), sums=list(sums), stamp=stamp,
+            wno=plan.wno,
         )
         since = self._since_full.get(rank)
         self._since_full[rank] = 0 if not plan.any else (since or 0) + 1
 
     def changed_since(self, rank: int, seq: int, program: object, plan: CarryPlan, offsets: Sequence[int],
-                      sizes: Sequence[int]) -> tuple[tuple[int, Runs], ...]:
+                      sizes: Sequence[int], deltas: dict[int, RowDelta] | None = None,
+                      ) -> tuple[tuple[int, Runs, Packed], ...]:
         """For each recent save of ``rank`` with the same ``program`` (its ``seq``), the runs of
-        this save's slot (save ``seq``) that may differ from that save's; then remembers this one.
+        this save's slot (save ``seq``) that may differ from that save's, and the packed row deltas
+        of its tables; then remembers this one.
 
         An item is unchanged since a save when its key then and now are equal and the storage
-        seen then is still alive (:func:`tensor_key`); everything else is in a run.
+        seen then is still alive (:func:`tensor_key`); everything else is in a run. A table
+        (``plan.rows``) is never unchanged on its key: against the save the slot held (``plan.base``)
+        it is its changed rows (``deltas[i]``, ``(offset, length, row_bytes, int32 row indices)``),
+        unless they are ``PACK_MAX_SHARE`` of it or more; against any other save the whole item.
         """
         hist = self._history.setdefault(rank, [])
         hist[:] = [h for h in hist if h[1] is program]  # another layout: no runs against it
-        out: list[tuple[int, Runs]] = []
-        for b_seq, _prog, b_keys, b_storages in hist:
+        out: list[tuple[int, Runs, Packed]] = []
+        deltas = deltas or {}
+        row_pos = [i for i, r in enumerate(plan.rows) if r == 2]
+        for b_seq, _prog, b_keys, b_storages, b_wno in hist:
             spans = []
+            packed: list[tuple[int, int, int, bytes]] = []
             for i, k in enumerate(plan.keys):
+                if plan.rows and plan.rows[i] == 2:
+                    continue
                 ref = b_storages[i]
-                if k is None or k != b_keys[i] or ref is None or ref() is None:
+                if k is None or k != b_keys[i] or ref is None or ref() is None or (plan.rows and plan.rows[i]):
                     spans.append((offsets[i], sizes[i]))
-            out.append((b_seq, merge_runs(spans)))
-        hist.append((seq, program, list(plan.keys), list(plan.storages)))
+            for i in row_pos:
+                rd = deltas.get(i)
+                if b_wno == plan.base and rd is not None and rd[1] < 2**31 and rd.bytes_written < PACK_MAX_SHARE * sizes[i]:
+                    if rd.changed.numel():
+                        packed.append((offsets[i], sizes[i], rd.row_bytes, rd.changed.to(torch.int32).numpy().tobytes()))
+                else:
+                    spans.append((offsets[i], sizes[i]))
+            out.append((b_seq, merge_runs(sorted(spans)), tuple(packed)))
+        hist.append((seq, program, list(plan.keys), list(plan.storages), plan.wno))
         del hist[: -self.history]
         return tuple(out)
 

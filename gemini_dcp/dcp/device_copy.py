@@ -7,12 +7,15 @@ caller's stream; a pure-torch fallback of the same contract without the extensio
 is released by the interleaving pacer first (``pace(n)``: the async path's scheduler, which puts
 the pieces into the idle gaps the profiler found), exactly as the CPU path's blocks are.
 
-The checksum is the slot's usual one (``crc32c``/``xxh3``), computed on the CPU over each piece
-right after it landed, while the next piece is in flight, so the CPU reads every byte once while
-it is cache-warm and never re-reads the whole slot. The GPU ``xsum64`` was the alternative: it
-would read the tensor a second time on the GPU (HBM bandwidth the training step wants) and give a
-checksum of another algorithm than the rest of the slot's items; measuring the two on a GPU is
-left to issue 20's GPU session (docs/async.md).
+The checksum (``GEMINI_DCP_D2H_CHECKSUM``): ``gpu`` (the default where the extension's CUDA ops
+are loaded) computes ``xsum64`` of the tensor on the GPU (one kernel over HBM, about 1.8 TB/s on an
+H100, and one 8-byte readback), so the CPU never touches the bytes; the item's record says
+``xsum64`` and every reader verifies it with the CPU kernel of the same function
+(:mod:`gemini_dcp.core.checksum`), piece by piece. ``cpu`` keeps the slot's own algorithm
+(``crc32c``/``xxh3``), computed on the CPU over each piece right after it landed while the next
+piece is in flight, split over ``crc_threads`` threads. Measured on an H100 host (docs/async.md
+"GPU"): pinned D2H 54 GB/s, one core's crc32c of DMA-written memory 6.7 GB/s, four cores 24 GB/s:
+the CPU checksum, not the DMA, bounded the save, hence ``gpu``.
 
 Slot mappings are page-locked (``host_register``) once per mapping, the first time a CUDA tensor
 is copied into them, so each piece is a DMA with no staging buffer; the registration is undone
@@ -28,19 +31,24 @@ when every byte of this rank is in the tier.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from ..core.checksum import new_hasher
-from ..errors import GeminiError
+from ..errors import ConfigError, GeminiError
+from ..options.device import DeviceOptions
 
 __all__ = ["DeviceCopier", "copy_path"]
 
 log = logging.getLogger(__name__)
 Pacer = Callable[[int], None]
 DEFAULT_CHUNK_BYTES = 16 << 20  # large enough for full-speed DMA, small enough to fit communication gaps
+DEFAULT_CRC_THREADS = 4  # the checksum_on="cpu" path: a piece's CRC split over 4 threads
+GPU_ALGO = "xsum64"
 
 
 class _Waitable(Protocol):
@@ -84,8 +92,17 @@ class DeviceCopier:
 
     def __init__(self, chunk_bytes: int | None = None, *, copy_fn: CopyFn | None = None,
                  register_fn: Callable[[torch.Tensor], None] | None = None,
-                 unregister_fn: Callable[[torch.Tensor], None] | None = None) -> None:
+                 unregister_fn: Callable[[torch.Tensor], None] | None = None,
+                 crc_threads: int | None = None, checksum_on: str | None = None) -> None:
         self.chunk_bytes = chunk_bytes
+        self.crc_threads = crc_threads or max(1, min(DEFAULT_CRC_THREADS, os.cpu_count() or 1))
+        if checksum_on is None:
+            checksum_on = DeviceOptions.from_env().d2h_checksum
+        elif checksum_on not in ("auto", "gpu", "cpu"):
+            raise ConfigError(f"DeviceCopier(checksum_on={checksum_on!r}): choose 'auto' (default: 'gpu' where the "
+                              "extension's CUDA ops are loaded), 'gpu' or 'cpu'.")
+        self.checksum_on = checksum_on
+        self._gpu_checksum: bool | None = None
         self._copy = copy_fn or _default_copy
         self._register = register_fn
         self._unregister = unregister_fn
@@ -93,6 +110,8 @@ class DeviceCopier:
         self.register_failed: str | None = None  # why registration is off for this writer
         self.bytes_copied = 0
         self.chunks_copied = 0
+        self.seconds = 0.0  # wall time inside copy() and wait(): bytes_copied / seconds is the GPU -> tier rate
+        self._in_flight: _Waitable | None = None  # the last queued piece of the GPU-checksummed path
 
     # ---- page-locking the slot mappings -----------------------------------------------------------
     def ensure_registered(self, slot: _Slot) -> None:
@@ -134,19 +153,46 @@ class DeviceCopier:
         for t in list(self._registered.values()):
             self._forget(t)
 
+    # ---- the checksum ---------------------------------------------------------------------------
+    def item_algo(self, slot_algo: str) -> str:
+        """The checksum algorithm of a CUDA item in a slot of ``slot_algo``: ``xsum64`` when it is
+        computed on the GPU (module docstring), else the slot's."""
+        if self._gpu_checksum is None:
+            on = self.checksum_on != "cpu"
+            if on:
+                from ..ext import loader
+
+                on = bool(loader.load() and loader.has_cuda_ext())
+                if not on and self.checksum_on == "gpu":
+                    log.warning("gemini_dcp: GEMINI_DCP_D2H_CHECKSUM=gpu but the extension's CUDA ops are not loaded; CUDA "
+                                "tensors are checksummed on the CPU (gemini-dcp doctor says why the ops are missing).")
+            self._gpu_checksum = on
+        return GPU_ALGO if self._gpu_checksum else slot_algo
+
     # ---- the copy ---------------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor, algo: str, pace: Pacer | None = None) -> int:
         """Copy CUDA tensor ``src`` into ``dst`` (a flat uint8 CPU view of the slot, ``src``'s byte
         size) piece by piece, and return the checksum (``algo``) of the bytes as they landed.
 
-        Returns only once every piece is in ``dst``.
+        With the slot's own algorithm this returns once every piece is in ``dst``; with ``xsum64``
+        (the GPU checksum) once every piece is queued: call :meth:`wait` before ``dst`` is read or
+        the save is called done (``LocalWriter`` does, once per write).
         """
+        t0 = time.perf_counter()
+        try:
+            return self._copy_all(dst, src, algo, pace)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _copy_all(self, dst: torch.Tensor, src: torch.Tensor, algo: str, pace: Pacer | None) -> int:
         s = _flat_bytes(src.detach())
         n = s.numel()
         if dst.numel() != n or dst.dtype != torch.uint8 or dst.device.type != "cpu":
             raise GeminiError(f"device copy: destination of {dst.numel()} {dst.dtype} on {dst.device} does not take "
                               f"{n} bytes (an internal error: report it)")
         chunk = self.chunk_bytes or DEFAULT_CHUNK_BYTES
+        if algo == GPU_ALGO:
+            return self._copy_gpu_checksummed(dst, s, n, chunk, pace)
         h = new_hasher(algo)
         pending: tuple[Any, int, int] | None = None  # (event, start, length) of the piece in flight
         for start in range(0, n, chunk):
@@ -162,7 +208,35 @@ class DeviceCopier:
         self.bytes_copied += n
         return h.value()
 
+    def _copy_gpu_checksummed(self, dst: torch.Tensor, s: torch.Tensor, n: int, chunk: int, pace: Pacer | None) -> int:
+        """The pieces on the copy stream, the ``xsum64`` kernel on the current stream meanwhile; no CPU pass."""
+        from ..ext.cuda import gpu_checksum
+
+        last: _Waitable | None = None
+        for start in range(0, n, chunk):
+            m = min(chunk, n - start)
+            if pace is not None:
+                pace(m)
+            last = self._copy(dst[start : start + m], s[start : start + m], m)
+            self.chunks_copied += 1
+        value = gpu_checksum(s)  # of the device bytes the copies read (same stream order: nothing wrote them since)
+        if last is not None:
+            # No wait here: the next tensor's pieces queue behind these on the same stream, so the copy
+            # engine never idles between tensors; wait() (once per local write) waits for the last one.
+            self._in_flight = last
+        self.bytes_copied += n
+        return value
+
+    def wait(self) -> None:
+        """Wait until every piece queued by :meth:`copy` is in the slot (the local write calls this
+        before it returns, also on an error: no DMA may outlive the write)."""
+        last, self._in_flight = self._in_flight, None
+        if last is not None:
+            t0 = time.perf_counter()
+            last.synchronize()
+            self.seconds += time.perf_counter() - t0
+
     def _land(self, h: Any, dst: torch.Tensor, ev: _Waitable, start: int, m: int) -> None:
         ev.synchronize()
-        h.update(dst[start : start + m])  # the piece is in the CPU's cache: read once, now
+        h.update(dst[start : start + m], self.crc_threads)  # the piece is in the CPU's cache: read once, now
         self.chunks_copied += 1

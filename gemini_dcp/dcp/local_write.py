@@ -70,6 +70,7 @@ from .copy_program import (
     direct_lookup,
 )
 from .device_copy import DeviceCopier
+from .row_delta import RowDelta, copy_changed_rows, is_row_item, row_geometry
 
 __all__ = ["LocalWriter", "WriteResults", "direct_lookup"]
 
@@ -83,7 +84,8 @@ class LocalWriter:
         self._programs: dict[int, _Program] = {}  # rank -> the program of its last plan
         self.programs_built = 0
         self.carry = carry  # incremental saves: what each slot already holds (dcp/carry.py)
-        self.last_carry: tuple[CarryPlan, list[int]] | None = None  # (the last write's carry plan, item sizes)
+        # (the last write's carry plan, item sizes, the row deltas of its tables by item position)
+        self.last_carry: tuple[CarryPlan, list[int], dict[int, RowDelta]] | None = None
         self.device_copier = DeviceCopier()  # CUDA tensors: chunked D2H into the page-locked slot
 
     def write(self, plan: SavePlan, planner: SavePlanner, rank: int, algo: str, pace: Pacer | None) -> LocalWrite:
@@ -121,24 +123,32 @@ class LocalWriter:
                 prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block, flat)
                 self._programs[rank] = prog
             assert prog is not None
-            plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos) if self.carry is not None else None
+            plan_c = None
+            if self.carry is not None:
+                plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos, _row_items(prog, flat, entries))
             if plan_c is None:
                 note_plain_write(slot)
             skip = plan_c.carry if plan_c is not None and plan_c.any else None
-            sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace,
-                              self.device_copier, skip, slot_idx)
+            deltas: dict[int, RowDelta] = {}
+            try:
+                sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace,
+                                  self.device_copier, skip,
+                                  plan_c.rows if skip is not None and plan_c is not None else None, deltas, slot_idx)
+            finally:
+                self.device_copier.wait()  # CUDA items: every queued device-to-host piece is in the slot
             if plan_c is not None:
                 assert self.carry is not None
                 if skip is not None:
                     sums = [c if k else s for s, c, k in zip(sums, plan_c.sums, skip)]
                 self.carry.remember(rank, slot_idx, slot, prog, plan_c, sums)
-                self.last_carry = (plan_c, sizes)
+                self.last_carry = (plan_c, sizes, deltas)
         template: _Program | None = prog
         if prog.byte_pos and sizes is not prog.sizes and any(sizes[i] != prog.sizes[i] for i in prog.byte_pos):
             template = None  # the results are not the program's templates plus checksums
         save_bytes = None
         if plan_c is not None:
             carried = sum(n for n, c in zip(sizes, plan_c.carry) if c)
+            carried += sum(sizes[i] - rd.bytes_written for i, rd in deltas.items())
             save_bytes = (sum(sizes) - carried, carried)
         return LocalWrite(slot=slot_idx, results=WriteResults(prog, sizes, sums), nbytes=total, checksums=tuple(sums),
                           template=template, save_bytes=save_bytes, item_bytes=sum(sizes))
@@ -148,8 +158,8 @@ class LocalWriter:
         prog = self._programs.get(rank)
         if self.carry is None or self.last_carry is None or prog is None:
             return None
-        plan_c, sizes = self.last_carry
-        since = self.carry.changed_since(rank, seq, prog, plan_c, prog.offsets, sizes)
+        plan_c, sizes, deltas = self.last_carry
+        since = self.carry.changed_since(rank, seq, prog, plan_c, prog.offsets, sizes, deltas)
         # A forced full save (full_every) re-sends the whole slot too: what it guards against (a change
         # the rule cannot see) would otherwise stay in the replica.
         return (token, seq, () if plan_c.reason.startswith("full_every") else since)
@@ -187,7 +197,8 @@ class LocalWriter:
                 templates.append(ShardRef(rank, offsets[i], n, 0, algo, None, None))
                 byte_pos.append(i)
                 continue
-            templates.append(ShardRef(rank, offsets[i], n, 0, algo, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+            item_algo = self.device_copier.item_algo(algo) if t.is_cuda else algo  # CUDA: checksummed on the GPU
+            templates.append(ShardRef(rank, offsets[i], n, 0, item_algo, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
             tensor_pos.append(i)
             plain = t.device == _CPU and t.layout is torch.strided and not t.is_quantized and n > 0
             if not plain or n >= block:
@@ -222,11 +233,13 @@ class LocalWriter:
     @staticmethod
     def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
               algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None,
+              rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None,
               slot_idx: int | None = None) -> list[int]:
-        """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves).
+        """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves);
+        of the tables ``rows`` marks, only the rows that differ from the slot's (their deltas into ``deltas``).
         The groups go through :func:`gemini_dcp.dcp.batch_copy.copy_group` (fused per item when it can)."""
         if skip is not None:
-            return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier)
+            return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier, rows, deltas)
         sums = [0] * len(entries)
         hasher = buffer_checksum(algo)
         view = memoryview(slot.tensor.numpy()) if prog.groups else memoryview(b"")
@@ -251,16 +264,34 @@ class LocalWriter:
                 if done >= half > done - len(g.pos):
                     fault_point("save.mid_copy")
             for i in prog.single + prog.byte_pos:
-                sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], algo, prog.block, pace, device_copier)
+                sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block, pace,
+                                    device_copier)
                 done += 1
                 if done == half:
                     fault_point("save.mid_copy")
         return sums
 
 
+def _row_items(prog: _Program, flat: dict[str, Any] | None, entries: list[torch.Tensor]) -> list[int] | None:
+    """Per item: 0, or a sharded embedding table (``row_delta.is_row_item``: a ``ShardedTensor`` or a
+    DTensor over torchrec's ``LocalShardsWrapper``), never carried on its version counter: 2 when it
+    is written as a row delta (a plain CPU tensor copied alone: ``block`` bytes or more), 1 when it
+    is copied whole (small tables, grouped). None when there is none, or no flat state dict to ask."""
+    if flat is None:
+        return None
+    out = [0] * len(entries)
+    single = set(prog.single)
+    for i in prog.tensor_pos:
+        if is_row_item(flat.get(prog.fqns[i])):
+            out[i] = 2 if i in single and row_geometry(entries[i]) is not None else 1
+    return out if any(out) else None
+
+
 def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int],
-                  slot: Any, algo: str, pace: Pacer | None, skip: list[bool], device_copier: DeviceCopier) -> list[int]:
-    """``LocalWriter._copy`` of the items ``skip`` does not mark (their checksums; 0 for the skipped)."""
+                  slot: Any, algo: str, pace: Pacer | None, skip: list[bool], device_copier: DeviceCopier,
+                  rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None) -> list[int]:
+    """``LocalWriter._copy`` of the items ``skip`` does not mark (their checksums; 0 for the skipped);
+    the tables ``rows`` marks 2 get their changed rows only (``row_delta.copy_changed_rows``)."""
     sums = [0] * len(entries)
     hasher = buffer_checksum(algo)
     view = memoryview(slot.tensor.numpy()) if prog.groups else None
@@ -281,7 +312,14 @@ def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[
         for i in prog.single + prog.byte_pos:
             if skip[i]:
                 continue
-            sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], algo, prog.block, pace, device_copier)
+            if rows is not None and rows[i] == 2:  # a table (CPU): its changed rows, checksummed like the slot
+                sums[i], rd = copy_changed_rows(slot.view(prog.offsets[i], sizes[i]), entries[i], prog.templates[i].algo,
+                                                pace=pace)
+                if deltas is not None:
+                    deltas[i] = rd
+                continue
+            sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block, pace,
+                                device_copier)
     return sums
 
 

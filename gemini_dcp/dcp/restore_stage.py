@@ -34,6 +34,7 @@ from ..core.faults import fault_point
 from ..errors import GeminiError, IncompatibleCheckpointError
 from ..local.records import ShardRef
 from ..local.slots import ReadOnlySlot
+from .device_land import DeviceLander
 
 if TYPE_CHECKING:
     from ..peer.arena import ReceiveArena
@@ -60,6 +61,8 @@ class RestoreStage:
         self.dests: dict[int, torch.Tensor] = {}  # id(read item) -> its resolved destination
         self.rank_ok = True  # False: this rank will raise; it tells the others in the first agreement round
         self.error: GeminiError | None = None  # raised after the agreement round
+        self.lander: DeviceLander | None = None  # the landing's CUDA copies and page-locked mappings, until released
+        self.last_lander: DeviceLander | None = None  # the last released one (its byte counts: benchmarks, tests)
 
     def begin(self) -> None:
         """Start a load: nothing staged, no destination resolved, no error yet."""
@@ -117,11 +120,29 @@ class RestoreStage:
 
     # ---- landing and letting go ----------------------------------------------------------------
     def land(self, planner: LoadPlanner) -> None:
-        """Copy every staged chunk into the state dict (dtype-converted as stock DCP converts)."""
+        """Copy every staged chunk into the state dict (dtype-converted as stock DCP converts).
+
+        Chunks bound for CUDA tensors go host-to-device asynchronously, from page-locked slot
+        mappings where enough of a mapping goes to the GPU (:mod:`gemini_dcp.dcp.device_land`);
+        this returns once every copy is done.
+        """
+        self._drop_lander()
+        lander = self.lander = DeviceLander()
         try:
-            self.chunks.land_all(planner, self.dests, after_first=lambda: fault_point("load.mid_copy"))
+            lander.prepare([m.tensor for m in self.maps.values()], self.chunks, self.dests)
+            self.chunks.land_all(planner, self.dests, after_first=lambda: fault_point("load.mid_copy"),
+                                 copy=lander.copy)
         finally:
             self.dests = {}
+            lander.finish()  # no DMA may outlive this call: the mappings are unregistered and unmapped next
+
+    def _drop_lander(self) -> None:
+        """Wait for the last landing's copies and undo its registrations (before any unmap)."""
+        lander, self.lander = self.lander, None
+        if lander is not None:
+            lander.finish()
+            lander.release()
+            self.last_lander = lander
 
     def abandon(self) -> None:
         """A failed restore: drop the staged chunks, the slot mappings and the receive buffers now.
@@ -132,6 +153,7 @@ class RestoreStage:
         """
         self.chunks.clear()
         self.dests = {}
+        self._drop_lander()
         self.maps.clear()
         self.files.clear()
         arenas, self.arenas = self.arenas, []
@@ -152,6 +174,7 @@ class RestoreStage:
         with SIGABRT in about half of such exits). Once the interpreter is
         finalizing (no new threads), the unmap runs inline.
         """
+        self._drop_lander()  # page-locked mappings are unregistered here, on the caller's thread (CUDA calls)
         maps, self.maps = self.maps, {}
         files, self.files = self.files, []
         arenas, self.arenas = self.arenas, []

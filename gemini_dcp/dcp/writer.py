@@ -61,7 +61,6 @@ from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
 from ..peer.delta import ReplicaMemory
 from ..peer.parity import ParitySlots, encode_parity
-from ..peer.parity_groups import check_parity_group
 from ..peer.push import replicate
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
@@ -175,7 +174,6 @@ class GeminiStorageWriter(StorageWriter):
         full_every: int | None = None,
     ) -> None:
         super().__init__()
-        self.incremental = IncrementalOptions(enabled=incremental, full_every=full_every)
         # Every option is validated before anything is created (tier or persistent directories):
         # ``options`` merged with the keywords (a keyword and an options field set to different
         # values is a ConfigError), the drain settings from the environment when no options are given.
@@ -183,11 +181,13 @@ class GeminiStorageWriter(StorageWriter):
             options, root=root, job_id=job_id, keep=keep, replicas=replicas, placement=placement, checksum=checksum,
             capacity_bytes=capacity_bytes, timeout_s=timeout_s, on_peer_failure=on_peer_failure,
             persistent=persistent, persist_every=persist_every, persist_keep=persist_keep,
-            persist_keep_every=persist_keep_every,
+            persist_keep_every=persist_keep_every, parity_group=parity_group, incremental=incremental,
+            full_every=full_every,
         )
         cfg = self.gemini_options
         self.options = cfg.tier_options()
-        self.parity_group = check_parity_group(parity_group, self.options.replicas)  # before any directory exists
+        self.incremental: IncrementalOptions = cfg.incremental
+        self.parity_group = cfg.peer.parity_group  # validated with replicas (PeerOptions), before any directory exists
         self._algo = resolve_algo(self.options.checksum)
         self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
         self.root: Path = self.tier.root
@@ -504,11 +504,12 @@ def _save_stats(step: int, done: LocalWrite, local_writer: LocalWriter) -> SaveS
         n = done.item_bytes if done.item_bytes is not None else sum(r.size_in_bytes for r in done.results)
         return SaveStats(step=step, bytes_written=n, bytes_carried=0, items_written=len(done.results), items_carried=0,
                          full=True, reason="incremental=False", slot=done.slot)
-    plan_c, _ = held
-    carried = sum(plan_c.carry)
+    plan_c, _, deltas = held
+    carried = sum(plan_c.carry) + sum(1 for rd in deltas.values() if not rd.changed.numel())
     return SaveStats(step=step, bytes_written=done.save_bytes[0], bytes_carried=done.save_bytes[1],
-                     items_written=len(plan_c.carry) - carried, items_carried=carried, full=carried == 0,
-                     reason=plan_c.reason, slot=done.slot)
+                     items_written=len(plan_c.carry) - carried, items_carried=carried, full=not plan_c.any,
+                     reason=plan_c.reason, slot=done.slot, rows_written=sum(int(rd.changed.numel()) for rd in deltas.values()),
+                     rows_total=sum(rd[1] for rd in deltas.values()))
 
 
 def _planned_bytes(item: WriteItem) -> int:

@@ -80,16 +80,21 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor, num_threads: int = 0) -> No
         dst.copy_(src)
 
 
-def crc32c(buf: torch.Tensor, value: int = 0) -> int:
+def crc32c(buf: torch.Tensor, value: int = 0, num_threads: int = 1) -> int:
     """CRC-32C (Castagnoli) of ``buf`` (1-D contiguous uint8 CPU tensor), continuing from ``value``.
 
     Equal to ``crc32c.crc32c(bytes(buf), value)`` of the ``crc32c`` package (its fallback),
-    so ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
+    so ``crc32c(b, crc32c(a)) == crc32c(a + b)``. ``num_threads`` other than 1 (0: the
+    extension's default count) splits the buffer over threads and combines their CRCs
+    (the fallback ignores it).
     """
     _check_bytes(buf, "crc32c", "buf")
     _check_crc_value(value, "crc32c")
+    _check_threads(num_threads)
     if loader.load():
-        return int(torch.ops.gemini_dcp.crc32c(buf, value))
+        if num_threads == 1:
+            return int(torch.ops.gemini_dcp.crc32c(buf, value))
+        return int(torch.ops.gemini_dcp.crc32c(buf, value, num_threads))
     return _pkg_crc32c(buf, value)
 
 

@@ -150,7 +150,7 @@ def copy_d2h_chunked(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int = 64
             handle = int(torch.ops.gemini_dcp.copy_d2h_chunked(dst, src, chunk_bytes))
         except RuntimeError as exc:
             raise DeviceCopyError(f"copy_d2h_chunked failed: {exc}") from exc
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # a waiter sleeps instead of spinning a core for the whole copy
         event.record(torch.cuda.ExternalStream(handle, device=src.device))
         return event
     stream = _side_stream(src.device)
@@ -160,7 +160,7 @@ def copy_d2h_chunked(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int = 64
     with torch.cuda.stream(stream):
         for off in range(0, n, chunk_bytes):
             d[off : off + chunk_bytes].copy_(s[off : off + chunk_bytes], non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)
     if n:
         src.record_stream(stream)

@@ -6,6 +6,7 @@
   validated in ``__post_init__`` with a message that says what to give instead.
 - :mod:`~gemini_dcp.options.tree` — :class:`GeminiOptions` (the whole tree, ``from_env()``) and
   :func:`resolve_options` (the writer's and reader's ``options=`` merged with their keywords).
+- :mod:`~gemini_dcp.options.incremental` — :class:`IncrementalOptions` (``incremental``, ``full_every``).
 - :mod:`~gemini_dcp.options.tier` — the flat :class:`TierOptions` (``writer.options``).
 - :mod:`~gemini_dcp.options.faults` — the fault-injection test hooks.
 
@@ -14,6 +15,7 @@ The extension's variables (``GEMINI_DCP_EXT*``, ``GEMINI_DCP_CUDA_EXT``) are rea
 """
 
 from .checks import DEFAULT_TIMEOUT_S, check_timeout
+from .incremental import IncrementalOptions
 from .local import DEFAULT_KEEP, DEFAULT_ROOT, LocalOptions
 from .peer import PeerOptions
 from .persistent import DrainOptions, PersistentOptions
@@ -21,6 +23,6 @@ from .tier import TierOptions
 from .tree import GeminiOptions, resolve_options
 
 __all__ = [
-    "DEFAULT_KEEP", "DEFAULT_ROOT", "DEFAULT_TIMEOUT_S", "DrainOptions", "GeminiOptions", "LocalOptions",
+    "DEFAULT_KEEP", "DEFAULT_ROOT", "DEFAULT_TIMEOUT_S", "DrainOptions", "GeminiOptions", "IncrementalOptions", "LocalOptions",
     "PeerOptions", "PersistentOptions", "TierOptions", "check_timeout", "resolve_options",
 ]

@@ -26,7 +26,7 @@ DEFAULT_KEEP = 2
 ENV_ROOT = "GEMINI_DCP_ROOT"  # tier root of this node (default DEFAULT_ROOT)
 ENV_NODE_ID = "GEMINI_DCP_NODE_ID"  # identity of this node (default <hostname>:<root>)
 
-ChecksumAlgo = Literal["auto", "xxh3", "crc32c"]
+ChecksumAlgo = Literal["auto", "xxh3", "crc32c", "xsum64"]
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -70,8 +70,9 @@ class LocalOptions:
             raise ConfigError(f"node_id={self.node_id!r}: give a non-empty string, or None for <hostname>:<root>.")
         check_int(self.keep, "keep", minimum=1, fix=f"keep at least 1 committed step (default {DEFAULT_KEEP}).")
         check_choice(
-            self.checksum, "checksum", ("auto", "xxh3", "crc32c"),
-            "choose 'auto' (default: crc32c when the C++ extension is built, else xxh3), 'xxh3' or 'crc32c'.",
+            self.checksum, "checksum", ("auto", "xxh3", "crc32c", "xsum64"),
+            "choose 'auto' (default: crc32c when the C++ extension is built, else xxh3), 'xxh3', 'crc32c' or "
+            "'xsum64' (the GPU checksum; CUDA tensors use it by default, see GEMINI_DCP_D2H_CHECKSUM).",
         )
         check_optional_int(self.capacity_bytes, "capacity_bytes", minimum=1, fix="give a positive byte budget or None.")
 

@@ -6,12 +6,17 @@ pacer (``gemini_dcp.snapshot``), not an option here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import ConfigError
 from .checks import check_choice, check_int
+from .env import env_int, raw
 
-__all__ = ["OnPeerFailure", "PeerOptions", "PlacementStrategy"]
+__all__ = ["ENV_PARITY_GROUP", "OnPeerFailure", "PeerOptions", "PlacementStrategy"]
+
+ENV_PARITY_GROUP = "GEMINI_DCP_PARITY_GROUP"  # XOR parity over groups of this many nodes (docs/parity.md)
 
 PlacementStrategy = Literal["mixed", "group", "ring"]
 OnPeerFailure = Literal["raise", "degrade"]
@@ -19,11 +24,13 @@ OnPeerFailure = Literal["raise", "degrade"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerOptions:
-    """``replicas`` counts the node's own copy (1: local only; 2: one peer copy)."""
+    """``replicas`` counts the node's own copy (1: local only; 2: one peer copy). ``parity_group``:
+    instead of replicas, XOR parity over groups of this many nodes (>= 3; requires ``replicas=1``)."""
 
     replicas: int = 1
     placement: PlacementStrategy = "mixed"
     on_peer_failure: OnPeerFailure = "raise"
+    parity_group: int | None = None
 
     def __post_init__(self) -> None:
         check_int(self.replicas, "replicas", minimum=1, fix=(
@@ -32,3 +39,21 @@ class PeerOptions:
                      "choose 'mixed' (default), 'group' or 'ring'.")
         check_choice(self.on_peer_failure, "on_peer_failure", ("raise", "degrade"),
                      "choose 'raise' (fail the save) or 'degrade' (commit with fewer replicas and warn).")
+        g = self.parity_group
+        if g is not None:
+            check_int(g, "parity_group", minimum=3, fix=(
+                "pass an int >= 3 (nodes per XOR parity group; each node then keeps 1/(parity_group-1) of a "
+                "checkpoint in parity), or leave it None for no parity."))
+            if self.replicas > 1:
+                raise ConfigError(
+                    f"parity_group={g} and replicas={self.replicas} both protect the peer tier: choose one. Set "
+                    "replicas=1 to use XOR parity (one lost node per group, ~1/(g-1) of a checkpoint per node), or "
+                    f"drop parity_group to keep {self.replicas - 1} full peer "
+                    f"cop{'y' if self.replicas == 2 else 'ies'}."
+                )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "PeerOptions":
+        """``$GEMINI_DCP_PARITY_GROUP`` (an int >= 3; unset: no parity); the rest at their defaults."""
+        group = env_int(ENV_PARITY_GROUP, 0, minimum=3, environ=environ) if raw(ENV_PARITY_GROUP, environ) else None
+        return cls(parity_group=group)

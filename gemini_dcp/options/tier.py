@@ -35,8 +35,9 @@ class TierOptions:
         check_choice(self.placement, "placement", ("mixed", "group", "ring"),
                      "choose 'mixed' (default), 'group' or 'ring'.")
         check_choice(
-            self.checksum, "checksum", ("auto", "xxh3", "crc32c"),
-            "choose 'auto' (default: crc32c when the C++ extension is built, else xxh3), 'xxh3' or 'crc32c'.",
+            self.checksum, "checksum", ("auto", "xxh3", "crc32c", "xsum64"),
+            "choose 'auto' (default: crc32c when the C++ extension is built, else xxh3), 'xxh3', 'crc32c' or "
+            "'xsum64' (the GPU checksum; CUDA tensors use it by default, see GEMINI_DCP_D2H_CHECKSUM).",
         )
         check_optional_int(self.capacity_bytes, "capacity_bytes", minimum=1, fix="give a positive byte budget or None.")
         check_timeout(self.timeout_s)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .checks import DEFAULT_TIMEOUT_S, check_timeout
+from .incremental import IncrementalOptions
 from .local import LocalOptions
 from .peer import PeerOptions
 from .persistent import DrainOptions, PersistentOptions
@@ -33,6 +34,9 @@ KEYWORDS: dict[str, tuple[str | None, str]] = {
     "replicas": ("peer", "replicas"),
     "placement": ("peer", "placement"),
     "on_peer_failure": ("peer", "on_peer_failure"),
+    "parity_group": ("peer", "parity_group"),
+    "incremental": ("incremental", "enabled"),
+    "full_every": ("incremental", "full_every"),
     "timeout_s": (None, "timeout_s"),
     "persistent": ("persistent", "url"),
     "persist_every": ("persistent", "every"),
@@ -43,27 +47,33 @@ KEYWORDS: dict[str, tuple[str | None, str]] = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GeminiOptions:
-    """Every option of the tiers: ``local``, ``peer``, ``persistent`` (with its ``drain``) and the
-    ``timeout_s`` of checkpoint collectives, peer transfers and store calls."""
+    """Every option of the tiers: ``local``, ``peer``, ``persistent`` (with its ``drain``), what a
+    save copies (``incremental``) and the ``timeout_s`` of checkpoint collectives, peer transfers and
+    store calls."""
 
     local: LocalOptions = field(default_factory=LocalOptions)
     peer: PeerOptions = field(default_factory=PeerOptions)
     persistent: PersistentOptions = field(default_factory=PersistentOptions)
+    incremental: IncrementalOptions = field(default_factory=IncrementalOptions)
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        for name, kind in (("local", LocalOptions), ("peer", PeerOptions), ("persistent", PersistentOptions)):
+        for name, kind in (("local", LocalOptions), ("peer", PeerOptions), ("persistent", PersistentOptions),
+                           ("incremental", IncrementalOptions)):
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: give a {kind.__name__}.")
         check_timeout(self.timeout_s)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **keywords: Any) -> "GeminiOptions":
-        """The environment (root, node id, drain settings) under the writer-style ``keywords``
-        (``root=...``, ``replicas=...``, ``persistent=...``: see :data:`KEYWORDS`), which win."""
+        """The environment (root, node id, parity group, incremental saves, drain settings) under the
+        writer-style ``keywords`` (``root=...``, ``replicas=...``, ``persistent=...``: see
+        :data:`KEYWORDS`), which win."""
         base = cls(
             local=LocalOptions.from_env(environ),
+            peer=PeerOptions.from_env(environ),
             persistent=PersistentOptions.from_env(environ),
+            incremental=IncrementalOptions.from_env(environ),
         )
         return base.with_keywords(**keywords)
 
@@ -97,7 +107,8 @@ class GeminiOptions:
 def _default_of(keyword: str) -> Any:
     section, name = KEYWORDS[keyword]
     owner: Any = GeminiOptions if section is None else {
-        "local": LocalOptions, "peer": PeerOptions, "persistent": PersistentOptions}[section]
+        "local": LocalOptions, "peer": PeerOptions, "persistent": PersistentOptions,
+        "incremental": IncrementalOptions}[section]
     return owner.__dataclass_fields__[name].default
 
 

@@ -27,7 +27,7 @@ from ..errors import PeerError
 from ..local.records import RankSlot, ShardRef, StepRecord
 from ..transport.comm import Comm, restart_required
 from ..transport.p2p import Pending, Transport
-from .delta import ReplicaMemory, pair_runs, touches
+from .delta import ReplicaMemory, merge_runs, packed_rows, pair_runs, row_view, touches
 from .routes import SlotReport, choose_order, replication_routes
 
 __all__ = ["ReplicaTier", "Replicated", "ReplicationOptions", "SlotBuffer", "node_order", "replicate"]
@@ -140,6 +140,8 @@ def replicate(
     me = comm.rank
     works: list[Pending] = []
     received: list[tuple[int, int, SlotBuffer, Any]] = []  # (src, slot index, slot, delta runs or None)
+    scatter: list[tuple[SlotBuffer, int, int, int, torch.Tensor, torch.Tensor]] = []  # received packed rows
+    recv_at = send_at = 0  # bytes of this save's packed rows in the receive / send staging buffers
     delta_sent = delta_pairs = 0
     sent = recv_bytes = 0
     error: str | None = None
@@ -166,7 +168,16 @@ def replicate(
                 for off, n in plan[1]:
                     works += transport.recv_ranges(_at(into, off), n, reports[src].wire_chunk, src, what)
                     recv_bytes += n
-            received.append((src, idx, into, plan[1] if plan is not None else None))
+                for off, length, row_bytes, rows in plan[2]:  # table row deltas: packed, scattered on arrival
+                    assert memory is not None  # a delta plan needs the receiver's memory
+                    staging = memory.staging.take("recv", recv_at, rows.numel() * row_bytes, _recv_total(reports, me, routes))
+                    recv_at += _round8(staging.numel())
+                    works += transport.recv_ranges(_in(staging), staging.numel(), reports[src].wire_chunk, src,
+                                                   f"{what} rows")
+                    recv_bytes += staging.numel()
+                    scatter.append((into, off, length, row_bytes, rows, staging))
+            touched = None if plan is None else merge_runs(sorted([*plan[1], *((o, n) for o, n, _, _ in plan[2])]), 0)
+            received.append((src, idx, into, touched))
         targets = [dst for src, dst in sorted(routes) if src == me]
         nbytes = reports[me].nbytes
         if targets and nbytes:
@@ -189,9 +200,22 @@ def replicate(
                                                    deadline_s=deadline)
                     sent += n
                     delta_sent += n
+                for off, length, row_bytes, rows in plan[2]:  # the table's written rows, packed
+                    src_rows = row_view(mine.view(off, length), row_bytes)
+                    assert memory is not None
+                    packed = memory.staging.take("send", send_at, rows.numel() * row_bytes, _send_total(plans))
+                    send_at += _round8(packed.numel())
+                    torch.index_select(src_rows, 0, rows, out=packed.view(src_rows.dtype).view(-1, src_rows.shape[1]))
+                    works += transport.send_ranges(_in(packed), packed.numel(), chunk, [dst], f"{what} rows",
+                                                   pace=paced, deadline_s=deadline)
+                    sent += packed.numel()
+                    delta_sent += packed.numel()
         fault_point("replicate.mid_send")  # sends posted, not all delivered
         for w in works:
             transport.wait(w, deadline_s=deadline)
+        for into, off, length, row_bytes, rows, staging in scatter:
+            dst_rows = row_view(into.view(off, length), row_bytes)
+            dst_rows.index_copy_(0, rows, staging.view(dst_rows.dtype).view(-1, dst_rows.shape[1]))
     except PeerError as exc:  # gloo timeout / peer gone
         transport_failed = True
         error = str(exc)
@@ -222,9 +246,45 @@ def replicate(
     return Replicated(tuple(replica_slots), stats, order)
 
 
-def _pair(reports: Sequence[Any], src: int, dst: int) -> tuple[int, Any] | None:
-    """The delta plan of the pair ``src -> dst`` (``peer.delta.pair_runs``), the same at both ends."""
-    return pair_runs(getattr(reports[src], "delta_offer", None), getattr(reports[dst], "replica_bases", ()), src)
+def _pair(reports: Sequence[Any], src: int, dst: int) -> tuple[int, Any, list[tuple[int, int, int, torch.Tensor]]] | None:
+    """The delta plan of the pair ``src -> dst`` (``peer.delta.pair_runs``), the same at both ends:
+    ``(slot index, runs, [(offset, length, row bytes, row indices), ...])``. An offer whose packed rows
+    do not fit the slot sends the whole slot (both ends decide so from the same gathered reports)."""
+    got = pair_runs(getattr(reports[src], "delta_offer", None), getattr(reports[dst], "replica_bases", ()), src)
+    if got is None:
+        return None
+    idx, runs, packed = got
+    try:
+        return idx, runs, [packed_rows(spec, reports[src].nbytes) for spec in packed]
+    except (ValueError, TypeError) as exc:
+        log.warning("rank %d's delta offer is unusable (%s): its whole slot is sent", src, exc)
+        return None
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def _recv_total(reports: Sequence[Any], me: int, routes: Any) -> int:
+    """Bytes of every packed row delta this rank receives in this save (8-byte aligned each)."""
+    total = 0
+    for src, dst in routes:
+        if dst == me and reports[src].nbytes:
+            plan = _pair(reports, src, me)
+            total += sum(_round8(rows.numel() * rb) for _, _, rb, rows in plan[2]) if plan is not None else 0
+    return total
+
+
+def _send_total(plans: dict[int, Any]) -> int:
+    """Bytes of every packed row delta this rank sends in this save (8-byte aligned each)."""
+    return sum(_round8(rows.numel() * rb) for p in plans.values() if p is not None for _, _, rb, rows in p[2])
+
+
+
+
+def _in(buf: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
+    """A range view over a flat uint8 staging tensor (packed table rows)."""
+    return lambda off, n: buf[off : off + n]
 
 
 def _at(buf: SlotBuffer, base: int) -> Callable[[int, int], torch.Tensor]:
