@@ -16,6 +16,10 @@ every N, plus a step counter. For each N, in the same processes, the modes in tu
 * ``async`` — ``AsyncCheckpointer``: the time ``save()`` blocks the caller, and save →
   committed (``handle.wait()``).
 
+For the ``gemini`` modes the time spent inside the writer's own StorageWriter calls during each
+save is measured too (``writer_median_ms``: gemini's cost without DCP's planning around it; it
+includes waiting in gemini's collectives for the other rank).
+
 After the saves, each mode's last step is restored ``--loads`` times (``dcp.load`` into zeroed
 tensors, stock ``FileSystemReader`` or ``GeminiStorageReader``; the median of the slowest rank);
 the ``gemini`` mode's also with ``gemini_dcp.fast_load`` (``fast_load_median_ms``; ``--no-fast`` skips it).
@@ -127,9 +131,8 @@ def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads:
     """Load ``mode``'s last save into zeroed tensors ``loads`` times: (bit-exact with ``sd``, wall
     time of each load, barrier to return; the last load is the one compared). ``fast``: with
     ``gemini_dcp.fast_load`` instead of ``dcp.load`` (the path each load took is appended to ``paths``)."""
-    import torch.distributed as dist
-
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
