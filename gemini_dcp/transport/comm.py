@@ -45,6 +45,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from ..errors import RestartRequiredError
+from . import exit_guard
 
 T = TypeVar("T")
 
@@ -367,6 +368,7 @@ def get_comm(timeout_s: float, process_group: dist.ProcessGroup | None = None) -
     """
     if not (dist.is_available() and dist.is_initialized()):
         return Comm(None)
+    exit_guard.install()  # a rank leaving without destroy_process_group must not abort in gloo's threads
     base = process_group or dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(base))
     if len(ranks) == 1:
