@@ -272,3 +272,13 @@ def test_device_options_from_env_and_their_errors() -> None:
         DeviceOptions.from_env({"GEMINI_DCP_H2D_REGISTER": "maybe"})
     with pytest.raises(ConfigError, match="d2h_checksum"):
         DeviceOptions(d2h_checksum="tpu")  # type: ignore[arg-type]
+
+
+def test_exit_wait_reads_its_variable_and_never_raises() -> None:
+    from gemini_dcp.options.process import EXIT_WAIT_S, exit_wait_s
+
+    assert exit_wait_s({}) == EXIT_WAIT_S
+    assert exit_wait_s({"GEMINI_DCP_EXIT_WAIT_S": "0"}) == 0.0
+    assert exit_wait_s({"GEMINI_DCP_EXIT_WAIT_S": "0.5"}) == 0.5
+    assert exit_wait_s({"GEMINI_DCP_EXIT_WAIT_S": "soon"}) == EXIT_WAIT_S  # an exit hook must not raise
+    assert exit_wait_s({"GEMINI_DCP_EXIT_WAIT_S": "-1"}) == EXIT_WAIT_S

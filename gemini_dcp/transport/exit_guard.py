@@ -33,10 +33,10 @@ import platform
 import threading
 import time
 
-__all__ = ["ENV_EXIT_WAIT", "EXIT_WAIT_S", "busy_gloo_workers", "install", "wait_gloo_idle"]
+from ..options.process import EXIT_WAIT_S, exit_wait_s
 
-EXIT_WAIT_S = 2.0  # longest an exit waits for gloo's worker threads (default of $GEMINI_DCP_EXIT_WAIT_S)
-ENV_EXIT_WAIT = "GEMINI_DCP_EXIT_WAIT_S"
+__all__ = ["EXIT_WAIT_S", "busy_gloo_workers", "install", "wait_gloo_idle"]
+
 _POLL_S = 0.002
 _WORKER_NAME = "pt_gloo_runloop"  # c10::setThreadName in ProcessGroupGloo's worker threads
 _FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
@@ -104,11 +104,7 @@ def wait_gloo_idle(limit_s: float = EXIT_WAIT_S, poll_s: float = _POLL_S) -> boo
 
 def _at_exit() -> None:
     try:
-        limit = float(os.environ.get(ENV_EXIT_WAIT, EXIT_WAIT_S))
-    except ValueError:  # a bad value must not turn a clean exit into an error: the default
-        limit = EXIT_WAIT_S
-    try:
-        wait_gloo_idle(max(0.0, limit))
+        wait_gloo_idle(exit_wait_s())  # a bad value reads as the default: never an error at exit
     except Exception:  # noqa: BLE001 - an exit hook must never turn a clean exit into an error
         pass
 
