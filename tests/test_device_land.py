@@ -19,7 +19,7 @@ from gemini_dcp.dcp.device_land import MIN_REGISTER_BYTES, DeviceLander
 MiB = 1 << 20
 
 
-def _lander(mode: str, registered: list[int], unregistered: list[int] | None = None, refuse: bool = False,
+def _lander(mode: Any, registered: list[int], unregistered: list[int] | None = None, refuse: bool = False,
             min_bytes: int = MIN_REGISTER_BYTES) -> DeviceLander:
     def reg(t: torch.Tensor) -> None:
         if refuse:
@@ -67,20 +67,20 @@ def test_auto_skips_small_shares_cpu_destinations_and_other_memory() -> None:
     _lander("auto", got, min_bytes=16 * MiB).prepare([m], chunks, dests)
     # CPU destinations
     chunks, dests = _chunks(m, [(0, 8 * MiB)], cuda=False)
-    _lander("1", got).prepare([m], chunks, dests)
+    _lander("always", got).prepare([m], chunks, dests)
     # chunks outside every mapping (peer receive buffers, persistent reads)
     chunks, dests = _chunks(other, [(0, 2 * MiB)], cuda=True)
-    _lander("1", got).prepare([m], chunks, dests)
+    _lander("always", got).prepare([m], chunks, dests)
     assert got == []
 
 
-def test_mode_1_registers_any_share_and_mode_0_none() -> None:
+def test_always_registers_any_share_and_never_none() -> None:
     m = torch.zeros(8 * MiB, dtype=torch.uint8)
     chunks, dests = _chunks(m, [(0, MiB)], cuda=True)
     got: list[int] = []
-    _lander("1", got).prepare([m], chunks, dests)
+    _lander("always", got).prepare([m], chunks, dests)
     assert got == [8 * MiB]
-    _lander("0", got).prepare([m], chunks, dests)
+    _lander("never", got).prepare([m], chunks, dests)
     assert got == [8 * MiB]
 
 
@@ -89,7 +89,7 @@ def test_env_chooses_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     chunks, dests = _chunks(m, [(0, MiB)], cuda=True)
     got: list[int] = []
     monkeypatch.setenv("GEMINI_DCP_H2D_REGISTER", "0")
-    _lander("", got).prepare([m], chunks, dests)
+    _lander(None, got).prepare([m], chunks, dests)
     monkeypatch.setenv("GEMINI_DCP_H2D_REGISTER", "1")
     lander = DeviceLander(register_fn=lambda t: got.append(t.nbytes), unregister_fn=lambda t: None,
                           cuda_available=lambda: True)
@@ -102,7 +102,7 @@ def test_a_refused_registration_logs_once_and_falls_back(caplog: pytest.LogCaptu
     ca, da = _chunks(a, [(0, 2 * MiB)], cuda=True)
     cb, db = _chunks(b, [(0, 2 * MiB)], cuda=True)
     got: list[int] = []
-    lander = _lander("1", got, refuse=True)
+    lander = _lander("always", got, refuse=True)
     with caplog.at_level("WARNING"):
         lander.prepare([a, b], ca + cb, {**da, **db})
     assert got == [] and lander.register_failed and caplog.text.count("ulimit -l") == 1

@@ -29,6 +29,7 @@ import torch
 import xxhash
 
 from ..ext import cpu as ext_cpu, loader as ext_loader
+from ..ext.cuda import xsum64_finish, xsum64_sum_reference
 
 # 1 MiB: with 4 MiB blocks two ranks' blocks (8 MiB) fill this machine's 8 MiB L3 and the
 # hash re-reads each block from DRAM (copy+xxh3 costs copy + hash: no fusion gain). Two
@@ -50,42 +51,17 @@ def _crc32c_update(value: int, buf: torch.Tensor, threads: int = 1) -> int:
 
 
 _M64 = (1 << 64) - 1
-_XSUM_K = 0x9E3779B97F4A7C15
-_XSUM_SEED = 0x6A09E667F3BCC909
-
-
-def _mix64(z: int) -> int:
-    z ^= z >> 30
-    z = (z * 0xBF58476D1CE4E5B9) & _M64
-    z ^= z >> 27
-    z = (z * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
 
 
 def _xsum64_sum(buf: torch.Tensor, word_offset: int, threads: int) -> int:
     """The sum term of ``xsum64`` over ``buf``'s words keyed from ``word_offset`` (mod 2**64)."""
     if ext_loader.load():
         return int(torch.ops.gemini_dcp.xsum64_sum(buf, word_offset, threads)) & _M64
-    import numpy as np  # noqa: PLC0415 - the slow fallback only
+    return xsum64_sum_reference(buf, word_offset) & _M64
 
-    raw = buf.numpy()
-    n = raw.size
-    full = n // 8
-    w = raw[: full * 8].view("<u8").astype(np.uint64)
-    total = 0
-    with np.errstate(over="ignore"):
-        idx = np.arange(word_offset + 1, word_offset + 1 + full, dtype=np.uint64) * np.uint64(_XSUM_K)
-        z = w ^ idx
-        z = z ^ (z >> np.uint64(30))
-        z = z * np.uint64(0xBF58476D1CE4E5B9)
-        z = z ^ (z >> np.uint64(27))
-        z = z * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-        total = int(z.sum(dtype=np.uint64))
-    if n % 8:
-        last = int.from_bytes(raw[full * 8 :].tobytes(), "little")
-        total += _mix64(last ^ (((word_offset + full + 1) * _XSUM_K) & _M64))
-    return total & _M64
+
+def _bytes_tensor(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
 class _Xsum64:
@@ -107,7 +83,7 @@ class _Xsum64:
             buf = buf[k:]
             if len(self._tail) < 8:
                 return
-            self._sum = (self._sum + _mix64(int.from_bytes(self._tail, "little") ^ (((self._n // 8 + 1) * _XSUM_K) & _M64))) & _M64
+            self._sum = (self._sum + _xsum64_sum(_bytes_tensor(self._tail), self._n // 8, 1)) & _M64
             self._n += 8
             self._tail = b""
         m = buf.numel() - buf.numel() % 8
@@ -118,11 +94,10 @@ class _Xsum64:
             self._tail = buf[m:].numpy().tobytes()
 
     def value(self) -> int:
-        s, n = self._sum, self._n
-        if self._tail:
-            s = (s + _mix64(int.from_bytes(self._tail, "little") ^ (((n // 8 + 1) * _XSUM_K) & _M64))) & _M64
-            n += len(self._tail)
-        return _mix64(s ^ n ^ _XSUM_SEED)
+        s = self._sum
+        if self._tail:  # the last word, zero-padded
+            s = (s + _xsum64_sum(_bytes_tensor(self._tail), self._n // 8, 1)) & _M64
+        return xsum64_finish(s, self._n + len(self._tail))
 
 
 class _Hasher:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import torch
 
 from ..core.checksum import new_hasher
-from ..errors import ConfigError, GeminiError
+from ..errors import GeminiError
 from ..options.device import DeviceOptions
 
 __all__ = ["DeviceCopier", "copy_path"]
@@ -96,12 +96,9 @@ class DeviceCopier:
                  crc_threads: int | None = None, checksum_on: str | None = None) -> None:
         self.chunk_bytes = chunk_bytes
         self.crc_threads = crc_threads or max(1, min(DEFAULT_CRC_THREADS, os.cpu_count() or 1))
-        if checksum_on is None:
-            checksum_on = DeviceOptions.from_env().d2h_checksum
-        elif checksum_on not in ("auto", "gpu", "cpu"):
-            raise ConfigError(f"DeviceCopier(checksum_on={checksum_on!r}): choose 'auto' (default: 'gpu' where the "
-                              "extension's CUDA ops are loaded), 'gpu' or 'cpu'.")
-        self.checksum_on = checksum_on
+        # the options validate an explicit value too (ConfigError saying what to choose)
+        opts = DeviceOptions.from_env() if checksum_on is None else DeviceOptions(d2h_checksum=checksum_on)  # type: ignore[arg-type]
+        self.checksum_on: str = opts.d2h_checksum
         self._gpu_checksum: bool | None = None
         self._copy = copy_fn or _default_copy
         self._register = register_fn

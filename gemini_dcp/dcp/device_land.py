@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..options.device import DeviceOptions
+from ..options.device import DeviceOptions, H2DRegister
 
 __all__ = ["MIN_REGISTER_BYTES", "DeviceLander", "register_read_only", "unregister"]
 
@@ -67,8 +67,6 @@ def unregister(t: torch.Tensor) -> None:
         log.warning("gemini_dcp: cudaHostUnregister of a slot mapping failed with CUDA error %d", rc)
 
 
-def _mode() -> str:
-    return {"auto": "auto", "always": "1", "never": "0"}[DeviceOptions.from_env().h2d_register]
 
 
 class DeviceLander:
@@ -76,7 +74,7 @@ class DeviceLander:
     :class:`~gemini_dcp.dcp.restore_stage.RestoreStage`."""
 
     def __init__(self, *, register_fn: RegisterFn | None = None, unregister_fn: RegisterFn | None = None,
-                 min_bytes: int = MIN_REGISTER_BYTES, mode: str | None = None,
+                 min_bytes: int = MIN_REGISTER_BYTES, mode: H2DRegister | None = None,
                  cuda_available: Callable[[], bool] = torch.cuda.is_available) -> None:
         self._cuda_available = cuda_available
         self._register = register_fn or register_read_only
@@ -94,8 +92,8 @@ class DeviceLander:
                 dests: dict[int, torch.Tensor]) -> None:
         """Page-lock the ``mappings`` (whole uint8 CPU tensors of tier memory) that enough of the
         ``chunks`` (``(items, stored)`` pairs) bound for CUDA destinations lie in (module docstring)."""
-        mode = self.mode or _mode()
-        if mode == "0" or not mappings or not self._cuda_available():
+        mode = self.mode or DeviceOptions.from_env().h2d_register
+        if mode == "never" or not mappings or not self._cuda_available():
             return
         spans = sorted(((m.data_ptr(), m.data_ptr() + m.nbytes, i) for i, m in enumerate(mappings) if m.nbytes),
                        key=lambda s: s[0])

@@ -30,7 +30,9 @@ __all__ = [
     "gpu_checksum",
     "host_register",
     "host_unregister",
+    "xsum64_finish",
     "xsum64_reference",
+    "xsum64_sum_reference",
 ]
 
 GPU_CHECKSUM_ALGO = "xsum64"
@@ -186,6 +188,13 @@ def xsum64_reference(t: torch.Tensor, block_words: int = 1 << 20) -> int:
     """
     if not isinstance(t, torch.Tensor) or not t.is_contiguous():
         raise ConfigError("xsum64_reference: expected a contiguous tensor")
+    return xsum64_finish(xsum64_sum_reference(t, 0, block_words), t.nbytes)
+
+
+def xsum64_sum_reference(t: torch.Tensor, word_offset: int = 0, block_words: int = 1 << 20) -> int:
+    """``S`` of :func:`xsum64_reference` over a contiguous tensor's bytes taken as words
+    ``word_offset``, ``word_offset + 1``, ... of a larger buffer (the numpy twin of the extension's
+    ``xsum64_sum``): pieces of a buffer, each starting on a word boundary, sum to the whole's ``S``."""
     b = byte_view(t.detach()).cpu()
     n = b.numel()
     raw = b.numpy()
@@ -196,14 +205,22 @@ def xsum64_reference(t: torch.Tensor, block_words: int = 1 << 20) -> int:
     with np.errstate(over="ignore"):
         for start in range(0, full, block_words):
             w = words[start : start + block_words].astype(np.uint64, copy=False)
-            idx = np.arange(start + 1, start + 1 + w.size, dtype=np.uint64)
+            first = word_offset + start + 1
+            idx = np.arange(first, first + w.size, dtype=np.uint64)
             total = total + _mix64(w ^ (idx * k)).sum(dtype=np.uint64)
         if n % 8:
             tail = np.zeros(8, dtype=np.uint8)
             tail[: n % 8] = raw[full * 8 :]
             w = tail.view("<u8").astype(np.uint64)
-            total = total + _mix64(w ^ (np.uint64(full + 1) * k))[0]
-        return int(_mix64(np.array([total ^ np.uint64(n) ^ np.uint64(_XSUM_SEED)], dtype=np.uint64))[0])
+            total = total + _mix64(w ^ (np.uint64(word_offset + full + 1) * k))[0]
+    return int(total)
+
+
+def xsum64_finish(total: int, nbytes: int) -> int:
+    """``xsum64`` from ``S`` (:func:`xsum64_sum_reference`, mod 2**64) and the buffer's length."""
+    with np.errstate(over="ignore"):
+        z = np.array([np.uint64(total & _MASK64) ^ np.uint64(nbytes) ^ np.uint64(_XSUM_SEED)], dtype=np.uint64)
+        return int(_mix64(z)[0])
 
 
 def gpu_checksum(t: torch.Tensor) -> int:
