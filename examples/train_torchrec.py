@@ -101,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace, ctx: common.Ctx) -> tuple[torch.nn.Module, Any]:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -110,7 +111,6 @@ def build(args: argparse.Namespace, ctx: common.Ctx) -> tuple[torch.nn.Module, A
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     for name in ("torchrec.distributed.planner.types", "torchrec.distributed.planner.storage_reservations"):
         logging.getLogger(name).setLevel(logging.ERROR)  # topology/dry-run advice irrelevant on CPU
