@@ -269,10 +269,11 @@ class TrainState(Stateful):
     def forget_optimizer_init(self) -> None:
         """Undo the side effect of a ``state_dict()`` call before the first optimizer step.
 
-        ``get_state_dict`` initializes an empty optimizer's state by running ``step()``
-        with zero grads and lr 0, which leaves Adam's step counters at 1. After a load
-        attempt that found no checkpoint, drop that state so a fresh start trains exactly
-        like a run that never looked for one.
+        When ``prepare_load`` could not create the state (an optimizer other than Adam/AdamW),
+        ``get_state_dict`` initializes it by running ``step()`` with zero grads and lr 0, which
+        leaves Adam's step counters at 1. After a load attempt that found no checkpoint, drop
+        that state so a fresh start trains exactly like a run that never looked for one (the
+        state ``prepare_load`` creates would train the same; it is dropped all the same).
         """
         self.optim.state.clear()
 

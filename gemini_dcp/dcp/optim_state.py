@@ -155,7 +155,8 @@ def _make(p: torch.Tensor, kind: str, dtype: torch.dtype, device: torch.device) 
     if kind == "s":
         return torch.zeros((), dtype=dtype, device=device)
     dtensor: Any = _dtensor_type()
-    if dtensor is not None and type(p) is dtensor:
+    is_d = dtensor is not None and type(p) is dtensor
+    if is_d:
         d: Any = p
         local = torch.zeros_like(d._local_tensor, dtype=dtype, memory_format=torch.preserve_format)
         out: torch.Tensor = dtensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape,
