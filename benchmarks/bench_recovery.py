@@ -10,7 +10,10 @@ processes log (``--events``):
   (the work redone: the rest of the interval, the checkpoints taken in it, the partial step);
 * restart = kill -> the new workers start restoring (failure detection, teardown, process
   spawn, ``import torch``, process groups, model construction);
-* retrieval = the restore itself (``dcp.load`` + ``set_state_dict``) until training can go on.
+* retrieval = the restore itself (``dcp.load`` + ``set_state_dict``) until training can go on;
+  the JSON also has the restore call alone (``resume_s``, of which the tier read ``reader_s``) and
+  the first step after the resume (``first_step_s``, ``first_step_extra_s`` over the steady
+  iteration), where work a resume leaves for later shows up.
 
 Scenarios (each run once with gemini_dcp and once with stock DCP, in the same invocation):
 
@@ -319,6 +322,10 @@ def analyze(evs: list[dict[str, Any]], plan: Plan, calibrate: bool, harness: dic
         t_r = done[r]
     else:  # nothing restorable: everything since training started is lost
         t_r = min(e["t"] for e in before if e["ev"] == "ready")
+    # The first training step after the resume, against the steady iteration before the kill: work
+    # the resume leaves for later shows up here (e.g. DTensor's first sharding propagation of the
+    # optimizer's ops, paid by torch's initializing step inside the resume or by this step).
+    after = [e["seconds"] for e in evs if e["ev"] == "step_done" and e["pid"] == pid and e["t"] >= ready["t"]]
     tiers = {k: v for k, v in (rend.get("tiers") or {}).items() if v}
     harness = harness or {}
     harness_s = (harness["relaunch"] - harness["down"]) if harness else 0.0
@@ -334,6 +341,9 @@ def analyze(evs: list[dict[str, Any]], plan: Plan, calibrate: bool, harness: dic
         harness_phases={k: round(v - harness["down"], 3) for k, v in harness.items()} if harness else {},
         retrieval_s=retrieval,
         reader_s=rend.get("reader_seconds"),
+        resume_s=rend.get("seconds"),            # the checkpointer's restore call (examples' ResumeInfo.seconds)
+        first_step_s=after[0] if after else None,
+        first_step_extra_s=(after[0] - out["iter_s"]) if after and out["iter_s"] is not None else None,
         wasted_s=lost + restart + retrieval,
         attempts=len({e["pid"] for e in evs if e["ev"] == "start"}),
     )
@@ -533,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"restart {res['restart_s']:.2f} s + retrieval {res['retrieval_s']:.2f} s = {res['wasted_s']:.2f} s "
                       f"(expected {res['expected']['wasted_s']:.2f} s); harness left out {res.get('harness_s', 0.0):.2f} s "
                       f"{res.get('harness_phases') or ''}", flush=True)
+                print(f"     {'':10s}  resume {fmt(res.get('resume_s'), '.3f')} s (tier read {fmt(res.get('reader_s'), '.3f')} s); "
+                      f"first step after it {fmt(res.get('first_step_s'), '.3f')} s vs steady {fmt(res.get('iter_s'), '.3f')} s",
+                      flush=True)
         model_desc = f"d_model {args.d_model}, {args.layers} layers, {args.nproc} ranks"
         data = {
             "benchmark": "recovery",

@@ -204,6 +204,7 @@ class TrainState(Stateful):
         # the last load put the state in ("in place" or "set_state_dict").
         self.timings: dict[str, float] = {}
         self.last_load = ""
+        self.optim_init = ""  # how the last prepare_load() initialized the optimizer's state
 
     def _rng(self) -> dict[str, torch.Tensor]:
         out = {"cpu": torch.get_rng_state()}
@@ -248,13 +249,31 @@ class TrainState(Stateful):
         sd.update({f"data_{k}": v for k, v in self.data.state_dict().items()})
         return sd
 
+    def prepare_load(self) -> None:
+        """Before a restore: give a fresh optimizer its state without a step.
+
+        ``get_state_dict`` needs optimizer state to hand out tensors to load into; for an
+        optimizer without state it runs ``step()`` over zero gradients (through DTensor under
+        FSDP2: DTensor's first sharding propagation of every foreach op, most of a resume's
+        time). ``gemini_dcp.init_optimizer_state`` creates the state the optimizer's first step
+        would create (zeros, step 0) instead; ``optim_init`` says how (its reason when refused:
+        then ``get_state_dict`` takes torch's way).
+        """
+        from gemini_dcp import init_optimizer_state
+
+        t0 = time.perf_counter()
+        why = init_optimizer_state(self.optim)
+        self.timings["optim_init"] = time.perf_counter() - t0
+        self.optim_init = "optimizer state created without a step" if not why else f"torch's initializing step ({why})"
+
     def forget_optimizer_init(self) -> None:
         """Undo the side effect of a ``state_dict()`` call before the first optimizer step.
 
-        ``get_state_dict`` initializes an empty optimizer's state by running ``step()``
-        with zero grads and lr 0, which leaves Adam's step counters at 1. After a load
-        attempt that found no checkpoint, drop that state so a fresh start trains exactly
-        like a run that never looked for one.
+        When ``prepare_load`` could not create the state (an optimizer other than Adam/AdamW),
+        ``get_state_dict`` initializes it by running ``step()`` with zero grads and lr 0, which
+        leaves Adam's step counters at 1. After a load attempt that found no checkpoint, drop
+        that state so a fresh start trains exactly like a run that never looked for one (the
+        state ``prepare_load`` creates would train the same; it is dropped all the same).
         """
         self.optim.state.clear()
 
@@ -310,7 +329,7 @@ class ResumeInfo:
     seconds: float                 # whole restore: planning + reading + set_state_dict
     tiers: dict[str, int] = field(default_factory=dict)  # tier -> bytes, summed over ranks
     reader_seconds: float | None = None
-    torch_seconds: dict[str, float] = field(default_factory=dict)  # state_dict / load_state_dict
+    torch_seconds: dict[str, float] = field(default_factory=dict)  # optim_init / state_dict / load_state_dict
     path: str = ""  # gemini: "fast" or "dcp" (gemini_dcp.fast_load), and how the state went in
 
     def describe(self) -> str:
@@ -324,8 +343,8 @@ class ResumeInfo:
             tier = " + ".join(f"{t} {b / MiB:.1f} MiB" for t, b in sorted(used.items(), key=lambda kv: -kv[1]))
         line = f"resumed from step {self.step} (tier: {tier}) in {self.seconds:.2f} s"
         if self.reader_seconds is not None:
-            # The rest is torch's, not the tiers': get_state_dict initializes the optimizer
-            # state (one fake step through DTensor), set_state_dict copies it back in.
+            # The rest is torch's, not the tiers': the optimizer state's creation (optim_init;
+            # else get_state_dict's fake step through DTensor), state_dict / load_state_dict.
             line += f" (reading the tiers {self.reader_seconds:.2f} s, torch state-dict setup the rest"
             if self.torch_seconds:
                 line += ": " + ", ".join(f"{k} {v:.2f} s" for k, v in self.torch_seconds.items())
@@ -424,6 +443,7 @@ class GeminiCheckpointer(Checkpointer):
             if not persisted:
                 ctx.log("no checkpoint of this job in any tier: starting from scratch")
                 return None
+        app.prepare_load()
         reader = GeminiStorageReader(root=self.args.root, job_id=self.args.job_id, persistent=self.args.persistent)
         try:
             # Straight from the node's slots into the live tensors when the structure is the one
@@ -440,7 +460,8 @@ class GeminiCheckpointer(Checkpointer):
             if err is not None:
                 raise err from exc
             raise
-        path = f"{got.path} path" + (f" ({got.reason})" if got.reason else "") + f", state put in {app.last_load}"
+        path = (f"{got.path} path" + (f" ({got.reason})" if got.reason else "")
+                + f", {app.optim_init}, state put in {app.last_load}")
         return ResumeInfo(step=int(reader.restored_step), seconds=time.perf_counter() - t0,
                           tiers=dict(reader.restored_from), reader_seconds=reader.restore_seconds,
                           torch_seconds=dict(app.timings), path=path)
@@ -518,6 +539,7 @@ class StockCheckpointer(Checkpointer):
             ctx.log(f"no stock checkpoint in {self.dir}: starting from scratch")
             return None
         path = self.dir / f"step-{step}"
+        app.prepare_load()
         dcp.load({"app": app}, storage_reader=FileSystemReader(str(path)))
         nbytes = sum(f.stat().st_size for f in path.glob("*.distcp"))
         return ResumeInfo(step=step, seconds=time.perf_counter() - t0, tiers={"disk": nbytes})
@@ -553,6 +575,7 @@ def resume(ckpt: Checkpointer, app: TrainState, ctx: Ctx, args: argparse.Namespa
     ctx.events.emit("restore_begin")
     info = None if args.no_resume else ckpt.restore(app, ctx)
     if info is None:
+        app.forget_optimizer_init()  # a fresh start trains as a run that never looked for a checkpoint
         ctx.events.emit("restore_end", step=0, seconds=0.0, tiers={})
         return None
     ctx.log(info.describe())

@@ -50,6 +50,7 @@ _LAZY = {
     "InterleaveOptions": "gemini_dcp.snapshot.checkpointer",
     "fast_load": "gemini_dcp.dcp.fast_load",
     "FastLoadResult": "gemini_dcp.dcp.fast_load",
+    "init_optimizer_state": "gemini_dcp.dcp.optim_state",
 }
 
 
@@ -75,6 +76,7 @@ __all__ = [
     "InterleaveOptions",
     "fast_load",
     "FastLoadResult",
+    "init_optimizer_state",
     "GeminiError",
     "ConfigError",
     "InvalidStepError",

@@ -92,7 +92,10 @@ def fast_load(
     wrappers) are handled as ``dcp.load`` handles them: restored into their ``state_dict()``, then
     given back with ``load_state_dict()`` — only after a successful restore, on either path.
     """
-    stateful = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
+    # Stateful is a runtime-checkable Protocol: each isinstance walks the class statically (~30 µs,
+    # 20 ms at 738 top-level tensors). Tensors and plain values never are one: skip them by type.
+    plain = _plain_types()
+    stateful = {k: v for k, v in state_dict.items() if type(v) not in plain and isinstance(v, Stateful)}
     if stateful:
         inner = {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}
         result = _fast_load(inner, root, job_id, storage_reader, step, process_group, timeout_s)
@@ -171,6 +174,24 @@ def _fast_load(
     reader.rank_restored_from = tier_bytes(dict(counts, local=nbytes - staged.remote_nbytes, peer=staged.remote_nbytes))
     reader.restore_seconds = seconds
     return FastLoadResult(path="fast", step=step_done, nbytes=nbytes, restored_from=dict(reader.restored_from), seconds=seconds)
+
+
+_PLAIN: frozenset[type] | None = None
+
+
+def _plain_types() -> frozenset[type]:
+    """Types that are never ``Stateful`` (no ``state_dict``/``load_state_dict``): tensors, DTensors, scalars."""
+    global _PLAIN
+    if _PLAIN is None:
+        types: set[type] = {torch.Tensor, torch.nn.Parameter, int, float, bool, str, bytes, type(None)}
+        try:
+            from torch.distributed.tensor import DTensor  # noqa: PLC0415
+        except ImportError:  # a torch built without distributed
+            pass
+        else:
+            types.add(DTensor)
+        _PLAIN = frozenset(types)
+    return _PLAIN
 
 
 # ---- the steps ------------------------------------------------------------------------------------
