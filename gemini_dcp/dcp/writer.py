@@ -5,10 +5,13 @@ Call order (driven by ``dcp.save``; **all ranks must call dcp.save together**):
 1. ``reset(checkpoint_id)`` — the training step (int) being saved.
 2. ``set_up_storage_writer(is_coordinator, ...)``.
 3. ``prepare_local_plan`` / ``prepare_global_plan`` — sizes are checked against
-   the free space of the tier root here, before any byte is written.
+   the free space of the tier root here, before any byte is written; each rank's pre-write
+   agreement values ride its plan to the coordinator, which combines them into every final
+   plan (:mod:`gemini_dcp.commit.agreement`).
 4. ``write_data`` — runs the commit protocol (:mod:`gemini_dcp.commit.protocol`, collective
    on the checkpoint control group): agree on G, the newest step committed on every node
-   (this save neither overwrites nor evicts it); copy this rank's items into a slot of the
+   (this save neither overwrites nor evicts it; taken from the final plan, or one all-reduce
+   when DCP's plan cache handed back a cached plan); copy this rank's items into a slot of the
    node's tier (:meth:`GeminiStorageWriter._write_local`, the DCP-specific part) and
    checksum them; gather every rank's report; replicate to peer nodes; then each node's
    leader atomically writes the step record — the commit — and evicts old steps.
@@ -21,7 +24,7 @@ newest restorable one; records are renamed into place, never edited.
 The slot files live in a :class:`~gemini_dcp.commit.slot_pool.SlotPool`; the async path's
 pacers in one :class:`~gemini_dcp.commit.hooks.SaveHooks` value (``writer.hooks``).
 
-Size: ~500 lines: the DCP calls plus the constructor's validation of every option that
+Size: ~550 lines: the DCP calls plus the constructor's validation of every option that
 shapes a save (replicas, parity_group, incremental / full_every), which must fail before
 any directory is created; the mechanisms live in commit/, peer/ and dcp/local_write.py.
 """
