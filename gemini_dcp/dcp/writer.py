@@ -303,8 +303,8 @@ class GeminiStorageWriter(StorageWriter):
         in the plan (``storage_data``, when the planner left it empty): see :meth:`prepare_global_plan`."""
         step = self._require_step()
         self._check_space(plan)
-        if plan.storage_data is not None:
-            return plan
+        if plan.storage_data is not None or not plan.usable:
+            return plan  # the planner's own data, or DCP's plan cache (the coordinator gets no plan): the all-reduce runs
         return dataclasses.replace(plan, storage_data=PlannedValues(step, self.commit.prewrite_values(step)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
