@@ -18,7 +18,10 @@ every N, plus a step counter. For each N, in the same processes, the modes in tu
 
 For the ``gemini`` modes the time spent inside the writer's own StorageWriter calls during each
 save is measured too (``writer_median_ms``: gemini's cost without DCP's planning around it; it
-includes waiting in gemini's collectives for the other rank).
+includes waiting in gemini's collectives for the other rank: one fixed-size all-gather on a
+plain save, plus one all-reduce with DCP's plan cache). ``--gc-freeze`` takes Python's
+collector pauses (mostly DCP's planning) out of the timed saves: ``gc.collect(); gc.freeze()``
+in each rank after the warm-up.
 
 After the saves, each mode's last step is restored ``--loads`` times (``dcp.load`` into zeroed
 tensors, stock ``FileSystemReader`` or ``GeminiStorageReader``; the median of the slowest rank);
@@ -37,6 +40,7 @@ load (``uptime``) before and after: the host is shared, so prefer the ratios of 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import subprocess
@@ -163,7 +167,8 @@ def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads:
 
 
 def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: list[int], per_rank_bytes: int,
-            saves: int, warmup: int, modes: list[str], loads: int = 3, fast_loads: bool = True) -> dict[str, Any]:
+            saves: int, warmup: int, modes: list[str], loads: int = 3, fast_loads: bool = True,
+            gc_freeze: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -196,6 +201,9 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
         where: dict[str, Any] = {}
         saved_step: dict[str, int] = {}
         for i in range(warmup + saves):
+            if gc_freeze and i == warmup:  # the collector's pauses (mostly in DCP's planning) out of the timed saves
+                gc.collect()
+                gc.freeze()
             # The modes take turns, in a rotating order: on a shared host each sees the same load.
             for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
                 job = f"many-{mode}-{n}"
@@ -275,6 +283,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--loads", type=int, default=3, help="timed restores of each mode's last save, per N")
     ap.add_argument("--no-fast", action="store_true", help="skip the gemini_dcp.fast_load restores of the gemini mode")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.collect(); gc.freeze() in each rank after the warm-up saves: the collector's pauses "
+                         "(~100-200 ms per plain dcp.save at 738 items, mostly in DCP's planning) out of the figures")
     ap.add_argument("--json", default=str(RESULTS / "many_items.json"))
     args = ap.parse_args()
     world = 2
@@ -288,7 +299,7 @@ def main() -> None:
     t0 = time.time()
     per_rank = spawn(_worker, world, roots=roots, stock_dir=str(scratch / "stock"), items=args.items,
                      per_rank_bytes=args.mib * MIB, saves=args.saves, warmup=args.warmup, modes=args.modes, loads=args.loads,
-                     fast_loads=not args.no_fast)
+                     fast_loads=not args.no_fast, gc_freeze=args.gc_freeze)
     load_after = _uptime()
     shutil.rmtree(scratch, ignore_errors=True)
     table: dict[str, Any] = {}

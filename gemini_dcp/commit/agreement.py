@@ -12,7 +12,14 @@ minimum over all ranks says, identically on every rank:
 
 A replayed save (:mod:`gemini_dcp.snapshot.replay`) carries these three values in its own
 agreement all-reduce and hands the combined values over (``agreed``), so it runs no
-collective of its own here.
+collective of its own here. A plain ``dcp.save`` carries them in DCP's own planning
+collective: each rank's values ride its local plan to the coordinator (:class:`PlannedValues`
+in ``SavePlan.storage_data``), the coordinator's ``prepare_global_plan`` combines them
+(:func:`combine_planned`) into every rank's final plan, and ``write_data`` takes them from
+there (:func:`take_agreed`) instead of running the all-reduce. Whether a save takes the
+values or runs the all-reduce is decided by the coordinator alone and read by every rank
+from the plan it scattered, so all ranks decide alike; a plan DCP's plan cache hands back
+from an earlier save carries values already used, and the all-reduce runs.
 """
 
 from __future__ import annotations
@@ -55,6 +62,51 @@ class Agreement:
             repeated=vals[1] < 0,
             failed_step=-vals[2] - 1 if vals[2] < 0 else None,
         )
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class PlannedValues:
+    """One rank's :func:`prewrite_values` of ``step``, riding its local plan to DCP's coordinator.
+
+    ``used`` is set once the coordinator combined them: DCP's plan cache keeps plans of earlier
+    saves and may hand this very object back later, when the values are stale.
+    """
+
+    step: int
+    values: list[int]
+    used: bool = False
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class AgreedValues:
+    """The combined (MIN over every rank) :class:`PlannedValues` of ``step``, in a final plan;
+    ``values`` None: the ranks run the all-reduce. ``used`` once a ``write_data`` took them."""
+
+    step: int
+    values: list[int] | None
+    used: bool = False
+
+
+def combine_planned(step: int, payloads: Sequence[object], delivered: bool) -> list[int] | None:
+    """The coordinator's part (local): the MIN over ranks of their :class:`PlannedValues` of
+    ``step``, when every plan carries fresh ones and ``delivered`` (every final plan it sends is
+    one each rank will use as is); else None. Marks the values used."""
+    fresh = all(type(p) is PlannedValues and p.step == step and not p.used for p in payloads)
+    for p in payloads:
+        if type(p) is PlannedValues:
+            p.used = True
+    if not (fresh and delivered and payloads):
+        return None
+    return [min(vals) for vals in zip(*(p.values for p in payloads))]  # type: ignore[attr-defined]
+
+
+def take_agreed(payload: object, step: int) -> list[int] | None:
+    """A rank's part in ``write_data`` (local): the combined values of ``step`` its final plan
+    carries, fresh from the coordinator; else None (the all-reduce runs). Marks them used."""
+    if type(payload) is not AgreedValues or payload.step != step or payload.used:
+        return None
+    payload.used = True
+    return None if payload.values is None else list(payload.values)
 
 
 def prewrite_values(

@@ -5,16 +5,18 @@ A save is collective over the checkpoint control group: **every rank calls**
 :class:`gemini_dcp.dcp.writer.GeminiStorageWriter`, does so from ``write_data`` and
 ``write_replayed``). The steps, in order (the collective ones marked *all ranks*):
 
-1. **agree** (*all ranks*; one MIN all-reduce of three ints, :mod:`.agreement`; a replayed
-   save hands in values its own all-reduce already combined, ``agreed``): G, the newest
-   step committed on every node; a repeated step is refused on every rank.
+1. **agree** (*all ranks*; one MIN all-reduce of three ints, :mod:`.agreement`; a save that
+   already holds the combined values runs none, ``agreed``: a replayed save's own all-reduce
+   carried them, a plain ``dcp.save``'s planning collective did): G, the newest step committed
+   on every node; a repeated step is refused on every rank.
 2. **write local** (local): the adapter copies this rank's items into a slot of this
    node's tier and checksums them; ``SaveHooks.on_local_copy_done`` fires after it, even
    on failure.
-3. **report / gather** (*all ranks*; one ``all_gather_object`` of :class:`RankReport`, a
-   second one only when a plain save's compact reports meet ranks holding different
-   bases, and one ``broadcast_object`` of rank 0's planned metadata only when it is too
-   large to ride inline and some rank does not hold it yet). A rank whose write failed
+3. **report / gather** (*all ranks*; one gather of :class:`RankReport` in one fixed-size
+   all-gather, :func:`.exchange.gather_objects` (a second round only for a report larger than
+   its frame), a second gather only when a plain save's compact reports meet ranks holding
+   different bases, and one ``broadcast_object`` of rank 0's planned metadata only when it is
+   too large to ride inline and some rank does not hold it yet). A rank whose write failed
    raises its own error; every other rank raises PeerError: nothing is committed.
 4. **replicate** (*all ranks*, when ``replicas > 1`` over several processes: the peer
    transfers, then one ``all_gather_object`` of the replica slots; with ``parity_group``, XOR parity instead).
@@ -79,6 +81,7 @@ from ..local.records import (
 from ..local.tier import LocalTier
 from . import reports as rp
 from .agreement import Agreement, min_all_reduce, prewrite_values
+from .exchange import gather_objects
 from .hooks import NO_HOOKS, SaveHooks, block_bytes
 from .reports import RankReport, SplitLayout
 
@@ -355,7 +358,7 @@ class CommitProtocol:
         if layouts is not None and report is not None:
             sent = self._compact(report, layouts.get(rank, []), local)
         self.last_commit_compact = sent is not report
-        reports = raise_if_failed(error, comm.all_gather_object(sent), "writing shards into the local tier")
+        reports = raise_if_failed(error, gather_objects(comm, sent), "writing shards into the local tier")
         fault_point("save.after_gather")
         assert report is not None
         rp.check_node_identities(reports)  # same result on every rank: all raise, before any commit
@@ -364,7 +367,7 @@ class CommitProtocol:
             # reports. Every rank sees the same reports, so all take this branch together.
             split = layouts = None
             if any(rep.checksums is not None for rep in reports):
-                reports = comm.all_gather_object(report)
+                reports = gather_objects(comm, report)
             self.last_commit_compact = False
         # Replayed save, every rank compact: keep the reports compact and record the layout plus
         # the checksums; otherwise rebuild every rank's write results.

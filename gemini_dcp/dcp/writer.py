@@ -5,10 +5,13 @@ Call order (driven by ``dcp.save``; **all ranks must call dcp.save together**):
 1. ``reset(checkpoint_id)`` — the training step (int) being saved.
 2. ``set_up_storage_writer(is_coordinator, ...)``.
 3. ``prepare_local_plan`` / ``prepare_global_plan`` — sizes are checked against
-   the free space of the tier root here, before any byte is written.
+   the free space of the tier root here, before any byte is written; each rank's pre-write
+   agreement values ride its plan to the coordinator, which combines them into every final
+   plan (:mod:`gemini_dcp.commit.agreement`).
 4. ``write_data`` — runs the commit protocol (:mod:`gemini_dcp.commit.protocol`, collective
    on the checkpoint control group): agree on G, the newest step committed on every node
-   (this save neither overwrites nor evicts it); copy this rank's items into a slot of the
+   (this save neither overwrites nor evicts it; taken from the final plan, or one all-reduce
+   when DCP's plan cache handed back a cached plan); copy this rank's items into a slot of the
    node's tier (:meth:`GeminiStorageWriter._write_local`, the DCP-specific part) and
    checksum them; gather every rank's report; replicate to peer nodes; then each node's
    leader atomically writes the step record — the commit — and evicts old steps.
@@ -21,7 +24,7 @@ newest restorable one; records are renamed into place, never edited.
 The slot files live in a :class:`~gemini_dcp.commit.slot_pool.SlotPool`; the async path's
 pacers in one :class:`~gemini_dcp.commit.hooks.SaveHooks` value (``writer.hooks``).
 
-Size: ~500 lines: the DCP calls plus the constructor's validation of every option that
+Size: ~550 lines: the DCP calls plus the constructor's validation of every option that
 shapes a save (replicas, parity_group, incremental / full_every), which must fail before
 any directory is created; the mechanisms live in commit/, peer/ and dcp/local_write.py.
 """
@@ -47,6 +50,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..commit import reports as _reports
+from ..commit.agreement import AgreedValues, PlannedValues, combine_planned, take_agreed
 from ..commit.hooks import NO_HOOKS, Pacer, SaveHooks
 from ..commit.protocol import CommitProtocol, LocalWrite, NodeIdentity, SaveSpec
 from ..commit.slot_pool import SlotPool
@@ -295,12 +299,26 @@ class GeminiStorageWriter(StorageWriter):
         self._rank = int(kwargs.get("rank", _default_rank()))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._require_step()
+        """Check the space, and hand this rank's pre-write agreement values to DCP's coordinator
+        in the plan (``storage_data``, when the planner left it empty): see :meth:`prepare_global_plan`."""
+        step = self._require_step()
         self._check_space(plan)
-        return plan
+        if plan.storage_data is not None or not plan.usable:
+            return plan  # the planner's own data, or DCP's plan cache (the coordinator gets no plan): the all-reduce runs
+        return dataclasses.replace(plan, storage_data=PlannedValues(step, self.commit.prewrite_values(step)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """Coordinator only (local): combine the ranks' pre-write agreement values (MIN) into every
+        final plan, so that ``write_data`` runs no agreement collective of its own. When some plan
+        does not carry fresh values of this step, or DCP's plan cache will hand some rank a cached
+        plan instead, every final plan says so and every rank runs the all-reduce
+        (:mod:`gemini_dcp.commit.agreement`)."""
+        payloads = [p.storage_data for p in plans]
+        if any(p is not None and type(p) is not PlannedValues for p in payloads):
+            return plans  # the planner's own storage_data: left alone (every rank then runs the all-reduce)
+        step = self._require_step()
+        values = combine_planned(step, payloads, delivered=all(p.usable for p in plans))
+        return [dataclasses.replace(p, storage_data=AgreedValues(step, values)) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Copy this rank's items into the tier and commit the step collectively.
@@ -309,10 +327,16 @@ class GeminiStorageWriter(StorageWriter):
         """
         comm = get_comm(self.options.timeout_s, self.process_group)
         planned = getattr(planner, "metadata", None) if comm.rank == 0 else None  # the coordinator's global metadata
-        spec = SaveSpec(step=self._require_step(), planned=planned if isinstance(planned, Metadata) else None, use_basis=True)
+        step = self._require_step()
+        spec = SaveSpec(step=step, planned=planned if isinstance(planned, Metadata) else None, use_basis=True,
+                        agreed=take_agreed(plan.storage_data, step))
         results = self._save(comm, plan, planner, spec)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(list(results))
+        # DCP hands the results only to finish(), which needs them only to complete a record
+        # committed without the planner's metadata: a complete one (the same on every rank) needs
+        # none, and DCP's own gather of them to the coordinator then carries empty lists.
+        rec = self.commit.pending_record
+        fut.set_result([] if rec is not None and rec.complete else list(results))
         return fut
 
     def write_replayed(
@@ -347,7 +371,7 @@ class GeminiStorageWriter(StorageWriter):
         """
         comm = get_comm(self.options.timeout_s, self.process_group)
         spec = SaveSpec(step=self._require_step(), known=metadata, layout=layout, agreed=agreed)
-        return self._save(comm, plan, planner, spec, check_space=lambda: self.prepare_local_plan(plan))
+        return self._save(comm, plan, planner, spec, check_space=lambda: self._check_space(plan))
 
     def _save(
         self, comm: Comm, plan: SavePlan, planner: SavePlanner, spec: SaveSpec,

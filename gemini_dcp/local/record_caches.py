@@ -145,7 +145,9 @@ _positions: _PerLayout[dict[MetadataIndex, int]] = _PerLayout(_MAX_LAYOUTS)  # i
 _locations: _PerLayout[dict[tuple[int, int], int]] = _PerLayout(_MAX_LAYOUTS)  # (rank, offset) -> position
 _values: _PerLayout[list[ShardRef]] = _PerLayout(_MAX_LAYOUTS)  # the refs in order
 _digests: _PerLayout[tuple[bytes, np.ndarray]] = _PerLayout(_MAX_LAYOUTS)  # fingerprint location part
-_layout_blobs: _PerLayout[bytes] = _PerLayout(1)  # the pickled layout (encode)
+# The pickled layout (encode): one per layout of the last few, so that several writers in one
+# process (a model and an optimizer writer, a benchmark's writers) do not re-pickle theirs in turn.
+_layout_blobs: _PerLayout[bytes] = _PerLayout(_MAX_LAYOUTS)
 _layouts_by_blob: dict[bytes, PackedLayout] = {}  # decode
 
 

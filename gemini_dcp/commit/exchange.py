@@ -1,0 +1,99 @@
+"""The commit gather in one round: every rank's report through one fixed-size all-gather.
+
+``torch.distributed.all_gather_object`` runs two collectives per call (every rank's pickled
+size, then the pickles padded to the largest). The commit gather of a save (step 3 of
+:mod:`gemini_dcp.commit.protocol`) sends small reports (a compact one: a few bytes per
+item), so :func:`gather_objects` sends every rank's pickle in a buffer of a fixed size that
+every rank computes alike from the world size (:func:`frame_bytes`): one all-gather when
+every pickle fits, and a second one, sized by the largest pickle the first one announced,
+only when some rank's does not. Each frame starts with the pickle's length, so every rank
+knows after the first round, from the same data, whether the second one runs.
+
+The values and the order are those of ``all_gather_object`` (group rank order); the
+pickles are trusted as ``all_gather_object``'s are (the checkpoint control group is the
+job's own processes).
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+#: The most bytes one gather's frames take on each rank, all ranks together; a frame is
+#: between :data:`MIN_FRAME` and :data:`MAX_FRAME` bytes (a compact report of 3,000 items
+#: pickles to ~30 KiB).
+FRAMES_BUDGET = 4 << 20
+MIN_FRAME = 4 << 10
+MAX_FRAME = 64 << 10
+_LEN = struct.Struct("<Q")
+
+
+class GatherGroup(Protocol):
+    """What :func:`gather_objects` needs of the control group (:class:`gemini_dcp.transport.comm.Comm`)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def distributed(self) -> bool: ...
+
+    @property
+    def group(self) -> Any: ...
+
+    def all_gather_object(self, obj: T) -> list[T]: ...
+
+    def run(self, what: str, fn: Any, *args: Any, peer: int | None = None, **kwargs: Any) -> Any: ...
+
+
+def frame_bytes(world_size: int) -> int:
+    """The size of one rank's frame in the first round: the same on every rank."""
+    return max(MIN_FRAME, min(MAX_FRAME, FRAMES_BUDGET // max(world_size, 1)))
+
+
+def gather_objects(comm: GatherGroup, obj: T, what: str = "all_gather_object (commit reports)") -> list[T]:
+    """Collective over ``comm``'s group (all ranks call it, each with its own ``obj``): every
+    rank's ``obj``, in group rank order, as ``comm.all_gather_object`` returns them, in one
+    all-gather when every rank's pickle fits :func:`frame_bytes` (else two).
+
+    A group without a gloo process group to run on (a test's fake) uses ``comm.all_gather_object``.
+    A transport failure is ``comm.run``'s (RestartRequiredError naming ``what``).
+    """
+    if not comm.distributed:
+        return [obj]
+    if comm.group is None:
+        return comm.all_gather_object(obj)
+    world = comm.world_size
+    frame = frame_bytes(world)
+    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    head = frame - _LEN.size
+    mine = bytearray(frame)
+    _LEN.pack_into(mine, 0, len(blob))
+    first = blob[:head]
+    mine[_LEN.size : _LEN.size + len(first)] = first
+    out = [torch.empty(frame, dtype=torch.uint8) for _ in range(world)]
+    comm.run(what, dist.all_gather, out, torch.frombuffer(mine, dtype=torch.uint8), group=comm.group)
+    frames = [o.numpy() for o in out]
+    lengths = [int(f[: _LEN.size].view("<u8")[0]) for f in frames]
+    longest = max(lengths)
+    tails: list[Any] = [None] * world
+    if longest > head:  # some pickle did not fit: every rank sees it in the same lengths
+        rest = longest - head
+        tail = bytearray(rest)
+        extra = blob[head:]
+        tail[: len(extra)] = extra
+        more = [torch.empty(rest, dtype=torch.uint8) for _ in range(world)]
+        comm.run(what, dist.all_gather, more, torch.frombuffer(tail, dtype=torch.uint8), group=comm.group)
+        tails = [m.numpy() for m in more]
+    values: list[T] = []
+    for f, n, t in zip(frames, lengths, tails):
+        data = f[_LEN.size : _LEN.size + min(n, head)].tobytes()
+        if n > head:
+            data += t[: n - head].tobytes()
+        values.append(pickle.loads(data))  # noqa: S301 - the job's own ranks, as all_gather_object
+    return values
