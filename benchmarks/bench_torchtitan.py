@@ -44,6 +44,13 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
                                                  "--checkpoint.async_mode", "async"]),
 }
 
+# gemini_dcp's per-save line (integrations/torchtitan.py): the training thread's part, and the last finished
+# save's background part.
+SNAP_LINE = re.compile(r"gemini_dcp: step (\d+) snapshot: state dict ([\d.]+) ms \(CPU ([\d.]+) ms;.*?save\(\) ([\d.]+) ms"
+                       r"(?:; step \d+: copied in ([\d.]+) ms, committed in ([\d.]+) ms, background CPU ([\d.]+) ms, "
+                       r"training waited ([\d.]+) ms)?")
+SNAP_FIELDS = ("state_dict_ms", "state_dict_cpu_ms", "save_call_ms", "copied_ms", "committed_ms", "background_cpu_ms",
+               "guard_wait_ms")
 STEP_LINE = re.compile(r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?step:\s+(\d+)\s")
 
 
@@ -57,7 +64,20 @@ def step_times(log: str) -> dict[int, float]:
     return out
 
 
-def run_variant(name: str, steps: int, scratch: Path, i: int, shape: dict[str, str]) -> list[float]:
+def save_costs(log: str) -> dict[str, list[float]]:
+    """gemini_dcp's per-save costs from its log lines (both ranks; steps after the warm-up)."""
+    out: dict[str, list[float]] = {f: [] for f in SNAP_FIELDS}
+    for m in SNAP_LINE.finditer(re.sub(r"\x1b\[[0-9;]*m", "", log)):
+        if int(m.group(1)) <= 3:
+            continue
+        for f, v in zip(SNAP_FIELDS, m.groups()[1:]):
+            if v is not None:
+                out[f].append(float(v))
+    return out
+
+
+def run_variant(name: str, steps: int, scratch: Path, i: int, shape: dict[str, str],
+                costs: dict[str, list[float]] | None = None) -> list[float]:
     env_extra, flags = VARIANTS[name]
     out = scratch / f"v{i}"
     root = scratch / f"tier{i}"
@@ -70,6 +90,9 @@ def run_variant(name: str, steps: int, scratch: Path, i: int, shape: dict[str, s
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: run failed\n{log[-3000:]}")
     t = step_times(log)
+    if costs is not None:
+        for f, v in save_costs(log).items():
+            costs.setdefault(f, []).extend(v)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     return [t[s + 1] - t[s] for s in range(3, steps) if s in t and s + 1 in t]  # steps 1-3: warm-up
@@ -91,6 +114,9 @@ def main() -> None:
     assets = scratch / "assets-src"
     subprocess.run([sys.executable, str(SCRIPT.parent / "make_assets.py"), str(assets)], check=True, capture_output=True)
     samples: dict[str, list[float]] = {n: [] for n in names}
+    per_round: dict[str, list[float | None]] = {n: [] for n in names}  # each run's median
+    costs: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    load_before = os.getloadavg()
     i = 0
     t0 = time.time()
     for _ in range(args.rounds):
@@ -98,20 +124,25 @@ def main() -> None:
             i += 1
             (scratch / f"v{i}").mkdir()
             shutil.copytree(assets, scratch / f"v{i}" / "assets")
-            samples[name] += run_variant(name, args.steps, scratch, i, shape)
+            got = run_variant(name, args.steps, scratch, i, shape, costs[name])
+            samples[name] += got
+            per_round[name].append(median(got))
             print(f"{name:32s} median {median(samples[name]):.3f} s/step", flush=True)
     base = median(samples["no checkpoint"])
-    rows = {
-        n: {"median_s": median(v), "min_max_s": spread(v), "n": len(v),
-            "ratio_vs_no_checkpoint": (median(v) / base) if base and v else None, "samples_s": v}
-        for n, v in samples.items()
-    }
+    rows = {}
+    for n, v in samples.items():
+        # Paired: each run against the no-checkpoint run of the same round (adjacent in time), then the median.
+        ratios = [a / b for a, b in zip(per_round[n], per_round["no checkpoint"]) if a and b]
+        rows[n] = {"median_s": median(v), "min_max_s": spread(v), "n": len(v),
+                   "ratio_vs_no_checkpoint": (median(v) / base) if base and v else None,
+                   "paired_ratio_median": median(ratios), "paired_ratios": ratios, "run_medians_s": per_round[n],
+                   "save_costs_median_ms": {f: median(x) for f, x in costs[n].items() if x}, "samples_s": v}
     data = {
         "what": f"torchtitan llama3 debugmodel on CPU, 2 ranks FSDP2/gloo, seq {args.seq_len} x batch {args.batch}, "
                 "checkpoint every step; iteration time = previous save + this step (steps 4..N)",
         "seq_len": args.seq_len, "local_batch": args.batch,
         "state_bytes_total": 80_059_650, "steps": args.steps, "rounds": args.rounds, "wall_s": time.time() - t0,
-        "machine": machine_info(), "variants": rows,
+        "command": " ".join(sys.argv), "loadavg_before": load_before, "machine": machine_info(), "variants": rows,
     }
     write_json(RESULTS / f"{args.out}.json", data)
     try:
@@ -123,7 +154,10 @@ def main() -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
     for n, r in rows.items():
-        print(f"{n:32s} {r['median_s']:.3f} s  {r['ratio_vs_no_checkpoint']:.2f}x  (min/max {r['min_max_s']})")
+        print(f"{n:32s} {r['median_s']:.3f} s  {r['ratio_vs_no_checkpoint']:.3f}x  paired {r['paired_ratio_median']:.3f}x "
+              f"{[round(x, 3) for x in r['paired_ratios']]}  (min/max {r['min_max_s']})")
+        if r["save_costs_median_ms"]:
+            print(f"{'':32s} per save (medians, ms): {r['save_costs_median_ms']}")
 
 
 if __name__ == "__main__":
