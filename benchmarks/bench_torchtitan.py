@@ -10,8 +10,13 @@ Needs the torchtitan venv (examples/torchtitan/README.md)::
     PYTHONPATH=$PWD /work/venv-titan/bin/python benchmarks/bench_torchtitan.py [--steps 14] [--rounds 1] \
         [--seq-len 256] [--batch 2] [--variants "no checkpoint" "gemini_dcp, AsyncCheckpointer"] [--out torchtitan]
 
-Results: benchmarks/results/torchtitan.json, docs/img/torchtitan.png (matplotlib if installed).
-Small sizes on a shared 2-core CPU: medians, with min/max; ratios are against the no-checkpoint run.
+Results: benchmarks/results/<out>.json, docs/img/torchtitan.png (default --out only; matplotlib if installed).
+Small sizes on a shared 2-core CPU: medians, with min/max; ratios against the no-checkpoint run, overall and
+paired per round (each run against the no-checkpoint run of its round, adjacent in time). The
+``alternating blocks`` variants save in blocks of ``--block`` steps and not in the next ones, in one run
+(launch.py's ``TITAN_GEMINI_BLOCKS``): iterations with and without a save under the same load, the comparison
+least moved by other work on the host. gemini_dcp's per-save costs (state dict, ``save()``, background CPU,
+copy and commit times, guard wait) are parsed from its log lines.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "no checkpoint": ({}, ["--checkpoint.no-enable"]),
     "gemini_dcp, blocking": ({"INTERVAL": str(NEVER), "GEMINI_ASYNC": "false"}, []),
     "gemini_dcp, AsyncCheckpointer": ({"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true"}, []),
+    # One run, saves in alternating blocks of BLOCK steps: iterations with and without a save under the same load.
+    "gemini_dcp, AsyncCheckpointer, alternating blocks": (
+        {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_BLOCKS": "BLOCK"}, []),
     "torchtitan DCP, sync": ({"INTERVAL": "1"}, ["--override.imports", f'{OVERRIDE}={{"gemini_every": {NEVER}}}']),
     "torchtitan DCP, async": ({"INTERVAL": "1"}, ["--override.imports", f'{OVERRIDE}={{"gemini_every": {NEVER}}}',
                                                  "--checkpoint.async_mode", "async"]),
@@ -77,8 +85,10 @@ def save_costs(log: str) -> dict[str, list[float]]:
 
 
 def run_variant(name: str, steps: int, scratch: Path, i: int, shape: dict[str, str],
-                costs: dict[str, list[float]] | None = None) -> list[float]:
+                costs: dict[str, list[float]] | None = None, blocks: dict[str, list[float]] | None = None,
+                block: int = 4) -> list[float]:
     env_extra, flags = VARIANTS[name]
+    env_extra = {k: (str(block) if v == "BLOCK" else v) for k, v in env_extra.items()}
     out = scratch / f"v{i}"
     root = scratch / f"tier{i}"
     root.mkdir(mode=0o700)
@@ -95,7 +105,15 @@ def run_variant(name: str, steps: int, scratch: Path, i: int, shape: dict[str, s
             costs.setdefault(f, []).extend(v)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
-    return [t[s + 1] - t[s] for s in range(3, steps) if s in t and s + 1 in t]  # steps 1-3: warm-up
+    its = {s: t[s + 1] - t[s] for s in range(3, steps) if s in t and s + 1 in t}  # steps 1-3: warm-up
+    block = int(env.get("TITAN_GEMINI_BLOCKS", "0"))
+    if block and blocks is not None:  # iteration s -> s+1 carries the save of step s (and its background copy)
+        def saved(s: int) -> bool:
+            return ((s - 1) // block) % 2 == 0
+
+        blocks["on"] += [v for s, v in its.items() if saved(s)]
+        blocks["off"] += [v for s, v in its.items() if not saved(s) and not saved(s - 1)]  # no spill-over
+    return list(its.values())
 
 
 def main() -> None:
@@ -107,6 +125,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                     help="the variants to run ('no checkpoint' is always run: the ratios are against it)")
     ap.add_argument("--out", default="torchtitan", help="results/<out>.json and img/<out>.png")
+    ap.add_argument("--block", type=int, default=4, help="steps per block of the 'alternating blocks' variants")
     args = ap.parse_args()
     names = ["no checkpoint", *(n for n in args.variants if n != "no checkpoint")]
     shape = {"SEQ_LEN": str(args.seq_len), "LOCAL_BATCH": str(args.batch)}
@@ -116,6 +135,7 @@ def main() -> None:
     samples: dict[str, list[float]] = {n: [] for n in names}
     per_round: dict[str, list[float | None]] = {n: [] for n in names}  # each run's median
     costs: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    blocks: dict[str, dict[str, list[float]]] = {n: {"on": [], "off": []} for n in names}
     load_before = os.getloadavg()
     i = 0
     t0 = time.time()
@@ -124,7 +144,7 @@ def main() -> None:
             i += 1
             (scratch / f"v{i}").mkdir()
             shutil.copytree(assets, scratch / f"v{i}" / "assets")
-            got = run_variant(name, args.steps, scratch, i, shape, costs[name])
+            got = run_variant(name, args.steps, scratch, i, shape, costs[name], blocks[name], args.block)
             samples[name] += got
             per_round[name].append(median(got))
             print(f"{name:32s} median {median(samples[name]):.3f} s/step", flush=True)
@@ -137,6 +157,11 @@ def main() -> None:
                    "ratio_vs_no_checkpoint": (median(v) / base) if base and v else None,
                    "paired_ratio_median": median(ratios), "paired_ratios": ratios, "run_medians_s": per_round[n],
                    "save_costs_median_ms": {f: median(x) for f, x in costs[n].items() if x}, "samples_s": v}
+        on, off = blocks[n]["on"], blocks[n]["off"]
+        if on and off:  # the same run's iterations with and without a save
+            rows[n]["blocks"] = {"block_steps": args.block, "with_save_median_s": median(on),
+                                 "without_save_median_s": median(off), "ratio": median(on) / median(off),
+                                 "with_save_s": on, "without_save_s": off}
     data = {
         "what": f"torchtitan llama3 debugmodel on CPU, 2 ranks FSDP2/gloo, seq {args.seq_len} x batch {args.batch}, "
                 "checkpoint every step; iteration time = previous save + this step (steps 4..N)",
@@ -146,16 +171,23 @@ def main() -> None:
     }
     write_json(RESULTS / f"{args.out}.json", data)
     try:
+        if args.out != "torchtitan":
+            raise ImportError  # side runs (A/B files) get no plot in docs/img
         labels = list(rows)
         bar_chart(IMG / f"{args.out}.png", labels, [rows[n]["median_s"] for n in labels],
                   errors=[rows[n]["min_max_s"] for n in labels], ylabel="s / iteration",
                   title=f"torchtitan debugmodel, CPU 2 ranks, seq {args.seq_len} x {args.batch}: a checkpoint every step",
                   annotate=[f"{rows[n]['median_s']:.3f} s ({rows[n]['ratio_vs_no_checkpoint']:.2f}x)" for n in labels])
     except ImportError:
-        print("matplotlib not installed: no plot")
+        print("no plot (matplotlib not installed, or --out is not the default)")
     for n, r in rows.items():
         print(f"{n:32s} {r['median_s']:.3f} s  {r['ratio_vs_no_checkpoint']:.3f}x  paired {r['paired_ratio_median']:.3f}x "
               f"{[round(x, 3) for x in r['paired_ratios']]}  (min/max {r['min_max_s']})")
+        if "blocks" in r:
+            b = r["blocks"]
+            print(f"{'':32s} same run, blocks of {b['block_steps']}: with a save {b['with_save_median_s']:.3f} s, "
+                  f"without {b['without_save_median_s']:.3f} s: {b['ratio']:.3f}x (n={len(b['with_save_s'])}/"
+                  f"{len(b['without_save_s'])})")
         if r["save_costs_median_ms"]:
             print(f"{'':32s} per save (medians, ms): {r['save_costs_median_ms']}")
 

@@ -6,6 +6,8 @@ Two switches for the kill-and-resume test, read from the environment:
 - ``TITAN_FAIL_AT_STEP=K`` (+ ``TITAN_FAIL_RANK``, default 1): on the first attempt of the worker group
   (``TORCHELASTIC_RESTART_COUNT=0``) that rank SIGKILLs itself during step K, before its save;
 - ``TITAN_DUMP_FINAL=PATH``: after training, rank 0 writes the full (unsharded) model parameters there;
+- ``TITAN_GEMINI_BLOCKS=K`` (benchmarks): gemini_dcp saves in alternating blocks of K steps (steps 1..K save,
+  K+1..2K do not, ...), so one run holds iterations with and without a checkpoint under the same load;
 - ``TITAN_CHECK_STATES=1``: at every gemini_dcp save, the state dict it saves (its model part from
   ``ModelStatesCache``) is compared, bit for bit, with what torchtitan's own ``_flattened_model_states_sd()``
   returns at that point; a difference raises, and each rank prints ``states check: N saves exact`` at the end.
@@ -54,8 +56,21 @@ def _install_test_hooks() -> None:
 
     if os.environ.get("TITAN_CHECK_STATES") == "1":
         _check_states()
+    if int(os.environ.get("TITAN_GEMINI_BLOCKS", "0")) > 0:
+        _save_in_blocks(int(os.environ["TITAN_GEMINI_BLOCKS"]))
     Trainer.train_step = train_step_maybe_die  # type: ignore[method-assign]
     Trainer.train = train_and_dump  # type: ignore[method-assign]
+
+
+def _save_in_blocks(k: int) -> None:
+    from gemini_dcp.integrations import torchtitan as tt
+
+    saves_at = tt.saves_at
+
+    def in_block(step: int, every: int) -> bool:
+        return ((step - 1) // k) % 2 == 0 and saves_at(step, every)
+
+    tt.saves_at = in_block  # the manager's _save looks it up in its module at each call
 
 
 def _check_states() -> None:
