@@ -296,3 +296,64 @@ def test_structure_key_declines_what_it_cannot_key() -> None:
         pass
 
     assert _key({"w": torch.zeros(3).as_subclass(Sub)}) is None  # tensor subclasses: compare full plans
+
+
+def test_byte_memo_gives_torch_save_bytes_and_tells_values_apart() -> None:
+    import io
+    import math
+
+    from gemini_dcp.snapshot.replay import ByteMemo
+
+    def saved(v: Any) -> bytes:
+        buf = io.BytesIO()
+        torch.save(v, buf)
+        return buf.getvalue()
+
+    memo = ByteMemo()
+    values = {"lr": 1e-3, "betas": (0.9, 0.95), "flag": True, "n": 1, "z": 0.0, "nan": math.nan,
+              "nested": {"a": [1, 2.5, "x", None, b"raw"]}}
+    for _ in range(3):  # the first save serializes, the next ones reuse
+        for k, v in values.items():
+            out = memo.serialize(k, v)
+            assert out is not None and out.getvalue() == saved(v), k
+        memo.rotate()
+    assert memo.misses == len(values) and memo.hits == 2 * len(values)
+    # Equal under == but not the same value: serialized again, to what torch.save writes for each.
+    for k, v in [("flag", 1), ("n", True), ("z", -0.0), ("lr", math.nextafter(1e-3, 1.0)), ("betas", [0.9, 0.95])]:
+        hits = memo.hits
+        out = memo.serialize(k, v)
+        assert out is not None and out.getvalue() == saved(v) and memo.hits == hits, k
+    # Not plain: left to DCP's own torch.save.
+    assert memo.serialize("t", torch.ones(2)) is None
+    assert memo.serialize("obj", {"k": object()}) is None
+    memo.rotate()
+    memo.rotate()  # a save that did not see a value forgets it
+    hits = memo.hits
+    memo.serialize("lr", 1e-3)
+    assert memo.hits == hits
+
+
+def test_replayed_saves_keep_every_non_tensor_value_exact(tmp_path: Any) -> None:
+    from gemini_dcp.dcp.copy_program import direct_lookup
+    from gemini_dcp.snapshot.replay import RecordingSavePlanner
+
+    planner = RecordingSavePlanner()
+    planner.state_dict = {"w": torch.ones(1)}
+    assert direct_lookup(planner) is planner.state_dict  # its byte-item transform keeps the direct tensor path
+    root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    d = tempfile.mkdtemp(prefix="gemini-replay-bytes-", dir=root)
+    try:
+        replay = PlanReplay(GeminiStorageWriter(root=d, job_id="bytes", keep=4), None, no_dist=True)
+        lrs = [1e-3, 1e-3, 5e-4, 5e-4]
+        for step, lr in enumerate(lrs):
+            replay.save({"w": torch.full((64,), float(step)), "lr": lr, "betas": (0.9, 0.95), "step": step,
+                         "sched": {"last_epoch": step, "lrs": [lr]}}, step)
+        assert replay.byte_memo.hits > 0 and replay.replayed == 3
+        for step, lr in enumerate(lrs):
+            out = {"w": torch.zeros(64), "lr": -1.0, "betas": None, "step": -1, "sched": {"last_epoch": -1, "lrs": [0.0]}}
+            dcp.load(out, storage_reader=GeminiStorageReader(root=d, job_id="bytes"), checkpoint_id=step)
+            assert torch.equal(out["w"], torch.full((64,), float(step)))
+            assert (out["lr"], out["betas"], out["step"]) == (lr, (0.9, 0.95), step)
+            assert out["sched"] == {"last_epoch": step, "lrs": [lr]}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -3,8 +3,9 @@ the group, ``GeminiCheckpointManager`` resumes from gemini_dcp's memory tier (ne
 folder checkpoint), and the final parameters equal, bit for bit, those of a run that never failed.
 
 Runs ``examples/torchtitan/run_cpu.sh`` (the llama3 debugmodel, seq 64 x batch 2, 8 steps), with blocking per-step
-saves (``sync``) and through ``AsyncCheckpointer`` (``async``: the copy of step t overlaps step t+1, so the newest
-committed step at the kill may be one older). Skipped where
+saves (``sync``) and through ``AsyncCheckpointer`` (``async``, the default: the copy of step t overlaps step t+1, so
+the newest committed step at the kill may be one older); at every save, launch.py's ``TITAN_CHECK_STATES`` compares
+the state dict saved with torchtitan's own ``_flattened_model_states_sd()``, bit for bit. Skipped where
 torchtitan is not importable — CI does not install it (it downgrades fsspec); see examples/torchtitan/README.md
 for the venv (torch 2.13 + torchtitan 0.3.0) in which this passes: ``/work/venv-titan/bin/python -m pytest
 tests/test_torchtitan_e2e.py``. About 180 s on 2 shared cores (one reference launch shared by both modes,
@@ -78,10 +79,14 @@ def test_torchtitan_killed_rank_resumes_from_memory_bit_exact(
     ref_pt, ref_log = reference
     run = _run(tmp_path / "run", tier_root, f"titan-{mode}",
                {"TITAN_DUMP_FINAL": str(tmp_path / "run.pt"), "TITAN_FAIL_AT_STEP": str(FAIL_AT),
-                "GEMINI_ASYNC": "true" if mode == "async" else "false"})
+                "GEMINI_ASYNC": "true" if mode == "async" else "false", "TITAN_CHECK_STATES": "1"})
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"failing run did not recover:\n{out[-4000:]}"
     assert f"injected failure: SIGKILL rank 1 during step {FAIL_AT}" in out
+    # Every save held exactly what torchtitan's own state dict held at that step (launch.py's check; the
+    # model part comes from ModelStatesCache, not a full model.state_dict(), after the first save).
+    assert re.search(r"states check: [1-9]\d* saves exact", out), out[-4000:]
+    assert re.search(r"model states: [1-9]\d* reused", out), out[-4000:]
     # Resumed from gemini_dcp's local tier at the step before the kill (async: maybe the one before),
     # newer than (or tied with) torchtitan's folder step.
     resumed = re.findall(r"gemini_dcp: resumed from step (\d+) \(local: \d+ B.*?folder newest: (\w+)\)", out)

@@ -5,7 +5,12 @@ Two switches for the kill-and-resume test, read from the environment:
 
 - ``TITAN_FAIL_AT_STEP=K`` (+ ``TITAN_FAIL_RANK``, default 1): on the first attempt of the worker group
   (``TORCHELASTIC_RESTART_COUNT=0``) that rank SIGKILLs itself during step K, before its save;
-- ``TITAN_DUMP_FINAL=PATH``: after training, rank 0 writes the full (unsharded) model parameters there.
+- ``TITAN_DUMP_FINAL=PATH``: after training, rank 0 writes the full (unsharded) model parameters there;
+- ``TITAN_GEMINI_BLOCKS=K`` (benchmarks): gemini_dcp saves in alternating blocks of K steps (steps 1..K save,
+  K+1..2K do not, ...), so one run holds iterations with and without a checkpoint under the same load;
+- ``TITAN_CHECK_STATES=1``: at every gemini_dcp save, the state dict it saves (its model part from
+  ``ModelStatesCache``) is compared, bit for bit, with what torchtitan's own ``_flattened_model_states_sd()``
+  returns at that point; a difference raises, and each rank prints ``states check: N saves exact`` at the end.
 """
 
 from __future__ import annotations
@@ -49,8 +54,58 @@ def _install_test_hooks() -> None:
             if dist.get_rank() == 0:
                 torch.save(full, dump)
 
+    if os.environ.get("TITAN_CHECK_STATES") == "1":
+        _check_states()
+    if int(os.environ.get("TITAN_GEMINI_BLOCKS", "0")) > 0:
+        _save_in_blocks(int(os.environ["TITAN_GEMINI_BLOCKS"]))
     Trainer.train_step = train_step_maybe_die  # type: ignore[method-assign]
     Trainer.train = train_and_dump  # type: ignore[method-assign]
+
+
+def _save_in_blocks(k: int) -> None:
+    from gemini_dcp.integrations import torchtitan as tt
+
+    saves_at = tt.saves_at
+
+    def in_block(step: int, every: int) -> bool:
+        return ((step - 1) // k) % 2 == 0 and saves_at(step, every)
+
+    tt.saves_at = in_block  # the manager's _save looks it up in its module at each call
+
+
+def _check_states() -> None:
+    from torchtitan.components.checkpointer.base import MODEL
+
+    from gemini_dcp.integrations.torchtitan import checkpoint_manager_class
+
+    cls = checkpoint_manager_class()
+    ours = cls._gemini_states
+    checked = [0]
+
+    def local(t):  # noqa: ANN001, ANN202
+        return getattr(t, "_local_tensor", t)
+
+    def gemini_states_checked(self):  # noqa: ANN001, ANN202
+        sd = ours(self)
+        model_keys = list(self.states[MODEL].cached_state_dict)
+        before = {k: (local(sd[k]).clone(), getattr(sd[k], "placements", None)) for k in model_keys}
+        theirs = self._flattened_model_states_sd()  # torchtitan's: model.state_dict() and ModelWrapper's merge
+        if list(theirs) != list(sd) or any(theirs[k] is not sd[k] for k in theirs if k not in before):
+            raise AssertionError(f"state dict keys differ: {sorted(set(theirs) ^ set(sd))[:5]}")
+        diff = [k for k, (t, placements) in before.items()
+                if not torch.equal(t, local(theirs[k])) or getattr(theirs[k], "placements", None) != placements]
+        if diff:
+            raise AssertionError(f"the saved state differs from torchtitan's at {diff[:5]}")
+        checked[0] += 1
+        return sd
+
+    def report() -> None:
+        print(f"states check: {checked[0]} saves exact", flush=True)
+
+    import atexit
+
+    atexit.register(report)
+    cls._gemini_states = gemini_states_checked
 
 
 if __name__ == "__main__":

@@ -53,12 +53,15 @@ Pacer = Callable[[int], None]
 
 def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
     """The planner's flattened state dict when its items may be resolved without it: a
-    ``DefaultSavePlanner`` whose ``resolve_data`` / ``transform_object`` are DCP's and whose
+    ``DefaultSavePlanner`` whose ``resolve_data`` is DCP's, whose ``transform_object`` is DCP's or
+    declared DCP's for tensors (``direct_transform = True``: byte items still go through it), and whose
     ``lookup_object`` is DCP's or declared equivalent (``direct_lookup = True``); else None."""
     cls = type(planner)
     if not isinstance(planner, DefaultSavePlanner):
         return None
-    if cls.resolve_data is not DefaultSavePlanner.resolve_data or cls.transform_object is not DefaultSavePlanner.transform_object:  # type: ignore[attr-defined]
+    if cls.resolve_data is not DefaultSavePlanner.resolve_data:  # type: ignore[attr-defined]
+        return None
+    if cls.transform_object is not DefaultSavePlanner.transform_object and not getattr(cls, "direct_transform", False):  # type: ignore[attr-defined]
         return None
     if cls.lookup_object is not DefaultSavePlanner.lookup_object and not getattr(cls, "direct_lookup", False):  # type: ignore[attr-defined]
         return None

@@ -5,10 +5,13 @@ for a third-party storage writer, so gemini_dcp comes in as a subclass, :class:`
 (built on first use: torchtitan is imported lazily, and only here):
 
 - every ``gemini_every`` steps (default: every step) the full training state torchtitan saves
-  (model, optimizer, lr schedulers, dataloader, train state) goes into gemini_dcp's tiers with
-  ``dcp.save(..., storage_writer=GeminiStorageWriter, checkpoint_id=step)``, or, with
-  ``gemini_async=True``, through ``AsyncCheckpointer`` (the copy overlaps the next step's forward and
-  backward; only the next ``optimizer.step()`` waits for it; docs/async.md);
+  (model, optimizer, lr schedulers, dataloader, train state) goes into gemini_dcp's tiers through
+  ``AsyncCheckpointer`` (default ``gemini_async=True``: the save returns in ~1 ms, the copy overlaps the
+  next step's forward and backward, only the next ``optimizer.step()`` waits for it; plan replay, no
+  DCP planning per step; docs/async.md), or, with ``gemini_async=False``, a blocking
+  ``dcp.save(..., storage_writer=GeminiStorageWriter, checkpoint_id=step)``. The state dict is
+  torchtitan's own ``_flattened_model_states_sd()``, with the model's part from
+  :class:`ModelStatesCache` (no full ``model.state_dict()`` per step: the same dict and values);
 - torchtitan's own interval checkpoints (``--checkpoint.interval``, ``<dump>/<folder>/step-<N>``,
   sync or ``async``, its purge, its last-step export) keep working beside it (``gemini_folder_saves=False``
   turns them off: gemini_dcp's persistent tier, ``gemini_persistent=<fsspec url>`` every
@@ -45,6 +48,137 @@ from .resume import choose_resume, saves_at
 
 log = logging.getLogger(__name__)
 
+
+class ModelStatesCache:
+    """torchtitan's model state dict (``ModelWrapper.state_dict()``) without a full ``model.state_dict()`` per save.
+
+    ``ModelWrapper.state_dict()`` runs ``model.state_dict()`` at every call (module hooks, a DTensor
+    ``detach`` per parameter: ~20 ms per save for the debugmodel on this project's CPU) and merges the
+    result into its own cache dict: a value that shares storage with the cached one is left alone, a
+    hook-made tensor (llama3's fused ``wqkv`` split into ``wq``/``wk``/``wv`` on save) is copied into the
+    cached tensor, so the dict and its tensors stay the same objects from save to save.
+
+    After one full call, :meth:`get` remembers which cached values share storage with the model's
+    parameters or buffers (they track the parameters by themselves) and which modules make the others
+    (their state-dict post hooks). While the model holds the same parameter and buffer objects (same
+    names, same objects, same data pointers: ~1 us each to check) and the wrapper the same cache dict,
+    a save calls ``state_dict()`` on those modules only and merges their values exactly as
+    ``ModelWrapper.state_dict()`` does; the dict it returns is the one torchtitan's call would return,
+    holding the same values. Anything it cannot vouch for — a wrapper of another class, a state-dict hook
+    on a module that is not such a maker (only FSDP2's ``to_sharded`` pre hook is known), a maker
+    nested in a hooked module, a parameter replaced or re-pointed (``p.data = ...``, a load) — takes
+    torchtitan's full call. The hook modules run in the same order either way, so ranks that decide
+    differently still issue the same collectives (the fused split's all-gathers) in the same order.
+    Not thread-safe: the training thread's.
+    """
+
+    KNOWN_PRE_HOOKS = frozenset({"FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"})
+
+    def __init__(self, wrapper_class: Any = None) -> None:
+        self.wrapper_class = wrapper_class  # torchtitan's ModelWrapper: only its state_dict() is known
+        self._sd: dict[str, Any] | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._objs: list[Any] = []  # the parameters and buffers the key refers to (held: ids stay theirs)
+        self._makers: list[tuple[Any, str]] = []  # (module, its state-dict prefix), in module order
+        self.hits = 0
+        self.rebuilds = 0
+
+    def get(self, wrapper: Any) -> dict[str, Any]:
+        """What ``wrapper.state_dict()`` returns, computed with the remembered makers when nothing changed."""
+        known = self.wrapper_class is not None and type(wrapper) is self.wrapper_class
+        cached = getattr(wrapper, "cached_state_dict", None)
+        if known and self._sd is not None and self._sd is cached:
+            objs, key = self._tensors(wrapper)
+            if key == self._key and len(objs) == len(self._objs) and all(map(_is, objs, self._objs)):
+                for module, prefix in self._makers:
+                    _merge(cached, module.state_dict(prefix=prefix))  # as ModelWrapper.state_dict() merges
+                self.hits += 1
+                return cached
+        sd: dict[str, Any] = wrapper.state_dict()
+        self.rebuilds += 1
+        self.forget()
+        if known and sd is getattr(wrapper, "cached_state_dict", None):
+            self._remember(wrapper, sd)
+        return sd
+
+    def forget(self) -> None:
+        """Drop what is remembered (the next :meth:`get` makes torchtitan's full call)."""
+        self._sd = self._key = None
+        self._objs, self._makers = [], []
+
+    def _remember(self, wrapper: Any, sd: dict[str, Any]) -> None:
+        objs, key = self._tensors(wrapper)
+        storages = {_local(t).untyped_storage().data_ptr() for t in objs}
+        made = [k for k, v in sd.items() if not (_is_tensor(v) and _local(v).untyped_storage().data_ptr() in storages)]
+        makers: list[tuple[Any, str]] = []
+        for part in wrapper.model:
+            if type(part).state_dict is not _module_state_dict():
+                return
+            hooked: list[str] = []  # prefixes of modules whose hooks a maker's own call would skip
+            for name, module in part.named_modules(remove_duplicate=False):
+                prefix = f"{name}." if name else ""
+                if type(module).state_dict is not _module_state_dict():
+                    return
+                pre = [getattr(f, "__qualname__", "") for f in module._state_dict_pre_hooks.values()]
+                if any(q not in self.KNOWN_PRE_HOOKS for q in pre) or module._state_dict_hooks and not name:
+                    return  # a hook of unknown effect, or on the root: torchtitan's full call every save
+                if module._state_dict_hooks:
+                    if any(prefix.startswith(h) for h in hooked):
+                        return
+                    hooked.append(prefix)
+                    makers.append((module, prefix))
+        if len(wrapper.model) > 1 and makers:
+            return  # makers of several parts: their prefixes are not the flattened keys' (torchtitan merges parts)
+        prefixes = tuple(p for _, p in makers)
+        if any(not k.startswith(prefixes) for k in made) or not all(map(_is_tensor, sd.values())):
+            return  # a value neither a parameter's nor a maker's, or not a tensor (extra state)
+        self._sd, self._key, self._objs, self._makers = sd, key, objs, makers
+
+    @staticmethod
+    def _tensors(wrapper: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        """(every parameter and buffer of the wrapped modules, (their names, their data pointers))."""
+        names: list[str] = []
+        objs: list[Any] = []
+        for part in wrapper.model:
+            for name, t in part.named_parameters(remove_duplicate=False):
+                names.append(name)
+                objs.append(t)
+            for name, t in part.named_buffers(remove_duplicate=False):
+                names.append(name)
+                objs.append(t)
+        return objs, (tuple(names), tuple(_local(t).data_ptr() for t in objs))
+
+
+def _merge(cached: dict[str, Any], fresh: dict[str, Any]) -> None:
+    """``ModelWrapper.state_dict()``'s merge of freshly computed values into its cache dict."""
+    for key, value in fresh.items():
+        old = cached.get(key)
+        if old is None or old.shape != value.shape or old.dtype != value.dtype:
+            cached[key] = value
+        elif _local(old).untyped_storage().data_ptr() != _local(value).untyped_storage().data_ptr():
+            old.copy_(value)
+
+
+def _module_state_dict() -> Any:
+    import torch  # noqa: PLC0415 - only called once torch is imported (a torchtitan job)
+
+    return torch.nn.Module.state_dict
+
+
+def _is(a: Any, b: Any) -> bool:
+    return a is b
+
+
+def _local(t: Any) -> Any:
+    """A DTensor's local tensor (its attribute, no autograd call), else the tensor."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _is_tensor(v: Any) -> bool:
+    import torch  # noqa: PLC0415 - only called once torch is imported (a torchtitan job)
+
+    return isinstance(v, torch.Tensor)
+
 OVERRIDE = "gemini_dcp.integrations.torchtitan.gemini_checkpoint"  # the --override.imports target
 
 
@@ -56,7 +190,7 @@ class TitanGeminiSettings:
 
     every: int = 1
     folder_saves: bool = True
-    async_save: bool = False
+    async_save: bool = True
     writer_keywords: dict[str, Any] = field(default_factory=dict)
     options: GeminiOptions = field(init=False)
 
@@ -98,7 +232,7 @@ def checkpoint_manager_class() -> Any:
     import torch.distributed as dist  # noqa: PLC0415
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
     from torchtitan.components.checkpointer import CheckpointManager  # noqa: PLC0415 - optional dependency
-    from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER  # noqa: PLC0415
+    from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER, ModelWrapper  # noqa: PLC0415
     from torchtitan.tools import filesystem  # noqa: PLC0415
 
     from ..dcp.fast_load import fast_load  # noqa: PLC0415 - torch
@@ -116,7 +250,7 @@ def checkpoint_manager_class() -> Any:
             """Save into gemini_dcp's tiers every this many steps (1: every step)."""
             gemini_folder_saves: bool = True
             """Keep torchtitan's own interval checkpoints to its folder (False: gemini_dcp's tiers only)."""
-            gemini_async: bool = False
+            gemini_async: bool = True
             """Save through AsyncCheckpointer: the copy overlaps the next step (False: a blocking dcp.save)."""
             gemini_root: str | None = None
             """Tier root (node tmpfs); default $GEMINI_DCP_ROOT, else /dev/shm/gemini_dcp."""
@@ -143,6 +277,16 @@ def checkpoint_manager_class() -> Any:
             self.gemini_writer: GeminiStorageWriter | None = None
             self.gemini_async: AsyncCheckpointer | None = None
             self.gemini_last_load: dict[str, Any] = {}
+            self.gemini_model_states = ModelStatesCache(ModelWrapper)
+            self.gemini_save_log: list[dict[str, Any]] = []  # per save: step, state-dict and save() times
+
+        def _gemini_states(self) -> dict[str, Any]:
+            """``_flattened_model_states_sd()`` (what torchtitan saves), with the model's part from
+            :class:`ModelStatesCache`: the same dict, the same tensors, without ``model.state_dict()`` per step."""
+            sd = {k: v for k, v in self.states.items() if k != MODEL}
+            if MODEL in self.states:
+                sd.update(self.gemini_model_states.get(self.states[MODEL]))
+            return sd
 
         def _writer(self) -> GeminiStorageWriter:
             if self.gemini_writer is None:
@@ -156,6 +300,18 @@ def checkpoint_manager_class() -> Any:
                 )
             return self.gemini_async
 
+        def _log_async(self, step: int, states_s: float, states_cpu_s: float, save_s: float, handle: Any) -> None:
+            """One line per save: this step's cost to the training thread, the last finished save's background."""
+            done = next((h for h in reversed(self._async().history) if h is not handle and h.finished.is_set()), None)
+            back = ""
+            if done is not None and done.total_s is not None:
+                back = (f"; step {done.step}: copied in {1e3 * (done.copy_s or 0):.0f} ms, committed in "
+                        f"{1e3 * done.total_s:.0f} ms, background CPU {1e3 * (done.cpu_s or 0):.0f} ms, "
+                        f"training waited {1e3 * done.guard_wait_s:.1f} ms")
+            cache = self.gemini_model_states
+            log.info("gemini_dcp: step %d snapshot: state dict %.1f ms (CPU %.1f ms; model states: %d reused, %d built), "
+                     "save() %.1f ms%s", step, states_s * 1e3, states_cpu_s * 1e3, cache.hits, cache.rebuilds, save_s * 1e3, back)
+
         def _close(self) -> None:
             ckpt, self.gemini_async = self.gemini_async, None
             try:
@@ -167,14 +323,19 @@ def checkpoint_manager_class() -> Any:
         @torch.no_grad()
         def _save(self, curr_step: int, last_step: bool = False) -> bool:
             saved = False
-            if not self.load_only and saves_at(curr_step, self.gemini.every) and self.gemini.async_save:
-                self._async().save(self._flattened_model_states_sd(), curr_step)
-                saved = True
-            elif not self.load_only and saves_at(curr_step, self.gemini.every):
-                begin = time.monotonic()
-                dcp.save(self._flattened_model_states_sd(), storage_writer=self._writer(), checkpoint_id=curr_step,
-                         planner=_save_planner())
-                log.info("gemini_dcp: step %d saved to the memory tiers in %.3f s", curr_step, time.monotonic() - begin)
+            if not self.load_only and saves_at(curr_step, self.gemini.every):
+                begin, cpu = time.perf_counter(), time.thread_time()
+                states = self._gemini_states()
+                built, states_cpu = time.perf_counter(), time.thread_time() - cpu
+                if self.gemini.async_save:
+                    handle = self._async().save(states, curr_step)
+                    self._log_async(curr_step, built - begin, states_cpu, time.perf_counter() - built, handle)
+                else:
+                    dcp.save(states, storage_writer=self._writer(), checkpoint_id=curr_step, planner=_save_planner())
+                    cache = self.gemini_model_states
+                    log.info("gemini_dcp: step %d saved to the memory tiers in %.3f s (state dict %.1f ms; model states: "
+                             "%d reused, %d built)", curr_step, time.perf_counter() - begin, (built - begin) * 1e3,
+                             cache.hits, cache.rebuilds)
                 saved = True
             if self.gemini.folder_saves:
                 saved = super()._save(curr_step, last_step) or saved
