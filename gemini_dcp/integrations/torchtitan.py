@@ -236,6 +236,7 @@ def checkpoint_manager_class() -> Any:
     from torchtitan.tools import filesystem  # noqa: PLC0415
 
     from ..dcp.fast_load import fast_load  # noqa: PLC0415 - torch
+    from ..dcp.optim_state import init_optimizer_state  # noqa: PLC0415 - torch
     from ..dcp.reader import GeminiStorageReader  # noqa: PLC0415 - torch
     from ..dcp.writer import GeminiStorageWriter  # noqa: PLC0415
     from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
@@ -354,6 +355,10 @@ def checkpoint_manager_class() -> Any:
                              "none" if found is None else found, choice.step)
                 return bool(super()._load(step))
             begin = time.monotonic()
+            # A fresh optimizer gets the state its first step would create, so torchtitan's state_dict()
+            # needs no step over zero gradients (gemini_dcp.init_optimizer_state; refused, with nothing
+            # changed, for anything but plain Adam/AdamW without step hooks).
+            refused = [why for o in getattr(self.states.get(OPTIMIZER), "optimizers", ()) if (why := init_optimizer_state(o))]
             states = self._states_to_load(model_only=False)
             # Straight into the live model and optimizer state when the structure is the one saved
             # (gemini_dcp.fast_load); anything else goes through dcp.load with the same reader.
@@ -361,13 +366,14 @@ def checkpoint_manager_class() -> Any:
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(states)  # torchtitan flattens the model states (as its dcp_load)
             self.gemini_last_load = {"step": reader.restored_step, "from": dict(reader.restored_from), "path": got.path,
-                                     "reason": got.reason, "read_seconds": got.seconds}
+                                     "reason": got.reason, "read_seconds": got.seconds, "optimizer_init": refused or "created"}
             if dist.get_rank() == 0:
                 tiers = ", ".join(f"{k}: {v} B" for k, v in reader.restored_from.items() if v) or "-"
                 log.info(
                     "gemini_dcp: resumed from step %s (%s; torchtitan's folder newest: %s) in %.2f s (%s path, tiers read "
-                    "in %.2f s)", reader.restored_step, tiers, folder_step if folder_step >= 0 else "none",
+                    "in %.2f s; optimizer state %s)", reader.restored_step, tiers, folder_step if folder_step >= 0 else "none",
                     time.monotonic() - begin, got.path, got.seconds,
+                    "created without a step" if not refused else f"by torch's step ({'; '.join(refused)})",
                 )
             return True
 
