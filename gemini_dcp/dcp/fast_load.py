@@ -249,19 +249,33 @@ class _Staged:
         for i, e in enumerate(self.plan.entries):
             if i not in remote:
                 by_slot.setdefault(e.slot_rank, []).append(i)
+        views = self.plan.views
         for slot_rank, idx in by_slot.items():
             entries = [self.plan.entries[i] for i in idx]
             got = self._verified_slot(slot_rank, entries)
             if isinstance(got, str):
                 return got
             slot, mv = got
+            typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the slot viewed as each dtype, once
             for i, e in zip(idx, entries):
                 dest = walked_dests[i]
                 if e.is_bytes:
                     why = self._decode(e, bytes(mv[e.offset : e.offset + e.length]))
                     if why:
                         return why
-                elif dest is not None and dest.numel():
+                elif dest is None:
+                    continue
+                elif views:  # the verified span [e.offset, e.offset + e.length), as the tensor it holds
+                    v = views[i]
+                    if v is None:
+                        continue
+                    got_typed = typed.get(v.dtype)
+                    if got_typed is None:
+                        got_typed = typed[v.dtype] = _as_dtype(slot.tensor, v.dtype)
+                    base, start = got_typed
+                    self.dests.append(dest)
+                    self.srcs.append(base.as_strided(v.shape, v.stride, start + v.elem_offset))
+                elif dest.numel():
                     self.dests.append(dest)
                     self.srcs.append(slot.tensor[e.offset : e.offset + e.length].view(dest.dtype).view(dest.shape))
         return ""
@@ -347,6 +361,15 @@ class _Staged:
         self.values.clear()
         self.served.clear()
         self.slots.clear()  # the mappings go with their last view
+
+
+def _as_dtype(slot_bytes: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """A slot's bytes (flat uint8) viewed as ``dtype`` (its whole elements), and the storage offset
+    (in elements) of its first byte: ``as_strided`` offsets count from the storage's start."""
+    size = torch.empty((), dtype=dtype).element_size()
+    usable = slot_bytes.numel() - slot_bytes.numel() % size
+    typed = slot_bytes[:usable].view(dtype)
+    return typed, int(typed.storage_offset())
 
 
 def _routes(comm: Comm, held: set[int], wants: list[FastEntry]) -> tuple[str, list[FastEntry]]:
