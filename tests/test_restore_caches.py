@@ -5,6 +5,10 @@ rows differ in any byte (a checksum, a location) never gets another's layout or 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
@@ -53,3 +57,34 @@ def test_the_header_fields_are_hashed_on_every_call() -> None:
     assert a.metadata.storage_data is b.metadata.storage_data  # same rows, other step
     assert a.fingerprint() != b.fingerprint()
     assert b.fingerprint() == _record(step=2).fingerprint()
+
+
+def test_a_reader_decodes_a_record_once_and_never_reuses_it_for_other_bytes(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
+
+    root = tempfile.mkdtemp(prefix="gemini-rc-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    try:
+        dcp.save({"w": torch.arange(12.0)}, storage_writer=GeminiStorageWriter(root=root, job_id="rc"), checkpoint_id=1)
+        first = GeminiStorageReader(root, "rc").tier.record(1)
+        assert first is not None
+        assert GeminiStorageReader(root, "rc").tier.record(1) is first  # the same bytes: decoded once
+        path = GeminiStorageReader(root, "rc").tier.layout.record_path(1)
+        good = path.read_bytes()
+        st = os.stat(path)
+        bad = bytearray(good)
+        bad[-3] ^= 0xFF  # a flipped byte, same size, same mtime: the record's checksum must catch it
+        path.write_bytes(bytes(bad))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert GeminiStorageReader(root, "rc").tier.record(1) is None
+        path.write_bytes(good)
+        again = GeminiStorageReader(root, "rc").tier.record(1)
+        assert again is first
+        link = path.with_name(path.name + ".real")
+        path.rename(link)
+        path.symlink_to(link)  # never read through a link, cached or not
+        assert GeminiStorageReader(root, "rc").tier.record(1) is None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
