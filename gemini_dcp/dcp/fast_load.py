@@ -197,7 +197,8 @@ def _plain_types() -> frozenset[type]:
 # ---- the steps ------------------------------------------------------------------------------------
 def _flatten(state_dict: dict[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any] | None]:
     """The state dict as DCP flattens it (and the paths back), or itself when already flat."""
-    if not any(isinstance(v, (Mapping, list, tuple)) for v in state_dict.values()):
+    plain = _plain_types()  # an ABC isinstance per value is the slow part: tensors skip it by type
+    if not any(type(v) not in plain and isinstance(v, (Mapping, list, tuple)) for v in state_dict.values()):
         return state_dict, None
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: PLC0415
 

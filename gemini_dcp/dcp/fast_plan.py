@@ -102,23 +102,25 @@ def walk(flat: Mapping[str, Any]) -> Walk:
     """The signature and destinations of a flattened state dict (no metadata read)."""
     sig: list[Any] = []
     dests: list[torch.Tensor | None] = []
+    add_row, add_dest = sig.append, dests.append  # per item: bound once (thousands of items per restore)
     dtensor_type = _dtensor_type()
+    tensor_type, strided = torch.Tensor, torch.strided
     for fqn, value in flat.items():
         if dtensor_type is not None and isinstance(value, dtensor_type):
             local = getattr(value, "_local_tensor", None)  # to_local() is an autograd op: ~10x the cost
-            if not isinstance(local, torch.Tensor):
+            if not isinstance(local, tensor_type):
                 local = value.to_local()
-            sig.append((fqn, "d", tuple(local.shape), local.dtype, tuple(value.shape), tuple(value.placements), value.device_mesh))
-        elif isinstance(value, torch.Tensor):
+            add_row((fqn, "d", tuple(local.shape), local.dtype, tuple(value.shape), tuple(value.placements), value.device_mesh))
+        elif isinstance(value, tensor_type):
             local = value
-            sig.append((fqn, "t", tuple(local.shape), local.dtype))
+            add_row((fqn, "t", tuple(local.shape), local.dtype))
         else:
-            sig.append((fqn, "b"))
-            dests.append(None)
+            add_row((fqn, "b"))
+            add_dest(None)
             continue
-        if not local.is_cpu or local.layout != torch.strided or local.is_quantized or not local.is_contiguous():
+        if not local.is_cpu or local.layout != strided or local.is_quantized or not local.is_contiguous():
             return Walk((), [], f"{fqn!r} is not a dense contiguous CPU tensor")
-        dests.append(local.detach())
+        add_dest(local.detach())
     return Walk(tuple(sig), dests, "")
 
 
