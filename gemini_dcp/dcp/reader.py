@@ -226,8 +226,10 @@ class GeminiStorageReader(StorageReader):
         persisted: list[int] = []
         if self.persistent is not None and comm.rank == 0:
             persisted = self.persistent.committed_steps()
-        views = comm.all_gather_object(view)
-        persisted = comm.broadcast_object(persisted, src=0)
+        # One gather: every node's view, and rank 0's list of persisted steps riding along with its own.
+        gathered = comm.all_gather_object((view, persisted))
+        views = [g[0] for g in gathered]
+        persisted = list(gathered[0][1])
         if local_error is not None:
             raise local_error
         if any(v is None for v in views):
