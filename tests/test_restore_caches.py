@@ -88,3 +88,34 @@ def test_a_reader_decodes_a_record_once_and_never_reuses_it_for_other_bytes(tmp_
         assert GeminiStorageReader(root, "rc").tier.record(1) is None
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_fast_load_pauses_the_gc_only_for_the_restore() -> None:
+    import gc
+
+    import pytest
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, fast_load
+    from gemini_dcp.errors import ConfigError
+
+    root = tempfile.mkdtemp(prefix="gemini-rc-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    try:
+        want = {"w": torch.arange(12.0).reshape(3, 4), "h": torch.arange(5).to(torch.bfloat16)}
+        dcp.save(want, storage_writer=GeminiStorageWriter(root=root, job_id="gc"), checkpoint_id=1)
+        assert gc.isenabled()
+        got = {"w": torch.zeros(3, 4), "h": torch.zeros(5, dtype=torch.bfloat16)}
+        assert fast_load(got, root=root, job_id="gc").path == "fast"
+        assert gc.isenabled() and all(torch.equal(got[k], want[k]) for k in want)
+        with pytest.raises(ConfigError):  # an error inside the restore resumes it too
+            fast_load(got, root=root, job_id="gc", storage_reader=GeminiStorageReader(root, "gc"))
+        assert gc.isenabled()
+        gc.disable()  # a caller that runs without it keeps it off
+        try:
+            fast_load(got, root=root, job_id="gc")
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
