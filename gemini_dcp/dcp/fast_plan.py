@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import ConfigError
 
-__all__ = ["REMOTE_MAX_BYTES", "FastEntry", "FastPlan", "Walk", "build_plan", "cached_plan", "remember", "walk"]
+__all__ = ["REMOTE_MAX_BYTES", "FastEntry", "FastPlan", "SourceView", "Walk", "build_plan", "cached_plan", "remember", "walk"]
 
 _CACHE_SIZE = 8  # (job, step record, rank) keys kept; a trainer restores one structure at a time
 REMOTE_MAX_BYTES = 1 << 20
@@ -52,6 +52,16 @@ class FastEntry(NamedTuple):
     is_bytes: bool  # a non-tensor value (``torch.save`` bytes), else a tensor chunk
 
 
+class SourceView(NamedTuple):
+    """A tensor chunk's bytes as the tensor: ``slot_as_dtype.as_strided(shape, stride, elem_offset)``,
+    where ``slot_as_dtype`` is the slot's bytes viewed as ``dtype`` (``elem_offset``: in elements)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    elem_offset: int
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FastPlan:
     """A state dict's structure mapped onto one step record's chunks, in the state dict's order."""
@@ -60,12 +70,16 @@ class FastPlan:
     signature: tuple[Any, ...]
     entries: tuple[FastEntry, ...]
     remote: tuple[int, ...] = ()  # positions in ``entries`` of small chunks this node does not hold
+    # Per entry, how its verified bytes are viewed as the tensor (dtype, shape, contiguous strides,
+    # offset in elements of the slot viewed as that dtype): one ``as_strided`` per chunk at restore
+    # instead of a slice and two views. None: a bytes item or an empty tensor (nothing to copy).
+    views: tuple[SourceView | None, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.entries) != len(self.signature):
+        if len(self.entries) != len(self.signature) or (self.views and len(self.views) != len(self.entries)):
             raise ConfigError(
-                f"a fast-restore plan needs one entry per state-dict entry: {len(self.entries)} entries for "
-                f"{len(self.signature)} signature rows; build it with build_plan()."
+                f"a fast-restore plan needs one entry per state-dict entry: {len(self.entries)} entries "
+                f"({len(self.views)} views) for {len(self.signature)} signature rows; build it with build_plan()."
             )
 
     @property
@@ -88,23 +102,25 @@ def walk(flat: Mapping[str, Any]) -> Walk:
     """The signature and destinations of a flattened state dict (no metadata read)."""
     sig: list[Any] = []
     dests: list[torch.Tensor | None] = []
+    add_row, add_dest = sig.append, dests.append  # per item: bound once (thousands of items per restore)
     dtensor_type = _dtensor_type()
+    tensor_type, strided = torch.Tensor, torch.strided
     for fqn, value in flat.items():
         if dtensor_type is not None and isinstance(value, dtensor_type):
             local = getattr(value, "_local_tensor", None)  # to_local() is an autograd op: ~10x the cost
-            if not isinstance(local, torch.Tensor):
+            if not isinstance(local, tensor_type):
                 local = value.to_local()
-            sig.append((fqn, "d", tuple(local.shape), local.dtype, tuple(value.shape), tuple(value.placements), value.device_mesh))
-        elif isinstance(value, torch.Tensor):
+            add_row((fqn, "d", tuple(local.shape), local.dtype, tuple(value.shape), tuple(value.placements), value.device_mesh))
+        elif isinstance(value, tensor_type):
             local = value
-            sig.append((fqn, "t", tuple(local.shape), local.dtype))
+            add_row((fqn, "t", tuple(local.shape), local.dtype))
         else:
-            sig.append((fqn, "b"))
-            dests.append(None)
+            add_row((fqn, "b"))
+            add_dest(None)
             continue
-        if local.device.type != "cpu" or not local.is_contiguous() or local.layout != torch.strided or local.is_quantized:
+        if not local.is_cpu or local.layout != strided or local.is_quantized or not local.is_contiguous():
             return Walk((), [], f"{fqn!r} is not a dense contiguous CPU tensor")
-        dests.append(local.detach())
+        add_dest(local.detach())
     return Walk(tuple(sig), dests, "")
 
 
@@ -120,6 +136,7 @@ def build_plan(
     sdm = metadata.state_dict_metadata
     storage = metadata.storage_data
     entries: list[FastEntry] = []
+    views: list[SourceView | None] = []
     remote: list[int] = []
     for (fqn, value), row, dest in zip(flat.items(), walked.signature, walked.dests):
         md = sdm.get(fqn)
@@ -162,7 +179,19 @@ def build_plan(
             if ref.offset % max(1, dest.element_size()):
                 return f"{fqn!r}: chunk not aligned for {dest.dtype}"
         entries.append(FastEntry(fqn, ref.rank, ref.offset, ref.length, ref.algo, ref.checksum, dest is None))
-    return FastPlan(fingerprint=fingerprint, signature=walked.signature, entries=tuple(entries), remote=tuple(remote))
+        views.append(None if dest is None or not dest.numel() else SourceView(
+            dest.dtype, tuple(dest.shape), _contiguous_strides(tuple(dest.shape)), ref.offset // dest.element_size()))
+    return FastPlan(fingerprint=fingerprint, signature=walked.signature, entries=tuple(entries), remote=tuple(remote),
+                    views=tuple(views))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 _cache: OrderedDict[tuple[Any, ...], FastPlan] = OrderedDict()

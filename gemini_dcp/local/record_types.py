@@ -36,6 +36,7 @@ from .record_caches import (
     _layout_blobs,
     _layouts_by_blob,
     _locations,
+    _PerLayout,
     _positions,
     _reading_torch,
     _remember,
@@ -176,6 +177,8 @@ class StepRecord:
         if isinstance(sd, ChecksumOverlay):
             digest, order = _digests.get(sd.layout, lambda: _location_digest(sd.layout))
             sums = np.frombuffer(sd.checksums, dtype=np.uint64)[order]
+        elif isinstance(sd, PackedLayout):  # a decoded record: its rows are immutable, hashed once per layout
+            digest, sums = _packed_sums.get(sd, lambda: _packed_fingerprint_parts(sd))
         else:
             digest, order = _location_digest(sd)
             values = list(sd.values())
@@ -189,6 +192,8 @@ _STEP_FIELDS = fields(StepRecord)
 
 
 _PACKED = "gemini_dcp.shardrefs.v1"
+_packed_layouts: dict[tuple[_Row, ...], PackedLayout] = {}  # decoded rows -> their one layout (exact rows)
+_packed_sums: _PerLayout[tuple[bytes, np.ndarray]] = _PerLayout(_MAX_LAYOUTS)  # packed layout -> fingerprint rows part
 
 
 def _pack_storage_data(storage_data: object) -> object:
@@ -209,7 +214,18 @@ def _pack_storage_data(storage_data: object) -> object:
 def _unpack_storage_data(packed: object) -> object:
     if not (isinstance(packed, tuple) and len(packed) == 2 and packed[0] == _PACKED):
         return packed
-    return PackedLayout(packed[1])  # type: ignore[arg-type]
+    rows = packed[1]
+    # Every record of one save holds the same rows (each node's copy, the copy the restore decision
+    # broadcasts, the same record decoded by the next reader): one layout for all of them, so what
+    # is derived from the rows (the fingerprint's digest, the lookup indexes) is computed once. The
+    # dict compares the rows in full on a hit (exact content, never a hash alone).
+    try:
+        layout = _packed_layouts.get(rows)  # type: ignore[call-overload]
+    except TypeError:  # unhashable rows (not what this package writes): a layout of their own
+        return PackedLayout(rows)  # type: ignore[arg-type]
+    if layout is None:
+        layout = _remember(_packed_layouts, rows, PackedLayout(rows), _MAX_LAYOUTS)  # type: ignore[arg-type]
+    return layout
 
 
 
@@ -414,6 +430,15 @@ def _location_digest(storage_data: Mapping[MetadataIndex, ShardRef]) -> tuple[by
     # repr, not marshal or pickle: their bytes depend on object sharing and interning.
     h.update(repr([rows[i] for i in order]).encode())
     return h.digest(), np.asarray(order, dtype=np.int64)
+
+
+def _packed_fingerprint_parts(layout: PackedLayout) -> tuple[bytes, np.ndarray]:
+    """(location digest, the checksums in its order) of a packed layout: the row part of the fingerprint."""
+    digest, order = _digests.get(layout, lambda: _location_digest(layout))
+    rows = layout.rows
+    sums = np.fromiter((rows[i][6] for i in order), dtype=np.uint64, count=len(order))  # row[6]: ShardRef.checksum
+    sums.flags.writeable = False  # shared by every record of this layout
+    return digest, sums
 
 
 def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
