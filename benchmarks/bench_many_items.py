@@ -365,6 +365,7 @@ def main() -> None:
                 cell["blocked_max_ms"] = max(bl) * 1e3
                 # The background thread's CPU per save (``thread_time``), per rank: what it takes from training.
                 cell["cpu_median_ms"] = [median(r[n][mode]["cpu"]) * 1e3 for r in per_rank]
+                cell["cpu_ms"] = [[x * 1e3 for x in r[n][mode]["cpu"]] for r in per_rank]
                 cell["plans"] = per_rank[0][n][mode]["plans"]
                 cell["structure"] = per_rank[0][n][mode]["structure"]
             if mode != "noop":

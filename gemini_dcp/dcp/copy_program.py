@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -290,7 +291,7 @@ def _same_tensors(prog: _Program, entries: Sequence[Any]) -> bool:
         list(map(_shape, ts)) == prog.shapes
         and list(map(_dtype, ts)) == prog.dtypes
         and list(map(_device, ts)) == prog.devices  # grouped items are CPU tensors; CUDA ones copy alone
-        and all(lay is torch.strided for lay in map(_layout, ts))
+        and not any(map(operator.is_not, map(_layout, ts), itertools.repeat(torch.strided)))  # C-level: all strided
     )
 
 

@@ -99,7 +99,7 @@ class LocalWriter:
         # The items of the last program, resolved and checked against it in a few C-level maps.
         known = _resolve_known(prog, plan, flat, planner, algo, block) if prog is not None else None
         if known is None:
-            entries: list[torch.Tensor] = [
+            entries: list[Any] = [
                 _bytes_of(planner, it) if it.type == WriteItemType.BYTE_IO else _resolve_tensor(flat, planner, it)
                 for it in items
             ]
