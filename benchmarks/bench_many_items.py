@@ -45,6 +45,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,20 @@ from common import MIB, RESULTS, machine_info, median, shm_dir, spawn, write_jso
 MODES = ("noop", "stock", "stock_cache", "gemini", "gemini_cache", "async")
 
 
-def _state(n: int, per_rank_bytes: int, rank: int, world: int, mesh: Any) -> dict[str, Any]:
+def _pyvals(n: int) -> dict[str, Any]:
+    """~``n`` small non-tensor values shaped like an optimizer's flattened param groups
+    (``optim.param_groups.<fqn>.lr`` ...): floats, bools, tuples, None, in nested dicts."""
+    groups: dict[str, Any] = {}
+    per = 10
+    for i in range(max(1, n // per)):
+        groups[f"layers.{i}.weight"] = {
+            "lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+            "foreach": None, "maximize": False, "capturable": False, "differentiable": False, "fused": None,
+        }
+    return {"param_groups": groups}
+
+
+def _state(n: int, per_rank_bytes: int, rank: int, world: int, mesh: Any, pyvals: int = 0) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
@@ -67,6 +81,8 @@ def _state(n: int, per_rank_bytes: int, rank: int, world: int, mesh: Any) -> dic
         for i in range(n)
     }
     sd["step"] = 0
+    if pyvals and rank == 0:  # torchtitan's optimizer param groups: on the coordinator only
+        sd["optim"] = _pyvals(pyvals)
     return sd
 
 
@@ -130,6 +146,11 @@ class _WriterClock:
         return out
 
 
+def _blank(v: Any) -> Any:
+    """The nested dicts of ``v`` with -1 at every leaf: a load target for non-tensor values."""
+    return {k: _blank(x) for k, x in v.items()} if isinstance(v, dict) else -1
+
+
 def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads: int = 1,
                    fast: bool = False, paths: list[str] | None = None) -> tuple[bool, list[float]]:
     """Load ``mode``'s last save into zeroed tensors ``loads`` times: (bit-exact with ``sd``, wall
@@ -145,7 +166,7 @@ def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads:
     times: list[float] = []
     for _ in range(max(1, loads)):
         target = {k: (DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, run_check=False)
-                      if isinstance(v, DTensor) else -1) for k, v in sd.items()}
+                      if isinstance(v, DTensor) else _blank(v)) for k, v in sd.items()}
         if mode.startswith("stock"):
             reader = dcp.FileSystemReader(where)
         else:
@@ -168,7 +189,7 @@ def _restore_exact(sd: dict[str, Any], mode: str, where: Any, group: Any, loads:
 
 def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: list[int], per_rank_bytes: int,
             saves: int, warmup: int, modes: list[str], loads: int = 3, fast_loads: bool = True,
-            gc_freeze: bool = False) -> dict[str, Any]:
+            gc_freeze: bool = False, pyvals: int = 0, profile: str | None = None) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -183,7 +204,7 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
     out: dict[str, Any] = {}
     step = 0
     for n in items:
-        sd = _state(n, per_rank_bytes, rank, world, mesh)
+        sd = _state(n, per_rank_bytes, rank, world, mesh, pyvals)
         writers: dict[str, Any] = {}
         clocks: dict[str, _WriterClock] = {}
         ckpt = None
@@ -198,6 +219,8 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
         walls: dict[str, list[float]] = {m: [] for m in modes}
         inside: dict[str, list[float]] = {m: [] for m in clocks}
         blocked: list[float] = []
+        cpu: list[float] = []
+        prof = None
         where: dict[str, Any] = {}
         saved_step: dict[str, int] = {}
         for i in range(warmup + saves):
@@ -226,6 +249,8 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                     where[mode] = (roots[rank], job)
                 else:
                     assert ckpt is not None
+                    if profile and i == warmup and prof is None:
+                        prof = _profile_thread(ckpt)
                     h = ckpt.save(sd, step)
                     h.wait()
                     where[mode] = (roots[rank], job)
@@ -238,6 +263,7 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
                     if mode == "async":
                         walls[mode].append(h.total_s)
                         blocked.append(h.blocked_s)
+                        cpu.append(h.cpu_s)
                     else:
                         walls[mode].append(wall)
                 step += 1
@@ -249,6 +275,10 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
             if mode == "async":
                 assert ckpt is not None
                 row["blocked"] = blocked
+                row["cpu"] = cpu
+                if prof is not None and profile:
+                    prof.disable()
+                    prof.dump_stats(f"{profile}.{rank}")
                 row["plans"] = ckpt.stats().get("plans")
                 cache = getattr(ckpt, "structure", None)  # None: a gemini_dcp from before the structure cache
                 row["structure"] = None if cache is None else {"walks": cache.walks, "reuses": cache.reuses}
@@ -265,6 +295,24 @@ def _worker(rank: int, world: int, *, roots: list[str], stock_dir: str, items: l
         out[str(n)] = res
         dist.barrier(group=group)
     return out
+
+
+def _profile_thread(ckpt: Any) -> Any:
+    """cProfile in the checkpointer's background thread from its next job on (``--profile``)."""
+    import cProfile
+
+    prof = cProfile.Profile()
+    done = threading.Event()
+    inner = ckpt.replay.save
+
+    def save(*a: Any, **k: Any) -> Any:
+        if not done.is_set():
+            done.set()
+            prof.enable()
+        return inner(*a, **k)
+
+    ckpt.replay.save = save
+    return prof
 
 
 def _uptime() -> str:
@@ -286,6 +334,9 @@ def main() -> None:
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.collect(); gc.freeze() in each rank after the warm-up saves: the collector's pauses "
                          "(~100-200 ms per plain dcp.save at 738 items, mostly in DCP's planning) out of the figures")
+    ap.add_argument("--pyvals", type=int, default=0,
+                    help="add ~N small non-tensor values on rank 0 (nested dicts like optimizer param groups)")
+    ap.add_argument("--profile", default=None, help="async: cProfile the background thread's timed saves to PATH.<rank>")
     ap.add_argument("--json", default=str(RESULTS / "many_items.json"))
     args = ap.parse_args()
     world = 2
@@ -299,7 +350,7 @@ def main() -> None:
     t0 = time.time()
     per_rank = spawn(_worker, world, roots=roots, stock_dir=str(scratch / "stock"), items=args.items,
                      per_rank_bytes=args.mib * MIB, saves=args.saves, warmup=args.warmup, modes=args.modes, loads=args.loads,
-                     fast_loads=not args.no_fast, gc_freeze=args.gc_freeze)
+                     fast_loads=not args.no_fast, gc_freeze=args.gc_freeze, pyvals=args.pyvals, profile=args.profile)
     load_after = _uptime()
     shutil.rmtree(scratch, ignore_errors=True)
     table: dict[str, Any] = {}
@@ -312,6 +363,9 @@ def main() -> None:
                 bl = [max(bs) for bs in zip(*(r[n][mode]["blocked"] for r in per_rank))]
                 cell["blocked_median_ms"] = median(bl) * 1e3
                 cell["blocked_max_ms"] = max(bl) * 1e3
+                # The background thread's CPU per save (``thread_time``), per rank: what it takes from training.
+                cell["cpu_median_ms"] = [median(r[n][mode]["cpu"]) * 1e3 for r in per_rank]
+                cell["cpu_ms"] = [[x * 1e3 for x in r[n][mode]["cpu"]] for r in per_rank]
                 cell["plans"] = per_rank[0][n][mode]["plans"]
                 cell["structure"] = per_rank[0][n][mode]["structure"]
             if mode != "noop":
@@ -346,6 +400,7 @@ def main() -> None:
         cells = [f"{row[m]['median_ms']:.1f}" for m in args.modes]
         if "async" in row:
             cells.append(f"{row['async']['blocked_median_ms']:.2f}")
+            print(n, "async background CPU per save, ms by rank:", [round(x, 2) for x in row["async"]["cpu_median_ms"]])
         print(f"| {n} | " + " | ".join(cells) + " |")
     for n, row in table.items():
         print(n, {m: c.get("exact") for m, c in row.items()}, "above floor (medians / paired per round):",

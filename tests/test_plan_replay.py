@@ -333,6 +333,40 @@ def test_byte_memo_gives_torch_save_bytes_and_tells_values_apart() -> None:
     assert memo.hits == hits
 
 
+def test_byte_memo_serialize_many_reuses_only_the_same_immutable_values() -> None:
+    """The writer's one-call path: bytes of unchanged immutable values come back without pickling,
+    a changed, mutable or missing value is looked at again, and every blob is what torch.save writes."""
+    import io
+
+    from gemini_dcp.snapshot.replay import ByteMemo
+
+    def saved(v: Any) -> bytes:
+        buf = io.BytesIO()
+        torch.save(v, buf)
+        return buf.getvalue()
+
+    missing = object()
+    memo = ByteMemo()
+    fqns = ["g0.lr", "g1.lr", "g0.betas", "g0.params", "g0.obj", "g0.gone"]
+    betas, params = (0.9, 0.95), [1, 2]
+    lr = 3e-4
+    objs: list[Any] = [lr, lr, betas, params, torch.ones(1), missing]
+    out = memo.serialize_many(fqns, objs, missing)
+    assert out[:4] == [saved(lr), saved(lr), saved(betas), saved(params)] and out[4] is None and out[5] is None
+    assert memo.misses == 3 and memo.shared == 1  # one learning rate for both groups: one torch.save
+    memo.rotate()
+    hits, misses = memo.hits, memo.misses
+    params.append(3)  # mutated in place: a list is never reused by identity
+    lr2 = lr * 0.5  # a scheduler's new learning rate in one group
+    objs2: list[Any] = [lr2, lr, tuple(betas), params, torch.ones(1), missing]  # a snapshot copies tuples
+    out2 = memo.serialize_many(fqns, objs2, missing)
+    assert out2[:4] == [saved(lr2), saved(lr), saved(betas), saved([1, 2, 3])] and out2[4] is None and out2[5] is None
+    assert memo.misses == misses + 2 and memo.hits == hits + 2
+    memo.rotate()
+    out3 = memo.serialize_many(fqns, objs2, missing)  # nothing changed: the same bytes objects
+    assert out3[:3] == out2[:3] and all(a is b for a, b in zip(out3[:3], out2[:3]))
+
+
 def test_replayed_saves_keep_every_non_tensor_value_exact(tmp_path: Any) -> None:
     from gemini_dcp.dcp.copy_program import direct_lookup
     from gemini_dcp.snapshot.replay import RecordingSavePlanner
@@ -357,3 +391,25 @@ def test_replayed_saves_keep_every_non_tensor_value_exact(tmp_path: Any) -> None
             assert out["sched"] == {"last_epoch": step, "lrs": [lr]}
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_fast_check_flattens_nested_state_like_dcp() -> None:
+    """FastCheck.flatten takes each container's leaves with one call and still gives DCP's
+    flattening (nested dicts, lists, top-level values), or None once a path is gone."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from gemini_dcp.snapshot.replay_check import FastCheck
+
+    w = torch.ones(2)
+    sd: dict[str, Any] = {"model": {"a": w, "b": torch.zeros(3)}, "step": 3,
+                          "optim": {"g": {"lr": 0.1, "betas": (0.9, 0.95), "params": [1, {"x": 2}]}}, "last": 1.5}
+    flat, mappings = flatten_state_dict(sd)
+    fc = FastCheck.of(1, flat, mappings)
+    assert fc is not None
+    got = fc.flatten(sd)
+    assert got is not None and list(got) == list(flat) and all(got[k] is flat[k] for k in flat)
+    sd2 = dict(sd, step=4, optim={"g": dict(sd["optim"]["g"], lr=0.05)})
+    got2 = fc.flatten(sd2)
+    assert got2 is not None and got2["step"] == 4 and got2["optim.g.lr"] == 0.05 and got2["model.a"] is w
+    assert fc.flatten({"model": {"a": w}, "step": 3, "optim": sd["optim"], "last": 1.5}) is None  # "model.b" gone
+    assert fc.flatten(dict(sd, optim={"g": {"lr": 0.1, "betas": (0.9, 0.95), "params": [1]}})) is None  # list shorter

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -87,10 +88,32 @@ def _resolve_tensor(flat: dict[str, Any] | None, planner: SavePlanner, item: Wri
     return out.detach()
 
 
-def _bytes_of(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+def _bytes_of(planner: SavePlanner, item: WriteItem) -> bytes:
+    """A pickled (BYTE_IO) item's bytes, as ``planner.resolve_data`` gives them (immutable: copied
+    into the slot by ``local_write._copy_bytes``)."""
     data = planner.resolve_data(item)
-    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
+
+
+_MISSING = object()
+
+
+def _bytes_known(prog: _Program, plan: SavePlan, flat: dict[str, Any], planner: SavePlanner) -> list[bytes]:
+    """The pickled items' bytes, in ``prog.byte_pos`` order: through the planner's ``byte_memo``
+    in one call when it has one (``snapshot.replay.ByteMemo``: what ``resolve_data`` returns for
+    a plain value, without DCP's per-item lookup and BytesIO), else / for the rest as ``_bytes_of``."""
+    items = plan.items
+    memo = getattr(planner, "byte_memo", None)
+    if memo is None or not getattr(type(planner), "direct_transform", False):
+        return [_bytes_of(planner, items[i]) for i in prog.byte_pos]
+    fqns = [prog.fqns[i] for i in prog.byte_pos] if prog.byte_fqns is None else prog.byte_fqns
+    prog.byte_fqns = fqns
+    objs = [flat.get(f, _MISSING) for f in fqns]
+    out = memo.serialize_many(fqns, objs, _MISSING)
+    for k, data in enumerate(out):
+        if data is None:  # not a plain value, or missing (DCP raises its own error)
+            out[k] = _bytes_of(planner, items[prog.byte_pos[k]])
+    return out
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -128,6 +151,7 @@ class _Program:
     groups: list[_Group]
     single: list[int]  # tensor positions copied one by one (large, or not a plain CPU tensor)
     byte_pos: list[int]
+    byte_fqns: list[str] | None = None  # the FQNs at byte_pos (built at the first replayed resolve)
     # Resolving the items without DCP (``_resolve_known``): each tensor item's FQN and the type of
     # its object in the flattened state dict (None: some item needs ``planner.resolve_data``), the
     # positions among them of the DTensors, and the DTensor specs last seen without a Partial.
@@ -167,8 +191,8 @@ class _Program:
         return held[2]
 
 
-def _sizes(entries: list[torch.Tensor]) -> list[int]:
-    return [t.numel() * t.element_size() for t in entries]
+def _sizes(entries: list[Any]) -> list[int]:
+    return [len(t) if type(t) is bytes else t.numel() * t.element_size() for t in entries]
 
 
 def _layout_of(sizes: list[int]) -> tuple[list[int], int]:
@@ -267,7 +291,7 @@ def _same_tensors(prog: _Program, entries: Sequence[Any]) -> bool:
         list(map(_shape, ts)) == prog.shapes
         and list(map(_dtype, ts)) == prog.dtypes
         and list(map(_device, ts)) == prog.devices  # grouped items are CPU tensors; CUDA ones copy alone
-        and all(lay is torch.strided for lay in map(_layout, ts))
+        and not any(map(operator.is_not, map(_layout, ts), itertools.repeat(torch.strided)))  # C-level: all strided
     )
 
 
@@ -317,7 +341,7 @@ def _resolve_known(prog: _Program | None, plan: SavePlan, flat: dict[str, Any] |
     entries: list[Any] = [None] * len(prog.indexes)
     for i, t in zip(prog.tensor_pos, objs):
         entries[i] = t
-    items = plan.items
-    for i in prog.byte_pos:
-        entries[i] = _bytes_of(planner, items[i])
+    if prog.byte_pos:
+        for i, data in zip(prog.byte_pos, _bytes_known(prog, plan, flat, planner)):
+            entries[i] = data
     return entries if _same_tensors(prog, entries) else None

@@ -25,8 +25,10 @@ bytes. A save then:
 4. hands back the results as :class:`~gemini_dcp.dcp.copy_program.WriteResults`, built from
    the templates only if read.
 
-Items of ``block`` bytes or more keep the fused copy+checksum (block by block, paced), and
-pickled (BYTE_IO) items the plain path: their size can change from save to save.
+Items of ``block`` bytes or more keep the fused copy+checksum (block by block, paced). Pickled
+(BYTE_IO) items are ``bytes`` (their size can change from save to save; with a replay's
+``ByteMemo`` an unchanged value's bytes are the last save's), copied by slice assignment into a
+``memoryview`` of the slot and checksummed over the slot's bytes, one pacer call per ``block``.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class LocalWriter:
         # The items of the last program, resolved and checked against it in a few C-level maps.
         known = _resolve_known(prog, plan, flat, planner, algo, block) if prog is not None else None
         if known is None:
-            entries: list[torch.Tensor] = [
+            entries: list[Any] = [
                 _bytes_of(planner, it) if it.type == WriteItemType.BYTE_IO else _resolve_tensor(flat, planner, it)
                 for it in items
             ]
@@ -109,7 +111,7 @@ class LocalWriter:
             if prog.byte_pos:  # pickled values: their size may change from save to save
                 sizes = list(sizes)
                 for i in prog.byte_pos:
-                    sizes[i] = entries[i].numel()
+                    sizes[i] = len(entries[i])
         if known is not None and prog is not None and (sizes is prog.sizes or sizes == prog.sizes):
             offsets, total = prog.offsets, prog.total
         else:
@@ -263,12 +265,16 @@ class LocalWriter:
                 done += len(g.pos)
                 if done >= half > done - len(g.pos):
                     fault_point("save.mid_copy")
-            for i in prog.single + prog.byte_pos:
+            for i in prog.single:
                 sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block, pace,
                                     device_copier)
                 done += 1
                 if done == half:
                     fault_point("save.mid_copy")
+            if prog.byte_pos:
+                if done < half <= done + len(prog.byte_pos):
+                    fault_point("save.mid_copy")
+                _copy_bytes(prog.byte_pos, entries, prog.offsets, slot, algo, prog.block, pace, sums)
         return sums
 
 
@@ -309,7 +315,8 @@ def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[
                 o, n = g.spans[j]
                 sums[g.pos[j]] = hasher(view[o : o + n])
         fault_point("save.mid_copy")
-        for i in prog.single + prog.byte_pos:
+        _copy_bytes([i for i in prog.byte_pos if not skip[i]], entries, prog.offsets, slot, algo, prog.block, pace, sums)
+        for i in prog.single:
             if skip[i]:
                 continue
             if rows is not None and rows[i] == 2:  # a table (CPU): its changed rows, checksummed like the slot
@@ -321,6 +328,29 @@ def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[
             sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block, pace,
                                 device_copier)
     return sums
+
+
+def _copy_bytes(pos: list[int], entries: list[Any], offsets: list[int], slot: Any, algo: str, block: int,
+                pace: Pacer | None, sums: list[int]) -> None:
+    """Copy the pickled items at ``pos`` (``bytes``) to their offsets in ``slot`` and checksum each
+    over the slot's bytes (``sums[i]``): one slice assignment and one checksum call per item, and
+    one pacer call per ``block`` bytes (an optimizer's param groups: hundreds of ~1 KB values)."""
+    if not pos:
+        return
+    view = memoryview(slot.tensor.numpy())
+    hasher = buffer_checksum(algo)
+    paced = 0
+    if pace is not None:
+        paced = sum(len(entries[i]) for i in pos)
+        while paced > 0:
+            pace(min(paced, block))
+            paced -= block
+    for i in pos:
+        data = entries[i]
+        o = offsets[i]
+        e = o + len(data)
+        view[o:e] = data
+        sums[i] = hasher(view[o:e])
 
 
 def _copy_one(t: torch.Tensor, slot: Any, offset: int, n: int, algo: str, block: int, pace: Pacer | None,

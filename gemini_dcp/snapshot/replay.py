@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import operator
 import pickle
 from collections.abc import Mapping
 from typing import Any
@@ -78,6 +79,26 @@ def _plain(obj: Any, depth: int = 0) -> bool:
     return False
 
 
+_FROZEN = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _frozen(obj: Any) -> bool:
+    """Whether ``obj`` is an immutable plain value (an exact scalar type, or a tuple of them): the
+    same object pickles to the same bytes at every save."""
+    t = type(obj)
+    return t in _FROZEN or (t is tuple and all(type(v) in _FROZEN for v in obj))
+
+
+def _same_frozen(old: Any, obj: Any) -> bool:
+    """``obj`` is ``old`` or a tuple of the same objects (a snapshot copies tuples), and immutable."""
+    if old is not obj:
+        if type(obj) is not tuple or type(old) is not tuple or len(old) != len(obj):
+            return False
+        if not all(map(operator.is_, old, obj)):
+            return False
+    return _frozen(obj)
+
+
 class ByteMemo:
     """``torch.save`` bytes of the non-tensor values of a per-step save, reused while a value is the same.
 
@@ -92,31 +113,82 @@ class ByteMemo:
     """
 
     def __init__(self) -> None:
-        self._old: dict[str, tuple[bytes, bytes]] = {}
-        self._new: dict[str, tuple[bytes, bytes]] = {}
-        self.hits = 0
-        self.misses = 0
+        # fqn -> (the value, its pickle, its blob): the value is held, so ``is`` on it is safe.
+        self._old: dict[str, tuple[Any, bytes, bytes]] = {}
+        self._new: dict[str, tuple[Any, bytes, bytes]] = {}
+        # pickle -> blob, of this save and the last: a value equal to another FQN's (one learning
+        # rate in every param group) is serialized once.
+        self._blobs: dict[bytes, bytes] = {}
+        self._old_blobs: dict[bytes, bytes] = {}
+        self.hits = 0  # the FQN's value pickles as at the last save (or is the same immutable object)
+        self.shared = 0  # another FQN's value of this save or the last pickles the same: its blob
+        self.misses = 0  # serialized with torch.save
+        # serialize_many's last call: (its FQN list, by identity; the values; their bytes; whether
+        # each value is immutable and plain). Values are held, so ``is`` on them is safe.
+        self._many: tuple[list[str], list[Any], list[Any], list[bool]] | None = None
 
-    def serialize(self, fqn: str, obj: Any) -> io.BytesIO | None:
-        """``torch.save(obj)`` into a BytesIO, reused when ``obj`` pickles as last time; None if not plain."""
+    def _data(self, fqn: str, obj: Any) -> bytes | None:
+        hit = self._old.get(fqn)
+        if hit is not None and _same_frozen(hit[0], obj):  # the same immutable value: no pickling
+            self.hits += 1
+            self._new[fqn] = hit
+            self._blobs[hit[1]] = hit[2]
+            return hit[2]
         if not _plain(obj):
             return None
         key = pickle.dumps(obj, protocol=2)
-        hit = self._old.get(fqn)
-        if hit is not None and hit[0] == key:
-            data = hit[1]
+        if hit is not None and hit[1] == key:
+            data = hit[2]
             self.hits += 1
         else:
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            data = buf.getvalue()
-            self.misses += 1
-        self._new[fqn] = (key, data)
-        return io.BytesIO(data)
+            got = self._blobs.get(key)
+            if got is None:
+                got = self._old_blobs.get(key)
+            if got is None:
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                got = buf.getvalue()
+                self.misses += 1
+            else:
+                self.shared += 1
+            data = got
+        self._new[fqn] = (obj, key, data)
+        self._blobs[key] = data
+        return data
+
+    def serialize(self, fqn: str, obj: Any) -> io.BytesIO | None:
+        """``torch.save(obj)`` into a BytesIO, reused when ``obj`` pickles as last time; None if not plain."""
+        data = self._data(fqn, obj)
+        return None if data is None else io.BytesIO(data)
+
+    def serialize_many(self, fqns: list[str], objs: list[Any], missing: Any) -> list[Any]:
+        """The ``torch.save`` bytes of each value (None where not plain, or where ``objs`` holds
+        ``missing``): :meth:`serialize` for a whole save's values in one call (the writer's
+        ``copy_program._bytes_known``)."""
+        last = self._many
+        if last is not None and last[0] is fqns and len(last[1]) == len(objs):
+            # Values that are the same immutable objects as at the last call keep their bytes: one
+            # C-level identity map over the values, Python work only for the others.
+            _, lobjs, ldata, lfrozen = last
+            out: list[Any] = [d if s and f else None for d, s, f in zip(ldata, map(operator.is_, objs, lobjs), lfrozen)]
+            frozen = list(lfrozen)
+            self.hits += len(out) - out.count(None)
+        else:
+            out = [None] * len(objs)
+            frozen = [False] * len(objs)
+        data = self._data
+        for k in [k for k, d in enumerate(out) if d is None]:
+            o = objs[k]
+            if o is not missing:
+                out[k] = data(fqns[k], o)
+            frozen[k] = out[k] is not None and _frozen(o)
+        self._many = (fqns, list(objs), out, frozen)
+        return list(out)
 
     def rotate(self) -> None:
         """This save's values become the ones the next save compares with."""
         self._old, self._new = self._new, {}
+        self._old_blobs, self._blobs = self._blobs, {}
 
 
 class RecordingSavePlanner(DefaultSavePlanner):

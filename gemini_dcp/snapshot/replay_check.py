@@ -79,6 +79,10 @@ class FastCheck:
     t_pos: Any  # itemgetter of the plain tensor / Parameter positions
     pinned: bool  # compare pinned memory too (CUDA builds)
     signature: tuple[Any, ...]
+    # ``paths`` as runs of consecutive FQNs under one container: (its path, a getter of their
+    # keys in it, always a tuple). ``flatten`` resolves each container once and takes its leaves
+    # with one C-level call (a DCP flattening is depth-first: siblings are consecutive).
+    runs: tuple[tuple[tuple[Any, ...], Any], ...] = ()
 
     @classmethod
     def of(cls, generation: int | None, flat: dict[str, Any], mappings: Any) -> FastCheck | None:
@@ -101,23 +105,28 @@ class FastCheck:
         pinned = torch.cuda.is_available()
         dt_pos, t_pos = _getter(dts), _getter(ts)
         fqns = tuple(flat)
+        paths = tuple(tuple(mappings[f]) for f in fqns)
+        if not all(paths):
+            return None
         return cls(
-            generation=generation, fqns=fqns, paths=tuple(tuple(mappings[f]) for f in fqns), mappings=mappings,
+            generation=generation, fqns=fqns, paths=paths, mappings=mappings,
             dt_pos=dt_pos, t_pos=t_pos, pinned=pinned, signature=_signature(values, dt_pos, t_pos, pinned),
+            runs=_runs(paths),
         )
 
     def flatten(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
         """``state_dict`` flattened along the recorded paths; None if a path no longer resolves."""
-        flat: dict[str, Any] = {}
+        values: list[Any] = []
+        extend = values.extend
         try:
-            for fqn, path in zip(self.fqns, self.paths):
+            for parent, get in self.runs:
                 o: Any = state_dict
-                for k in path:
+                for k in parent:
                     o = o[k]
-                flat[fqn] = o
+                extend(get(o))
         except (KeyError, IndexError, TypeError):
             return None
-        return flat
+        return dict(zip(self.fqns, values))
 
     def set_up(self, planner: DefaultSavePlanner, state_dict: dict[str, Any], is_coordinator: bool) -> bool:
         """Set ``planner`` up on ``state_dict`` as ``set_up_planner`` would, if the recorded
@@ -136,3 +145,26 @@ class FastCheck:
         planner.mappings = self.mappings
         planner.is_coordinator = is_coordinator
         return True
+
+
+def _runs(paths: tuple[tuple[Any, ...], ...]) -> tuple[tuple[tuple[Any, ...], Any], ...]:
+    """``FastCheck.runs`` of ``paths`` (each non-empty)."""
+    out: list[tuple[tuple[Any, ...], Any]] = []
+    parent: tuple[Any, ...] | None = None
+    keys: list[Any] = []
+
+    def close() -> None:
+        if parent is not None and keys:
+            if len(keys) == 1:
+                k = keys[0]
+                out.append((parent, lambda o: (o[k],)))
+            else:
+                out.append((parent, operator.itemgetter(*keys)))
+
+    for path in paths:
+        if path[:-1] != parent:
+            close()
+            parent, keys = path[:-1], []
+        keys.append(path[-1])
+    close()
+    return tuple(out)
