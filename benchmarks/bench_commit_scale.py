@@ -61,10 +61,10 @@ def _lookup(refs: Any, keys: list[tuple[int, int]]) -> list[Any]:
 def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-    from gemini_dcp.peer.replication import refs_by_key
-    from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
     from gemini_dcp.core.restore_order import NodeView, StepView
     from gemini_dcp.dcp.writer import _expand, _overlay, _RankReport, _SplitLayout
+    from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
+    from gemini_dcp.peer.replication import refs_by_key
 
     layout = {
         MetadataIndex(f"model.layers.{i // 3}.w{i % 3}", [r * 64, 0]): ShardRef(r, i * 65536, 65536, 0, "crc32c", "bfloat16", (64, 512))
@@ -142,12 +142,16 @@ def plain_gather(world: int, tensors: int, nodes: tuple[str, ...], repeat: int) 
     rank's checksums against the last committed layout and no metadata (after: every rank holds it)."""
     import torch
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
     )
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from gemini_dcp.local.records import ShardRef
     from gemini_dcp.dcp.writer import INLINE_METADATA_PADDING, _RankReport
+    from gemini_dcp.local.records import ShardRef
 
     fqns = [f"model.layers.{i // 3}.w{i % 3}" for i in range(tensors)]
     meta = Metadata({

@@ -180,7 +180,7 @@ def bench_gpu(mib: int, rounds: int) -> dict[str, Any]:
         saved = ext.loader.load  # the wrappers ask ext.loader.load(): patching it forces the fallbacks
         ext.loader.load = lambda verbose=False: False  # type: ignore[assignment]
         try:
-            ext.copy_d2h_chunked(shm, src, chunk_bytes=64 * MiB).synchronize()
+            ext.copy_d2h_chunked(shm, src, chunk_bytes=64 * MiB).synchronize()  # noqa: F821 - called before the del below
         finally:
             ext.loader.load = saved  # type: ignore[assignment]
 

@@ -46,8 +46,8 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gemini_dcp import GeminiStorageWriter  # noqa: E402
-from gemini_dcp.persistent.drain import drain_status, wait_idle  # noqa: E402
 from gemini_dcp.local.tier import LocalTier  # noqa: E402
+from gemini_dcp.persistent.drain import drain_status, wait_idle  # noqa: E402
 from gemini_dcp.persistent.store import PersistentTier  # noqa: E402
 
 GIB = float(1 << 30)
@@ -245,6 +245,7 @@ def main() -> None:
                            "write_s": st.get("write_seconds"), "upload_s": st.get("upload_seconds"), "files": st.get("files")})
         fsspec_runs = []
         from torch.distributed.checkpoint import FileSystemWriter  # noqa: PLC0415
+
         from gemini_dcp.core.compat import fsspec_writer_reader  # noqa: PLC0415
 
         FsspecWriter, _ = fsspec_writer_reader()  # public from torch 2.15 on

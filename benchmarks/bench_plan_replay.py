@@ -55,8 +55,8 @@ def _worker(rank: int, world: int, *, roots: list[str], tensors: list[int], per_
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from gemini_dcp import GeminiStorageWriter
-    from gemini_dcp.transport.comm import get_comm
     from gemini_dcp.snapshot.replay import PlanReplay
+    from gemini_dcp.transport.comm import get_comm
 
     group = get_comm(300.0).group
     out: dict[str, Any] = {}

@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from gemini_dcp.persistent.adopt import Adoption, orphaned_part
-from gemini_dcp.persistent.drain import Paths, drain_status, server_pid, wait_idle
-from gemini_dcp.ops.inspection import inspect_root
-from gemini_dcp.local.tier import LocalTier
-from gemini_dcp.persistent.store import PersistentTier
-from gemini_dcp.core.restore_order import NodeView, StepView
 from mp_utils import run_ranks, run_until_death
 from workloads import COLS, ROWS, dtensor_state, full_weight, load_and_check
+
+from gemini_dcp.core.restore_order import NodeView, StepView
+from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.ops.inspection import inspect_root
+from gemini_dcp.persistent.adopt import Adoption, orphaned_part
+from gemini_dcp.persistent.drain import Paths, drain_status, server_pid, wait_idle
+from gemini_dcp.persistent.store import PersistentTier
 
 RANK_NODES = ("a", "a", "b", "b", "c", "c")  # 3 nodes x 2 ranks; ring replicas=2: a->b, b->c, c->a
 

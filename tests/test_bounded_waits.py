@@ -31,12 +31,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.memory import MemoryFileSystem
+from mp_utils import run_ranks
+from workloads import plain_state
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.errors import PeerError, PersistentTierError, RestartRequiredError, UntrustedDataError
 from gemini_dcp.persistent.store import INDEX, SIDE_DIR, PersistentTier, PersistentTimeoutError, StepDir
-from mp_utils import run_ranks
-from workloads import plain_state
 
 SLACK_S = 4.0  # scheduling slack on a loaded 2-core machine
 
@@ -441,7 +441,6 @@ def test_store_host_frozen_mid_replication_ends_in_bounded_time(on_peer_failure:
     import json
 
     import torch.multiprocessing as mp
-
     from mp_utils import free_port
 
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None

@@ -24,11 +24,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import fault_harness as fh
 import pytest
 import torch
 from typer.testing import CliRunner
 
-import fault_harness as fh
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
 from gemini_dcp.errors import ConfigError, GeminiError, InvalidStepError
 from gemini_dcp.local.tier import LocalTier

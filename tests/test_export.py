@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp_utils import run_ranks
 from safetensors.torch import load_file
+from workloads import COLS, ROWS, full_weight, save_steps
 
 from gemini_dcp import ConfigError, GeminiStorageWriter, ShardUnavailableError
 from gemini_dcp.persistent.export import export_safetensors
-from gemini_dcp.persistent.store import PersistentTier
 from gemini_dcp.persistent.stock_format import materialize_step
-from mp_utils import run_ranks
-from workloads import COLS, ROWS, full_weight, save_steps
+from gemini_dcp.persistent.store import PersistentTier
 
 
 @pytest.fixture(autouse=True)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from gemini_dcp import ext
-from gemini_dcp.ops import gpuinfo
 from gemini_dcp.errors import ConfigError, GeminiError
+from gemini_dcp.ops import gpuinfo
 
 REPO = Path(__file__).resolve().parents[1]
 

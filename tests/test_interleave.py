@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from mp_utils import run_ranks
 
 from gemini_dcp.snapshot.interleave import (
     CollectiveProfiler,
@@ -32,7 +33,6 @@ from gemini_dcp.snapshot.interleave import (
     split_chunks,
     timeline_cv,
 )
-from mp_utils import run_ranks
 
 MB = 1_000_000
 

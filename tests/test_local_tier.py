@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp_utils import run_ranks, run_until_death
+from workloads import load_and_check, plain_state, save_steps
 
 from gemini_dcp import (
     CheckpointNotFoundError,
@@ -23,8 +25,6 @@ from gemini_dcp import (
     find_gemini_error,
 )
 from gemini_dcp.local.tier import LocalTier
-from mp_utils import run_ranks, run_until_death
-from workloads import load_and_check, plain_state, save_steps
 
 
 @pytest.fixture
@@ -41,9 +41,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _last_committed(rank: int, world_size: int, root: str, *, job: str) -> list[int | None]:
     import torch.distributed.checkpoint as dcp
+    from workloads import plain_state
 
     from gemini_dcp import GeminiStorageWriter
-    from workloads import plain_state
 
     writer = GeminiStorageWriter(root=root, job_id=job)
     seen = [writer.last_committed_step]
@@ -130,9 +130,10 @@ def test_retention_keeps_last_k_and_slot_ring(root: str) -> None:
 
 def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> None:
     """Save step 1 cleanly, then SIGKILL this rank at ``point`` while saving step 2."""
+    from workloads import dtensor_state
+
     import gemini_dcp.local.job_dir as layout_mod
     import gemini_dcp.local.records as rec_mod
-    from workloads import dtensor_state
 
     dcp.save(dtensor_state(1, world_size), storage_writer=GeminiStorageWriter(root=root, job_id=job), checkpoint_id=1)
 
@@ -426,7 +427,14 @@ def test_decoded_layout_is_packed_and_behaves_like_the_dict() -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
     from gemini_dcp.local.records import (
-        ChecksumOverlay, PackedLayout, RankSlot, ShardRef, StepRecord, decode_record, encode_record, refs_by_location,
+        ChecksumOverlay,
+        PackedLayout,
+        RankSlot,
+        ShardRef,
+        StepRecord,
+        decode_record,
+        encode_record,
+        refs_by_location,
     )
 
     plain = {MetadataIndex(f"w{i % 7}", [i // 7, 0], i % 5): ShardRef(i % 3, 64 * i, 64, i * 7919, "crc32c", "float32", (4, 4))

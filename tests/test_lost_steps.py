@@ -24,13 +24,13 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
-from gemini_dcp.errors import ConfigError, InvalidStepError, JobConflictError
-from gemini_dcp.core.launch import current_launch
-from gemini_dcp.local.tier import LocalTier
 from mp_utils import run_ranks
 from workloads import plain_state
+
+from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
+from gemini_dcp.core.launch import current_launch
+from gemini_dcp.errors import ConfigError, InvalidStepError, JobConflictError
+from gemini_dcp.local.tier import LocalTier
 
 
 @pytest.fixture

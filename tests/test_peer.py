@@ -9,10 +9,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-from gemini_dcp.local.tier import LocalTier
 from mp_utils import node_root_factory, run_ranks, wipe
 from workloads import MetadataHidingPlanner, load_and_check, save_steps
+
+from gemini_dcp.local.tier import LocalTier
 
 
 @pytest.fixture

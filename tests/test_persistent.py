@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, PersistentTierError, find_gemini_error
-from gemini_dcp.persistent.drain import drain_status, server_pid, wait_idle
-from gemini_dcp.local.tier import LocalTier
-from gemini_dcp.persistent.store import PersistentTier
 from mp_utils import run_ranks, run_until_death
 from workloads import COLS, ROWS, MetadataHidingPlanner, dtensor_state, full_weight, plain_state
+
+from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, PersistentTierError, find_gemini_error
+from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.persistent.drain import drain_status, server_pid, wait_idle
+from gemini_dcp.persistent.store import PersistentTier
 
 
 @pytest.fixture(autouse=True)
@@ -361,7 +361,6 @@ def _save_then_die(rank: int, world_size: int, root: str, *, job: str, url: str)
 
 def _restore_checks(rank: int, world_size: int, root: str, *, job: str, url: str, store: str, other_root: str) -> dict[str, Any]:
     import torch.distributed as dist
-
     from workloads import load_and_check
 
     out: dict[str, Any] = {}

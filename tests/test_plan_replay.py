@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp_utils import run_ranks
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
 from gemini_dcp.snapshot.replay import PlanReplay, same_plan
-from mp_utils import run_ranks
 
 
 @pytest.fixture
@@ -147,8 +147,8 @@ def _replay_replicated(rank: int, world: int, root: str) -> dict[str, Any]:
 
     writer = GeminiStorageWriter(root=root, job_id="rep", keep=2, replicas=2, timeout_s=60)
     replay = PlanReplay(writer, get_comm(60.0).group, no_dist=False)
-    from gemini_dcp.local.tier import LocalTier
     from gemini_dcp.local.records import read_record
+    from gemini_dcp.local.tier import LocalTier
 
     compact, kinds = [], []
     for step in range(4):
@@ -192,8 +192,8 @@ def test_replayed_commit_sends_checksums_only_and_replicas_restore(roots: list[s
 
 def _plain_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     """Plain ``dcp.save`` every step: after the first, the commit sends checksums only."""
-    from gemini_dcp.local.tier import LocalTier
     from gemini_dcp.local.records import read_record
+    from gemini_dcp.local.tier import LocalTier
 
     def writer() -> GeminiStorageWriter:
         return GeminiStorageWriter(root=root, job_id="plain", keep=2, replicas=2, timeout_s=60)
@@ -233,8 +233,8 @@ def test_plain_dcp_save_commits_checksums_only_once_every_rank_holds_the_layout(
 def test_compact_report_round_trip() -> None:
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from gemini_dcp.local.records import ShardRef
     from gemini_dcp.dcp.writer import _compact, _expand, _rank_layouts, _RankReport
+    from gemini_dcp.local.records import ShardRef
 
     def wr(rank: int, fqn: str, off: int, n: int, cs: int) -> WriteResult:
         return WriteResult(index=MetadataIndex(fqn, [0]), size_in_bytes=n,

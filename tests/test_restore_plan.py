@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from gemini_dcp.errors import ShardUnavailableError
 from gemini_dcp.core.restore_order import NodeView, StepView, decide, unrestorable_error
+from gemini_dcp.errors import ShardUnavailableError
 
 
 def _view(rank: int, node: str, held: tuple[int, ...], world: int = 4, step: int = 7, complete: bool = True) -> NodeView:

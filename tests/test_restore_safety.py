@@ -22,12 +22,12 @@ from typing import Any, Iterator
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp_utils import run_ranks
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
-from gemini_dcp.errors import CheckpointMismatchError, ChecksumMismatchError
 from gemini_dcp.core.launch import LaunchInfo, current_launch
+from gemini_dcp.errors import CheckpointMismatchError, ChecksumMismatchError
 from gemini_dcp.local.tier import LocalTier
-from mp_utils import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -365,6 +365,6 @@ def test_exit_right_after_load_never_aborts(shm: Any) -> None:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("CODES"))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CODES"))
     codes = eval(line.split(" ", 1)[1])  # noqa: S307 - our own list of ints
     assert codes == [0] * EXIT_TRIALS, (codes, proc.stderr[-2000:])

@@ -29,14 +29,13 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
-from gemini_dcp.local import job_dir as layout_mod
-from gemini_dcp.local import records
-from gemini_dcp.errors import IncompatibleCheckpointError, TierFullError, TierRootError, UntrustedDataError
-from gemini_dcp.local.job_dir import JobLayout, atomic_write_bytes, check_root, ensure_private_dir, remove_stale_tmp
-from gemini_dcp.local.tier import LocalTier
-from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record, read_record
 from gemini_dcp.core.safe_pickle import restricted_loads
+from gemini_dcp.errors import IncompatibleCheckpointError, TierFullError, TierRootError, UntrustedDataError
+from gemini_dcp.local import job_dir as layout_mod, records
+from gemini_dcp.local.job_dir import JobLayout, atomic_write_bytes, check_root, ensure_private_dir, remove_stale_tmp
+from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record, read_record
 from gemini_dcp.local.slots import ReadOnlySlot, SlotFile
+from gemini_dcp.local.tier import LocalTier
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="handing files to another uid needs root")

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp_utils import run_ranks
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, TierFullError, find_gemini_error
 from gemini_dcp.snapshot.checkpointer import (
@@ -31,7 +32,6 @@ from gemini_dcp.snapshot.checkpointer import (
     AsyncGeminiStorageWriter,
     snapshot_structure,
 )
-from mp_utils import run_ranks
 
 
 @pytest.fixture
@@ -348,9 +348,10 @@ def test_plain_dcp_async_save_with_gemini_writer(root: str) -> None:
 
 
 def test_the_async_api_is_exported_from_the_package(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.staging import AsyncStager
+
     import gemini_dcp
     from gemini_dcp.snapshot import checkpointer as snapshot
-    from torch.distributed.checkpoint.staging import AsyncStager
 
     for name in ("AsyncCheckpointer", "AsyncGeminiStorageWriter", "InterleaveOptions"):
         assert getattr(gemini_dcp, name) is getattr(snapshot, name) and name in gemini_dcp.__all__

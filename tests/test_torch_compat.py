@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp_utils import run_ranks
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
 from gemini_dcp.core.compat import HAS_CHECKPOINTABLE_TENSOR, checkpointable_fields
@@ -31,7 +32,6 @@ from gemini_dcp.core.torch_support import (
     torchrec_pairing,
     torchrec_support,
 )
-from mp_utils import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 needs_protocol = pytest.mark.skipif(
@@ -307,8 +307,8 @@ def _one_rank(split: int, fill: bool) -> torch.Tensor:
 
 @needs_protocol
 def test_checkpointable_tensor_through_the_persistent_tier(tmp_path: Path) -> None:
-    from gemini_dcp.persistent.store import PersistentTier
     from gemini_dcp.persistent.stock_format import materialize_step
+    from gemini_dcp.persistent.store import PersistentTier
 
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
     d = tempfile.mkdtemp(prefix="gemini-compat1-", dir=base)

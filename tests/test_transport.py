@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from mp_utils import run_ranks
 
 from gemini_dcp.transport.comm import Comm
 from gemini_dcp.transport.p2p import GlooTransport, messages, transport_for
-from mp_utils import run_ranks
 
 NBYTES = (1 << 20) + 3  # not a multiple of the message size: the last message is short
 WIRE_CHUNK = 64 << 10

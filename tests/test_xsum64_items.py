@@ -15,14 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from mp_utils import run_ranks
+from workloads import dtensor_state, full_weight, plain_state
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.core.checksum import buffer_checksum, checksum, new_hasher
 from gemini_dcp.ext.cuda import xsum64_reference
 from gemini_dcp.local.tier import LocalTier
-from gemini_dcp.persistent.drain import wait_idle
-from mp_utils import run_ranks
-from workloads import dtensor_state, full_weight, plain_state
 
 
 @pytest.fixture(autouse=True)
