@@ -81,7 +81,7 @@ from ..local.records import (
 from ..local.tier import LocalTier
 from . import reports as rp
 from .agreement import Agreement, min_all_reduce, prewrite_values
-from .exchange import gather_objects
+from .exchange import GatherGroup, gather_objects
 from .hooks import NO_HOOKS, SaveHooks, block_bytes
 from .reports import RankReport, SplitLayout
 
@@ -95,26 +95,14 @@ Replicate = Callable[[int, list[RankReport], "Expand | None"], tuple[tuple[RankS
 Protect = Callable[[int, list[RankReport]], tuple[Any, dict[str, Any]]]  #: step 4 as XOR parity: (layout, stats)
 
 
-class Collectives(Protocol):
-    """The collectives the protocol runs on the control group (:class:`gemini_dcp.transport.comm.Comm`)."""
+class Collectives(GatherGroup, Protocol):
+    """The collectives the protocol runs on the control group (:class:`gemini_dcp.transport.comm.Comm`):
+    the commit gather's (:class:`~gemini_dcp.commit.exchange.GatherGroup`) plus the rank and a broadcast."""
 
     @property
     def rank(self) -> int: ...
 
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def distributed(self) -> bool: ...
-
-    @property
-    def group(self) -> Any: ...
-
-    def all_gather_object(self, obj: T) -> list[T]: ...
-
     def broadcast_object(self, obj: T, src: int) -> T: ...
-
-    def run(self, what: str, fn: Callable[..., T], *args: Any, peer: int | None = None, **kwargs: Any) -> T: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
