@@ -26,7 +26,7 @@ verified chunks and the tier memory they are viewed through, :mod:`gemini_dcp.co
 verifies and lands each chunk, :mod:`gemini_dcp.dcp.state_dict_check` is the key/shape check,
 and :mod:`gemini_dcp.peer` moves chunks between nodes.
 
-Size: ~570 lines because the order of a restore (decide, stage local / peer / parity /
+Size: ~530 lines because the order of a restore (decide, stage local / peer / parity /
 persistent, agree, land) is one sequence of collectives that every rank must run in the same
 order; each stage's mechanics are already elsewhere.
 """
@@ -37,7 +37,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -58,8 +57,6 @@ from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
-from ..local.job_dir import read_private_bytes
-from ..local.record_codec import decode_record
 from ..local.records import ShardRef, StepRecord
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
@@ -117,7 +114,7 @@ class GeminiStorageReader(StorageReader):
             options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s
         )
         cfg = self.gemini_options
-        self.tier = _ReaderTier(cfg.local.root, cfg.local.job_id)
+        self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
         self.node_id = cfg.local.node_id or resolve_node_id(self.root)
@@ -524,44 +521,6 @@ class GeminiStorageReader(StorageReader):
             return None
         step = self._decision.step if self._decision is not None else self._requested
         return mismatch.error(step=step, job_id=self.job_id, saved_by=saved_by(self._record))
-
-
-_MAX_DECODED_RECORDS = 4
-_decoded_records: dict[bytes, StepRecord] = {}  # exact record file bytes -> the record decoded from them
-_decoded_lock = threading.Lock()
-
-
-class _ReaderTier(LocalTier):
-    """The reader's view of the tier: a committed record is decoded once per process.
-
-    Each restore builds a new reader (and tier), and decoding a record (restricted unpickling of
-    the DCP metadata and every chunk's row) is milliseconds at thousands of items. The record
-    file is still read on every call (never through a link, only a regular file we own); the
-    decoded record is reused only for the very same bytes (the dict compares them in full on a
-    hit), so a replaced, rewritten or corrupt file is decoded — and checked — anew. Anything that
-    does not decode goes through :meth:`LocalTier.record`, which reports it.
-    """
-
-    def record(self, step: int) -> StepRecord | None:
-        path = self.layout.record_path(step)
-        try:
-            data = read_private_bytes(path)
-        except FileNotFoundError:
-            return None
-        except (OSError, GeminiError):
-            return super().record(step)  # reported there
-        rec = _decoded_records.get(data)
-        if rec is not None:
-            return rec
-        try:
-            rec = decode_record(data, source=str(path))
-        except Exception:  # noqa: BLE001 - the tier's own read reports (once) why the record is unusable
-            return super().record(step)
-        with _decoded_lock:
-            while len(_decoded_records) >= _MAX_DECODED_RECORDS:
-                del _decoded_records[next(iter(_decoded_records))]
-            _decoded_records[data] = rec
-        return rec
 
 
 def _same_run(a: str, b: str) -> bool:

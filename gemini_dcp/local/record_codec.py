@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -103,6 +104,27 @@ def write_record(path: Path, record: StepRecord) -> None:
     atomic_write_bytes(path, encode_record(record))
 
 
+_MAX_DECODED_RECORDS = 4
+_decoded_records: dict[bytes, StepRecord] = {}  # exact record file bytes -> the record decoded from them
+_decoded_lock = threading.Lock()
+
+
 def read_record(path: Path) -> StepRecord:
-    """Read and decode the record at ``path``: not through a link, only a regular file we own."""
-    return decode_record(read_private_bytes(path), source=str(path))
+    """Read and decode the record at ``path``: not through a link, only a regular file we own.
+
+    The file is read on every call; decoding it (restricted unpickling of the DCP metadata and every
+    chunk's row: milliseconds at thousands of items) is done once per process for the same bytes —
+    each restore builds a new reader and tier, and records are immutable once committed. The cache
+    compares the bytes in full on a hit, so a replaced, rewritten or corrupt file is decoded, and
+    checked, anew; what fails to decode is never cached.
+    """
+    data = read_private_bytes(path)
+    rec = _decoded_records.get(data)
+    if rec is not None:
+        return rec
+    rec = decode_record(data, source=str(path))
+    with _decoded_lock:
+        while len(_decoded_records) >= _MAX_DECODED_RECORDS:
+            del _decoded_records[next(iter(_decoded_records))]
+        _decoded_records[data] = rec
+    return rec
