@@ -79,14 +79,11 @@ def _plain(obj: Any, depth: int = 0) -> bool:
     return False
 
 
-_FROZEN = frozenset({type(None), bool, int, float, complex, str, bytes})
-
-
 def _frozen(obj: Any) -> bool:
     """Whether ``obj`` is an immutable plain value (an exact scalar type, or a tuple of them): the
     same object pickles to the same bytes at every save."""
     t = type(obj)
-    return t in _FROZEN or (t is tuple and all(type(v) in _FROZEN for v in obj))
+    return t in _PLAIN or (t is tuple and all(type(v) in _PLAIN for v in obj))
 
 
 def _same_frozen(old: Any, obj: Any) -> bool:
