@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +90,7 @@ class ModelStatesCache:
         cached = getattr(wrapper, "cached_state_dict", None)
         if known and self._sd is not None and self._sd is cached:
             objs, key = self._tensors(wrapper)
-            if key == self._key and len(objs) == len(self._objs) and all(map(_is, objs, self._objs)):
+            if key == self._key and len(objs) == len(self._objs) and all(map(operator.is_, objs, self._objs)):
                 for module, prefix in self._makers:
                     _merge(cached, module.state_dict(prefix=prefix))  # as ModelWrapper.state_dict() merges
                 self.hits += 1
@@ -163,10 +164,6 @@ def _module_state_dict() -> Any:
     import torch  # noqa: PLC0415 - only called once torch is imported (a torchtitan job)
 
     return torch.nn.Module.state_dict
-
-
-def _is(a: Any, b: Any) -> bool:
-    return a is b
 
 
 def _local(t: Any) -> Any:
