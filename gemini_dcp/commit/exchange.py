@@ -9,21 +9,50 @@ every pickle fits, and a second one, sized by the largest pickle the first one a
 only when some rank's does not. Each frame starts with the pickle's length, so every rank
 knows after the first round, from the same data, whether the second one runs.
 
-The values and the order are those of ``all_gather_object`` (group rank order); the
-pickles are trusted as ``all_gather_object``'s are (the checkpoint control group is the
-job's own processes).
+The values and the order are those of ``all_gather_object`` (group rank order). Unlike
+``all_gather_object``, what arrives is not trusted as code: every frame is decoded with
+:func:`gemini_dcp.core.safe_pickle.restricted_loads` resolving only the classes a commit report
+holds (:data:`REPORT_GLOBALS`), and an announced length beyond :data:`MAX_REPORT_BYTES` is
+refused before anything is allocated for it. Bytes on the control group's wire (a process
+that joined the store by mistake, a corrupted frame) therefore never run as code; a refusal
+is :class:`~gemini_dcp.errors.UntrustedDataError` on every rank alike when a length is bad
+(every rank sees the same lengths) and on every rank that decodes the bad frame otherwise.
 """
 
 from __future__ import annotations
 
 import pickle
 import struct
+from collections.abc import Collection
 from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ..core.safe_pickle import restricted_loads
+from ..errors import UntrustedDataError
+
 T = TypeVar("T")
+
+#: The globals a commit report (:class:`gemini_dcp.commit.reports.RankReport` and what it
+#: holds) may name, beyond :data:`gemini_dcp.core.safe_pickle.ALLOWED_GLOBALS` (the record
+#: and DCP metadata classes). Plain containers, numbers, strings and bytes need no entry.
+REPORT_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("gemini_dcp.commit.reports", "RankReport"),
+        ("gemini_dcp.local.record_types", "ChecksumOverlay"),
+        ("torch.distributed.checkpoint.storage", "WriteResult"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        # dcp.copy_program.WriteResults pickles as tuple(list): called with decoded values
+        # (only allow-listed classes and plain data), tuple() only builds a value
+        ("builtins", "tuple"),
+    }
+)
+
+#: The longest pickle one rank may announce in a gather (a full report of 100,000 items
+#: pickles to ~25 MiB; an inline metadata blob is at most 16 MiB): a longer announced
+#: length is a corrupt or foreign frame and is refused before the second round allocates it.
+MAX_REPORT_BYTES = 256 << 20
 
 #: The most bytes one gather's frames take on each rank, all ranks together; a frame is
 #: between :data:`MIN_FRAME` and :data:`MAX_FRAME` bytes (a compact report of 3,000 items
@@ -56,11 +85,19 @@ def frame_bytes(world_size: int) -> int:
     return max(MIN_FRAME, min(MAX_FRAME, FRAMES_BUDGET // max(world_size, 1)))
 
 
-def gather_objects(comm: GatherGroup, obj: T, what: str = "all_gather_object (commit reports)") -> list[T]:
+def gather_objects(
+    comm: GatherGroup,
+    obj: T,
+    what: str = "all_gather_object (commit reports)",
+    allowed: Collection[tuple[str, str]] = REPORT_GLOBALS,
+) -> list[T]:
     """Collective over ``comm``'s group (all ranks call it, each with its own ``obj``): every
     rank's ``obj``, in group rank order, as ``comm.all_gather_object`` returns them, in one
     all-gather when every rank's pickle fits :func:`frame_bytes` (else two).
 
+    Every frame, this rank's own included, is decoded with ``restricted_loads`` resolving only
+    ``allowed`` (plus the record and DCP metadata classes); anything else, or an announced
+    length over :data:`MAX_REPORT_BYTES`, raises :class:`~gemini_dcp.errors.UntrustedDataError`.
     A group without a gloo process group to run on (a test's fake) uses ``comm.all_gather_object``.
     A transport failure is ``comm.run``'s (RestartRequiredError naming ``what``).
     """
@@ -81,6 +118,14 @@ def gather_objects(comm: GatherGroup, obj: T, what: str = "all_gather_object (co
     frames = [o.numpy() for o in out]
     lengths = [int(f[: _LEN.size].view("<u8")[0]) for f in frames]
     longest = max(lengths)
+    if longest > MAX_REPORT_BYTES:  # every rank sees the same lengths: all refuse together
+        bad = [r for r, n in enumerate(lengths) if n > MAX_REPORT_BYTES]
+        raise UntrustedDataError(
+            f"{what}: group ranks {bad} announced {longest} bytes, more than any gemini_dcp report "
+            f"({MAX_REPORT_BYTES} bytes); nothing was allocated or decoded. A process that is not this "
+            "job's (or a corrupted frame) is on the checkpoint control group: check that every rank "
+            "runs the same gemini_dcp and that MASTER_ADDR/MASTER_PORT are this job's own."
+        )
     tails: list[Any] = [None] * world
     if longest > head:  # some pickle did not fit: every rank sees it in the same lengths
         rest = longest - head
@@ -95,5 +140,5 @@ def gather_objects(comm: GatherGroup, obj: T, what: str = "all_gather_object (co
         data = f[_LEN.size : _LEN.size + min(n, head)].tobytes()
         if n > head:
             data += t[: n - head].tobytes()
-        values.append(pickle.loads(data))  # noqa: S301 - the job's own ranks, as all_gather_object
+        values.append(restricted_loads(data, source=f"{what}: group rank {len(values)}'s report", allowed=allowed))
     return values
