@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..options import GeminiOptions
+from ..options import DEFAULT_TIMEOUT_S, GeminiOptions
+from .fused_qkv import SPLIT_HOOK, FusedQKVSplit, _hook_names, split_makers
 from .resume import choose_resume, saves_at
 
 log = logging.getLogger(__name__)
@@ -75,37 +76,79 @@ class ModelStatesCache:
 
     KNOWN_PRE_HOOKS = frozenset({"FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"})
 
-    def __init__(self, wrapper_class: Any = None) -> None:
+    def __init__(self, wrapper_class: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.wrapper_class = wrapper_class  # torchtitan's ModelWrapper: only its state_dict() is known
+        self.timeout_s = timeout_s  # the bound of the ranks' agreement on hits and splits
+        self._own_comm: Any = None
         self._sd: dict[str, Any] | None = None
         self._key: tuple[Any, ...] | None = None
         self._objs: list[Any] = []  # the parameters and buffers the key refers to (held: ids stay theirs)
         self._makers: list[tuple[Any, str]] = []  # (module, its state-dict prefix), in module order
+        self._splits: dict[int, FusedQKVSplit] = {}  # makers whose values come from local rows (by position)
+        self._out: dict[str, Any] | None = None  # what get() returns: the wrapper's dict, or ours with the splits
+        self._split_failed = False  # a fused-qkv maker whose split did not apply (this rank, last rebuild)
         self.hits = 0
         self.rebuilds = 0
 
     def get(self, wrapper: Any) -> dict[str, Any]:
-        """What ``wrapper.state_dict()`` returns, computed with the remembered makers when nothing changed."""
+        """What ``wrapper.state_dict()`` returns, computed with the remembered makers when nothing changed.
+
+        Collective when torch.distributed is initialized: all ranks call it at the same point (torchtitan's
+        ``_save``, ``_load``), as torchtitan's own call with its all-gathering hooks; one small all-reduce on
+        a gloo group of its own decides whether every rank reuses what it remembers."""
         known = self.wrapper_class is not None and type(wrapper) is self.wrapper_class
         cached = getattr(wrapper, "cached_state_dict", None)
+        hit = False
         if known and self._sd is not None and self._sd is cached:
             objs, key = self._tensors(wrapper)
-            if key == self._key and len(objs) == len(self._objs) and all(map(operator.is_, objs, self._objs)):
-                for module, prefix in self._makers:
-                    _merge(cached, module.state_dict(prefix=prefix))  # as ModelWrapper.state_dict() merges
-                self.hits += 1
-                return cached
+            hit = key == self._key and len(objs) == len(self._objs) and all(map(operator.is_, objs, self._objs))
+        # Every rank takes the same branch: a rank that splits locally runs no all-gather, a rebuilding
+        # rank runs torchtitan's (and each rebuild agrees on the splits).
+        hit = _agree(hit, self._comm())
+        if hit:
+            assert cached is not None and self._out is not None
+            for i, (module, prefix) in enumerate(self._makers):
+                split = self._splits.get(i)
+                if split is not None:
+                    split.refresh()
+                    continue
+                fresh = module.state_dict(prefix=prefix)
+                _merge(cached, fresh)  # as ModelWrapper.state_dict() merges
+                if self._out is not cached:
+                    self._out.update((k, cached[k]) for k in fresh)
+            self.hits += 1
+            return self._out
         sd: dict[str, Any] = wrapper.state_dict()
         self.rebuilds += 1
         self.forget()
         if known and sd is getattr(wrapper, "cached_state_dict", None):
             self._remember(wrapper, sd)
-        return sd
+        self._agree_splits()
+        return self._out if self._out is not None else sd
+
+    def _comm(self) -> Any:
+        """The agreement's group: gloo, of its own (the training thread's; the background commit uses the
+        shared control group), made at the first :meth:`get` (collective, like every get)."""
+        if self._own_comm is None:
+            from ..transport.comm import own_comm  # noqa: PLC0415 - imports torch
+
+            self._own_comm = own_comm(self.timeout_s)
+        return self._own_comm
 
     def forget(self) -> None:
         """Drop what is remembered (the next :meth:`get` makes torchtitan's full call)."""
-        self._sd = self._key = None
-        self._objs, self._makers = [], []
+        self._sd = self._key = self._out = None
+        self._objs, self._makers, self._splits = [], [], {}
+
+    def _agree_splits(self) -> None:
+        """Keep the fused splits only when every rank remembered its makers and split all of its fused ones
+        (collective, after every rebuild): a rank whose fused maker runs torchtitan's hook all-gathers, so
+        either every rank splits or none does."""
+        ok = self._sd is not None and not self._split_failed
+        self._split_failed = False
+        if not _agree(ok, self._comm()) and self._splits:
+            self._splits = {}
+            self._out = self._sd
 
     def _remember(self, wrapper: Any, sd: dict[str, Any]) -> None:
         objs, key = self._tensors(wrapper)
@@ -134,6 +177,14 @@ class ModelStatesCache:
         if any(not k.startswith(prefixes) for k in made) or not all(map(_is_tensor, sd.values())):
             return  # a value neither a parameter's nor a maker's, or not a tensor (extra state)
         self._sd, self._key, self._objs, self._makers = sd, key, objs, makers
+        self._out = sd
+        splits = split_makers(makers, sd)
+        self._split_failed = len(splits) != sum(1 for m, _ in makers if SPLIT_HOOK in _hook_names(m))
+        if splits and not self._split_failed:
+            self._splits = splits
+            self._out = dict(sd)
+            for split in splits.values():
+                self._out.update(split.values)
 
     @staticmethod
     def _tensors(wrapper: Any) -> tuple[list[Any], tuple[Any, ...]]:
@@ -148,6 +199,16 @@ class ModelStatesCache:
                 names.append(name)
                 objs.append(t)
         return objs, (tuple(names), tuple(_local(t).data_ptr() for t in objs))
+
+
+def _agree(flag: bool, comm: Any) -> bool:
+    """True when ``flag`` is true on every rank of ``comm`` (one all-reduce, bounded by its timeout:
+    RestartRequiredError past it); ``flag`` itself without torch.distributed."""
+    from ..commit.agreement import min_all_reduce  # noqa: PLC0415 - imports torch
+
+    if not comm.distributed:
+        return flag
+    return bool(min_all_reduce(comm, [int(flag)])[0])
 
 
 def _merge(cached: dict[str, Any], fresh: dict[str, Any]) -> None:
@@ -275,7 +336,7 @@ def checkpoint_manager_class() -> Any:
             self.gemini_writer: GeminiStorageWriter | None = None
             self.gemini_async: AsyncCheckpointer | None = None
             self.gemini_last_load: dict[str, Any] = {}
-            self.gemini_model_states = ModelStatesCache(ModelWrapper)
+            self.gemini_model_states = ModelStatesCache(ModelWrapper, self.gemini.options.timeout_s)
             self.gemini_save_log: list[dict[str, Any]] = []  # per save: step, state-dict and save() times
 
         def _gemini_states(self) -> dict[str, Any]:
@@ -357,6 +418,11 @@ def checkpoint_manager_class() -> Any:
             # changed, for anything but plain Adam/AdamW without step hooks).
             refused = [why for o in getattr(self.states.get(OPTIMIZER), "optimizers", ()) if (why := init_optimizer_state(o))]
             states = self._states_to_load(model_only=False)
+            if MODEL in self.states and MODEL not in self.exclude_from_loading:
+                # The model's values as gemini_dcp saves them (a fused-qkv split: Shard(0) rows, not torchtitan's
+                # replicated ones), so fast_load finds the structure it saved.
+                model = self.gemini_model_states.get(self.states[MODEL])
+                states.update((k, v) for k, v in model.items() if k in states)
             # Straight into the live model and optimizer state when the structure is the one saved
             # (gemini_dcp.fast_load); anything else goes through dcp.load with the same reader.
             got = fast_load(states, storage_reader=reader, step=choice.step)
