@@ -153,27 +153,28 @@ def _restore(
     except Exception as exc:  # noqa: BLE001 - the fallback (dcp.load) raises its own error if it is real
         flat, mappings, plan, dests, reason = state_dict, None, None, [], f"{type(exc).__name__}: {exc}"
     wants = [] if plan is None else [plan.entries[i] for i in plan.remote]
-    reason, n_remote = _agree(comm, reason, "plan", len(wants))
     staged: _Staged | None = None
-    total = peer_total = 0
-    if not reason:
+    if not reason:  # this node's chunks are verified before the agreement: one agreement for plan and verify
         assert plan is not None
         staged = _Staged(reader, plan)
-        serve: list[FastEntry] = []
-        if n_remote:  # small chunks only another node holds: route each to a rank whose node holds it
-            reason, serve = _routes(comm, set(reader.local_slots), wants)
+        try:
+            reason = staged.verify(dests)
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks; the fallback reports it
+            reason = f"{type(exc).__name__}: {exc}"
+    reason, n_remote, total = _agree(comm, reason, "plan and verify", len(wants), plan.nbytes if plan is not None else 0)
+    peer_total = 0
+    if not reason and n_remote:  # small chunks only another node holds: route each to a rank whose node holds it
+        assert staged is not None and plan is not None
+        reason, serve = _routes(comm, set(reader.local_slots), wants)
         if not reason:
             try:
-                reason = staged.verify(dests) or staged.serve(serve)
+                reason = staged.serve(serve)
             except Exception as exc:  # noqa: BLE001 - told to the other ranks; the fallback reports it
                 reason = f"{type(exc).__name__}: {exc}"
-            if n_remote:
-                reason, total, peer_total, received = _exchange(comm, reason, plan.nbytes, staged.remote_nbytes, staged.served)
-                if not reason:
-                    reason = staged.take_remote(received, dests)
-                reason, _ = _agree(comm, reason, "receive")
-            else:
-                reason, total = _agree(comm, reason, "verify", plan.nbytes)
+            reason, total, peer_total, received = _exchange(comm, reason, plan.nbytes, staged.remote_nbytes, staged.served)
+            if not reason:
+                reason = staged.take_remote(received, dests)
+            reason, _, _ = _agree(comm, reason, "receive")
     if reason:
         if staged is not None:
             staged.close()
@@ -427,17 +428,17 @@ def _exchange(
     return "", total, peer_total, received
 
 
-def _agree(comm: Comm, reason: str, what: str, nbytes: int = 0) -> tuple[str, int]:
-    """Collective (one small all-reduce): ("", ``nbytes`` summed over ranks) when no rank has a reason
-    to fall back, else (this rank's reason or a note naming how many others have one, the sum)."""
+def _agree(comm: Comm, reason: str, what: str, n_remote: int = 0, nbytes: int = 0) -> tuple[str, int, int]:
+    """Collective (one small all-reduce): ("", ``n_remote`` and ``nbytes`` summed over ranks) when no rank has
+    a reason to fall back, else (this rank's reason or a note naming how many others have one, the sums)."""
     if not comm.distributed:
-        return reason, nbytes
-    t = torch.tensor([1 if reason else 0, nbytes], dtype=torch.int64)
+        return reason, n_remote, nbytes
+    t = torch.tensor([1 if reason else 0, n_remote, nbytes], dtype=torch.int64)
     comm.run(f"fast_load {what} agreement", dist.all_reduce, t, op=dist.ReduceOp.SUM, group=comm.group)
-    failed, total = (int(x) for x in t.tolist())
+    failed, remote, total = (int(x) for x in t.tolist())
     if failed == 0:
-        return "", total
-    return reason or f"{failed} other rank(s) cannot take the fast path ({what})", total
+        return "", remote, total
+    return reason or f"{failed} other rank(s) cannot take the fast path ({what})", remote, total
 
 
 def _fallback(state_dict: dict[str, Any], reader: GeminiStorageReader, reason: str, t0: float) -> FastLoadResult:

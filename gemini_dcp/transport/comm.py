@@ -27,6 +27,11 @@ and wait that group's timeout (``init_process_group(timeout=...)``, or pass
 
 Without an initialized process group everything degrades to a single process.
 
+**Messages are not code.** The object collectives send pickles, as torch's do, but decode them
+with the restricted unpickler and the control messages' allow-list (:mod:`gemini_dcp.transport.wire`),
+never torch's unrestricted ``pickle.Unpickler``; an announced length over the bound is refused before
+anything is allocated (:class:`~gemini_dcp.errors.UntrustedDataError`).
+
 This module holds the group cache, the object collectives (gather, broadcast, the
 store agreement) and the broken-control-plane state; the point-to-point byte
 transfers and the small integer all-reduce are the transport's
@@ -42,10 +47,11 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
+import torch
 import torch.distributed as dist
 
-from ..errors import RestartRequiredError
-from . import exit_guard
+from ..errors import RestartRequiredError, UntrustedDataError
+from . import exit_guard, wire
 
 T = TypeVar("T")
 
@@ -151,21 +157,30 @@ class Comm:
             raise restart_required(self.failure(what, exc, time.monotonic() - t0, peer=peer)) from exc
 
     def all_gather_object(self, obj: T) -> list[T]:
-        """Collective over the control group: every rank's ``obj``, in group rank order."""
+        """Collective over the control group: every rank's ``obj``, in group rank order (decoded with the
+        control plane's allow-list, :mod:`gemini_dcp.transport.wire`: UntrustedDataError for anything else)."""
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        self.run("all_gather_object", dist.all_gather_object, out, obj, group=self.group)
-        return out
+        return self._gather_objects(obj, self.run)
 
     def broadcast_object(self, obj: T, src: int) -> T:
-        """Broadcast ``obj`` from group rank ``src`` to all ranks (collective)."""
+        """Broadcast ``obj`` from group rank ``src`` to all ranks (collective); decoded as
+        :meth:`all_gather_object`'s on the other ranks, ``obj`` itself on ``src``."""
         if not self.distributed:
             return obj
-        box = [obj]
-        self.run(f"broadcast_object from rank {self.global_rank(src)}", dist.broadcast_object_list, box,
-                 src=self.global_rank(src), group=self.group)
-        return box[0]
+        what = f"broadcast_object from rank {self.global_rank(src)}"
+        root = self.global_rank(src)
+        mine = self.rank == src
+        blob = wire.encode(obj) if mine else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        self.run(what, dist.broadcast, size, src=root, group=self.group)
+        n = _checked_length(what, [int(size.item())])
+        buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if mine else torch.empty(n, dtype=torch.uint8)
+        self.run(what, dist.broadcast, buf, src=root, group=self.group)
+        if mine:
+            return obj
+        decoded: T = wire.decode(buf.numpy().tobytes(), f"{what} (its control message)")
+        return decoded
 
     def try_all_gather_object(self, obj: T) -> tuple[list[T] | None, str]:
         """Like :meth:`all_gather_object`, but a transport failure returns ``(None, reason)``
@@ -173,13 +188,30 @@ class Comm:
         if not self.distributed:
             return [obj], ""
         check_usable()
-        out: list[Any] = [None] * self.world_size
         t0 = time.monotonic()
+
+        def run(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
         try:
-            dist.all_gather_object(out, obj, group=self.group)
+            return self._gather_objects(obj, run), ""
         except _transport_errors() as exc:
             return None, self.failure("all_gather_object", exc, time.monotonic() - t0)
-        return out, ""
+
+    def _gather_objects(self, obj: Any, run: Callable[..., Any]) -> list[Any]:
+        """Every rank's pickle of ``obj`` (sizes first, then the pickles padded to the longest), decoded."""
+        what = "all_gather_object"
+        blob = wire.encode(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        run(what, dist.all_gather, sizes, torch.tensor([len(blob)], dtype=torch.int64), group=self.group)
+        lengths = [int(s.item()) for s in sizes]
+        longest = _checked_length(what, lengths)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        run(what, dist.all_gather, out, mine, group=self.group)
+        return [wire.decode(o[:n].numpy().tobytes(), f"{what}: group rank {r}'s control message")
+                for r, (o, n) in enumerate(zip(out, lengths))]
 
     def agree_via_store(self, topic: str, obj: Any) -> list[Any] | None:
         """Collective, over the default group's key-value store (not the gloo connections,
@@ -326,6 +358,20 @@ class Comm:
         log.warning("checkpoint control group replaced after a failed peer transfer (%s)", reason)
 
 
+def _checked_length(what: str, lengths: list[int]) -> int:
+    """The longest announced pickle, or UntrustedDataError (every rank sees the same lengths: all refuse)."""
+    longest = max(lengths)
+    if longest <= 0 or longest > wire.MAX_OBJECT_BYTES:
+        bad = [r for r, n in enumerate(lengths) if n <= 0 or n > wire.MAX_OBJECT_BYTES]
+        raise UntrustedDataError(
+            f"{what}: group ranks {bad} announced {longest} bytes, not a gemini_dcp control message "
+            f"(1 to {wire.MAX_OBJECT_BYTES} bytes); nothing was allocated or decoded. A process that is not "
+            "this job's (or a corrupted frame) is on the checkpoint control group: check that every rank runs "
+            "the same gemini_dcp and that MASTER_ADDR/MASTER_PORT are this job's own."
+        )
+    return longest
+
+
 def _bounded(what: str, fn: Callable[[], T], limit_s: float) -> T:
     """``fn()`` on a helper thread, waited for at most ``limit_s``; past that raises TimeoutError
     (the thread is abandoned: it may stay blocked in a call that ignores its own timeout)."""
@@ -381,6 +427,22 @@ def get_comm(timeout_s: float, process_group: dist.ProcessGroup | None = None) -
         with _LOCK:
             _GROUPS[key] = group
     return Comm(group, float(timeout_s))
+
+
+def own_comm(timeout_s: float) -> Comm:
+    """A control-plane Comm over WORLD on a gloo group of its own, never shared with :func:`get_comm`'s.
+
+    For collectives of one thread that may run while another thread uses the shared control group
+    (the training thread beside ``AsyncCheckpointer``'s background commit): collectives of two
+    threads on one group could pair up differently on different ranks. Collective: all ranks of
+    the default group call it, with the same ``timeout_s``, in the same order as their other
+    ``new_group`` calls. Without torch.distributed (or alone): a Comm that runs nothing.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Comm(None)
+    exit_guard.install()
+    check_usable()
+    return Comm(_new_group(tuple(range(dist.get_world_size())), float(timeout_s)), float(timeout_s))
 
 
 def reset_groups() -> None:
