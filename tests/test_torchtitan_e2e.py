@@ -92,6 +92,8 @@ def test_torchtitan_killed_rank_resumes_from_memory_bit_exact(
     resumed = re.findall(r"gemini_dcp: resumed from step (\d+) \(local: \d+ B.*?folder newest: (\w+)\)", out)
     want = [FAIL_AT - 1] if mode == "sync" else [FAIL_AT - 2, FAIL_AT - 1]
     assert len(resumed) == 1 and int(resumed[0][0]) in want and resumed[0][1] == str(INTERVAL), out[-4000:]
+    # ... through fast_load's fast path: the saved structure (a fused-qkv split included) is the one loaded into.
+    assert re.search(r"gemini_dcp: resumed from step \d+ .*? \(fast path,", out), [ln for ln in out.splitlines() if "resumed" in ln]
     # The resume says how the fresh optimizer got its state: gemini_dcp.init_optimizer_state, or torchtitan's
     # zero-gradient step with init_optimizer_state's reason (torchtitan's default AdamW is fused=True, which
     # init_optimizer_state leaves to torch for DTensor parameters).
