@@ -230,6 +230,43 @@ def test_plain_dcp_save_commits_checksums_only_once_every_rank_holds_the_layout(
     assert res[1]["from"]["peer"] > 0
 
 
+def _growing_values(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Replayed saves whose per-rank pickled value (a dataloader's buffered tokens) changes length every step."""
+    from gemini_dcp.transport.comm import get_comm
+
+    writer = GeminiStorageWriter(root=root, job_id="grow", keep=2, timeout_s=60)
+    replay = PlanReplay(writer, get_comm(60.0).group, no_dist=False)
+
+    def state(step: int) -> dict[str, Any]:
+        sd = _state(rank, step, False)
+        sd[f"loader{rank}"] = {"buffer": list(range(7 * step + 3 * rank)), "step": step}  # before the tensors' end
+        return sd
+
+    compact, built = [], []
+    local = writer.local_writer
+    for step in range(5):
+        replay.save(state(step), step)
+        compact.append(writer.last_commit_compact)
+        built.append(local.programs_built)
+    out = state(99)
+    out[f"loader{rank}"] = {"buffer": [], "step": -1}
+    dcp.load(out, storage_reader=GeminiStorageReader(root=root, job_id="grow"))
+    want = state(4)
+    exact = all(torch.equal(out[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
+    return {"compact": compact, "built": built, "exact": exact and out[f"loader{rank}"] == want[f"loader{rank}"]}
+
+
+@pytest.mark.timeout(240)
+def test_replayed_values_that_change_length_keep_the_program_and_compact_reports(roots: list[str]) -> None:
+    """A pickled value of another length each save stays in the room its layout kept: no new program,
+    a compact report (checksums and the new lengths), and the newest step restores exactly."""
+    res = run_ranks(_growing_values, 2, roots)
+    for r in res:
+        assert r["exact"], r
+        assert r["compact"][1:] == [True] * 4, r
+        assert r["built"][-1] == r["built"][1], r  # no program built after the first replay
+
+
 def test_compact_report_round_trip() -> None:
     from torch.distributed.checkpoint.storage import WriteResult
 
@@ -250,6 +287,15 @@ def test_compact_report_round_trip() -> None:
     moved = (now[0], now[1], wr(0, "c", 128, 128, 13))  # a chunk elsewhere: sent whole
     assert _compact(dataclasses.replace(rep, results=moved), layouts[0]).results == moved
     assert _compact(dataclasses.replace(rep, results=now[:2]), layouts[0]).checksums is None  # fewer chunks
+    # A pickled value (no dtype) of another length where the layout kept its room: compact, with the length.
+    pickled = [WriteResult(index=MetadataIndex("v", None), size_in_bytes=40,
+                           storage_data=ShardRef(3, 0, 40, 5, "crc32c", None, None))]
+    layouts3 = _rank_layouts({w.index: w.storage_data for w in pickled})
+    longer = _RankReport(rank=3, node_id="n3", slot=0, nbytes=512, results=(
+        WriteResult(index=MetadataIndex("v", None), size_in_bytes=55, storage_data=ShardRef(3, 0, 55, 6, "crc32c", None, None)),))
+    sent3 = _compact(longer, layouts3[3])
+    assert sent3.results == () and sent3.checksums == (6,) and sent3.lengths == ((0, 55),)
+    assert _expand(sent3, layouts3) == longer
     empty = _RankReport(rank=2, node_id="n2", slot=0, nbytes=0, results=())
     assert _expand(_compact(empty, layouts.get(2, [])), layouts) == empty  # a rank that wrote nothing
     assert _expand(None, layouts) is None

@@ -10,7 +10,9 @@ Two switches for the kill-and-resume test, read from the environment:
   K+1..2K do not, ...), so one run holds iterations with and without a checkpoint under the same load;
 - ``TITAN_CHECK_STATES=1``: at every gemini_dcp save, the state dict it saves (its model part from
   ``ModelStatesCache``) is compared, bit for bit, with what torchtitan's own ``_flattened_model_states_sd()``
-  returns at that point; a difference raises, and each rank prints ``states check: N saves exact`` at the end.
+  returns at that point; a difference raises, and each rank prints ``states check: N saves exact`` at the end;
+- ``TITAN_PROFILE_BACKGROUND=PREFIX`` (benchmarks): cProfile ``AsyncCheckpointer``'s background thread, written
+  to ``PREFIX.<rank>`` when the checkpointer closes (read with ``python -m pstats``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def _install_test_hooks() -> None:
         _check_states()
     if int(os.environ.get("TITAN_GEMINI_BLOCKS", "0")) > 0:
         _save_in_blocks(int(os.environ["TITAN_GEMINI_BLOCKS"]))
+    if os.environ.get("TITAN_PROFILE_BACKGROUND"):
+        _profile_background(os.environ["TITAN_PROFILE_BACKGROUND"])
     Trainer.train_step = train_step_maybe_die  # type: ignore[method-assign]
     Trainer.train = train_and_dump  # type: ignore[method-assign]
 
@@ -71,6 +75,25 @@ def _save_in_blocks(k: int) -> None:
         return ((step - 1) // k) % 2 == 0 and saves_at(step, every)
 
     tt.saves_at = in_block  # the manager's _save looks it up in its module at each call
+
+
+def _profile_background(prefix: str) -> None:
+    import cProfile
+
+    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer
+
+    run = AsyncCheckpointer._run
+
+    def profiled(self):  # noqa: ANN001, ANN202
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            return run(self)
+        finally:
+            prof.disable()
+            prof.dump_stats(f"{prefix}.{dist.get_rank()}")
+
+    AsyncCheckpointer._run = profiled  # type: ignore[method-assign]
 
 
 def _check_states() -> None:

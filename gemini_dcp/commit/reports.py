@@ -21,7 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UntrustedDataError
 from ..local.records import ChecksumOverlay, RankSlot, ShardRef
 
 #: A layout split per rank: each rank's (index, chunk location) pairs, in its write order.
@@ -73,6 +73,9 @@ class RankReport:
     # the replica slots its node would receive into with what they hold, as a receiver.
     delta_offer: tuple[Any, ...] | None = None
     replica_bases: tuple[tuple[int, int, str, int], ...] = ()
+    # A compact report whose pickled values (ShardRef.dtype None) changed length since the layout: (position
+    # in this rank's layout, new length). The chunk stays where the layout put it (its room in the slot).
+    lengths: tuple[tuple[int, int], ...] = ()
 
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.
@@ -122,8 +125,8 @@ def agreed_basis(reports: list[RankReport]) -> bool:
 
 def overlay(split: SplitLayout, reports: list[RankReport]) -> ChecksumOverlay | None:
     """This save's storage_data as the layout plus checksums, when every report is compact."""
-    if not split.rank_ordered or any(rep.checksums is None for rep in reports):
-        return None
+    if not split.rank_ordered or any(rep.checksums is None or rep.lengths for rep in reports):
+        return None  # (an overlay holds checksums only: new lengths go into a full layout)
     ordered = sorted(reports, key=lambda rep: rep.rank)
     sums = array("Q")
     for rep in ordered:
@@ -133,14 +136,25 @@ def overlay(split: SplitLayout, reports: list[RankReport]) -> ChecksumOverlay | 
 
 def compact(report: RankReport, mine: list[tuple[MetadataIndex, ShardRef]]) -> RankReport:
     """``report`` with its results replaced by their checksums when they match ``mine``
-    (the recorded layout of this rank) in everything but the checksums; else unchanged."""
+    (the recorded layout of this rank) in everything but the checksums and the lengths of
+    pickled values (those ride in ``lengths``); else unchanged."""
     res = report.results
     if len(res) != len(mine):
         return report
-    for wr, (idx, ref) in zip(res, mine):
-        if wr.index != idx or wr.storage_data.with_checksum(ref.checksum) != ref:
+    lengths: list[tuple[int, int]] = []
+    for k, (wr, (idx, ref)) in enumerate(zip(res, mine)):
+        got = wr.storage_data.with_checksum(ref.checksum)
+        if got != ref and ref.dtype is None and got.dtype is None and got._replace(length=ref.length) == ref:
+            lengths.append((k, got.length))
+        elif wr.index != idx or got != ref:
             return report
-    return dataclasses.replace(report, results=(), checksums=tuple(wr.storage_data.checksum for wr in res))
+    return dataclasses.replace(report, results=(), checksums=tuple(wr.storage_data.checksum for wr in res),
+                               lengths=tuple(lengths))
+
+
+def changed_lengths(byte_lengths: tuple[tuple[int, int], ...], mine: list[tuple[MetadataIndex, ShardRef]]) -> tuple[tuple[int, int], ...]:
+    """The (position, length) pairs of ``byte_lengths`` whose length differs from ``mine``'s (the layout)."""
+    return tuple((k, n) for k, n in byte_lengths if mine[k][1].length != n)
 
 
 def expand(report: RankReport | None, layouts: RankLayouts) -> RankReport | None:
@@ -153,15 +167,21 @@ def expand_report(report: RankReport, layouts: RankLayouts) -> RankReport:
     if report.checksums is None:
         return report
     mine = layouts.get(report.rank, [])
-    results = tuple(
+    results = [
         WriteResult(
             index=idx,
             size_in_bytes=ref.length,
             storage_data=ref.with_checksum(cs),
         )
         for (idx, ref), cs in zip(mine, report.checksums, strict=True)
-    )
-    return dataclasses.replace(report, results=results, checksums=None)
+    ]
+    for k, n in report.lengths:  # pickled values of another length, where the layout kept their room
+        wr = results[k]
+        if wr.storage_data.dtype is not None or not 0 <= n:
+            raise UntrustedDataError(f"rank {report.rank}'s commit report changes the length of item {k}, which is not a "
+                                     "pickled value: not a gemini_dcp report; nothing was committed")
+        results[k] = WriteResult(index=wr.index, size_in_bytes=n, storage_data=wr.storage_data._replace(length=n))
+    return dataclasses.replace(report, results=tuple(results), checksums=None, lengths=())
 
 
 def check_node_identities(reports: list[RankReport]) -> None:

@@ -21,7 +21,7 @@ import dataclasses
 import io
 import itertools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -195,13 +195,32 @@ def _sizes(entries: list[Any]) -> list[int]:
     return [len(t) if type(t) is bytes else t.numel() * t.element_size() for t in entries]
 
 
-def _layout_of(sizes: list[int]) -> tuple[list[int], int]:
+def byte_capacity(n: int) -> int:
+    """The slot space kept for a pickled value of ``n`` bytes. Such a value's size may change from save
+    to save (a dataloader's buffered tokens, a growing counter): a new size within this headroom keeps
+    every offset, so the program, the compact commit report and the layout stay those of the last save."""
+    return n + max(256, n // 4)
+
+
+def _layout_of(sizes: list[int], byte_pos: Iterable[int] = ()) -> tuple[list[int], int]:
+    """Each item's offset in the slot and the slot's used size: tensors back to back (aligned), a
+    pickled value (``byte_pos``) with :func:`byte_capacity` of room."""
+    room = list(sizes)
+    for i in byte_pos:
+        room[i] = byte_capacity(sizes[i])
     offsets: list[int] = []
     total = 0
-    for n in sizes:
+    for n in room:
         offsets.append(total)
         total = align(total + n)
     return offsets, total
+
+
+def fits_room(prog: _Program, sizes: list[int]) -> bool:
+    """Every pickled value of this save fits the room the program's layout kept for it."""
+    offsets, total = prog.offsets, prog.total
+    last = len(offsets) - 1
+    return all(sizes[i] <= (offsets[i + 1] if i < last else total) - offsets[i] for i in prog.byte_pos)
 
 
 def _result(index: MetadataIndex, n: int, ref: ShardRef, cs: int) -> WriteResult:

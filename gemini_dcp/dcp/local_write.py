@@ -70,6 +70,7 @@ from .copy_program import (
     _sizes,
     _type,
     direct_lookup,
+    fits_room,
 )
 from .device_copy import DeviceCopier
 from .row_delta import RowDelta, copy_changed_rows, is_row_item, row_geometry
@@ -112,11 +113,11 @@ class LocalWriter:
                 sizes = list(sizes)
                 for i in prog.byte_pos:
                     sizes[i] = len(entries[i])
-        if known is not None and prog is not None and (sizes is prog.sizes or sizes == prog.sizes):
+        if known is not None and prog is not None and (sizes is prog.sizes or sizes == prog.sizes or fits_room(prog, sizes)):
             offsets, total = prog.offsets, prog.total
         else:
             known = None
-            offsets, total = _layout_of(sizes)
+            offsets, total = _layout_of(sizes, [i for i, it in enumerate(items) if it.type == WriteItemType.BYTE_IO])
         slot_idx = self.slot_pool.choose(rank)
         slot = self.slot_pool.slot(rank, slot_idx)
         with slot.lock:
@@ -144,16 +145,15 @@ class LocalWriter:
                     sums = [c if k else s for s, c, k in zip(sums, plan_c.sums, skip)]
                 self.carry.remember(rank, slot_idx, slot, prog, plan_c, sums)
                 self.last_carry = (plan_c, sizes, deltas)
-        template: _Program | None = prog
-        if prog.byte_pos and sizes is not prog.sizes and any(sizes[i] != prog.sizes[i] for i in prog.byte_pos):
-            template = None  # the results are not the program's templates plus checksums
+        # The results are the program's templates plus checksums, and, for pickled values, this save's lengths.
+        byte_lengths = tuple((i, sizes[i]) for i in prog.byte_pos)
         save_bytes = None
         if plan_c is not None:
             carried = sum(n for n, c in zip(sizes, plan_c.carry) if c)
             carried += sum(sizes[i] - rd.bytes_written for i, rd in deltas.items())
             save_bytes = (sum(sizes) - carried, carried)
         return LocalWrite(slot=slot_idx, results=WriteResults(prog, sizes, sums), nbytes=total, checksums=tuple(sums),
-                          template=template, save_bytes=save_bytes, item_bytes=sum(sizes))
+                          template=prog, byte_lengths=byte_lengths, save_bytes=save_bytes, item_bytes=sum(sizes))
 
     def delta_offer(self, rank: int, token: str, seq: int) -> tuple[Any, ...] | None:
         """The last write's offer for delta replication (``peer.delta``), as save ``seq`` of writer ``token``."""
