@@ -129,9 +129,10 @@ class LocalWrite:
     # The protocol then decides a compact report without comparing every result again.
     checksums: tuple[int, ...] | None = None
     template: object | None = None
-    # (position, length) of every pickled value in this write: a value's length may change from save
-    # to save within its room in the slot (the results then differ from the template's in that length).
-    byte_lengths: tuple[tuple[int, int], ...] = ()
+    # (position, offset, length) of every pickled value in this write: a value's length may change from
+    # save to save within its room in the slot, or it moves to a larger room (the results then differ
+    # from the layout's in that offset and length).
+    byte_spans: tuple[tuple[int, int, int], ...] = ()
     # Incremental saves (dcp/carry.py): (item bytes copied, bytes the slot already held), None: all copied;
     # delta replication (peer/delta.py): this save's offer, and the replica bases this node holds.
     save_bytes: tuple[int, int] | None = None
@@ -483,7 +484,7 @@ class CommitProtocol:
 
     def _compact(self, report: RankReport, mine: list[tuple[MetadataIndex, ShardRef]], local: LocalWrite | None) -> RankReport:
         """:func:`.reports.compact`, decided once per (results template, layout of this rank):
-        a write whose ``template`` matched ``mine`` before matches it again (checksums and the lengths of
+        a write whose ``template`` matched ``mine`` before matches it again (checksums and the places of
         pickled values aside: those that changed ride in the report)."""
         token = local.template if local is not None and local.checksums is not None else None
         key = (id(token), id(mine))
@@ -491,7 +492,7 @@ class CommitProtocol:
         if token is not None and hit is not None and hit[0] is token and hit[1] is mine:
             assert local is not None
             return dataclasses.replace(report, results=(), checksums=local.checksums,
-                                       lengths=rp.changed_lengths(local.byte_lengths, mine))
+                                       moved=rp.moved_values(local.byte_spans, mine))
         sent = rp.compact(report, mine)
         if sent is not report and token is not None:
             if len(self._compact_memo) >= 16:  # one entry per slot of the ring and layout: a few

@@ -73,9 +73,9 @@ class RankReport:
     # the replica slots its node would receive into with what they hold, as a receiver.
     delta_offer: tuple[Any, ...] | None = None
     replica_bases: tuple[tuple[int, int, str, int], ...] = ()
-    # A compact report whose pickled values (ShardRef.dtype None) changed length since the layout: (position
-    # in this rank's layout, new length). The chunk stays where the layout put it (its room in the slot).
-    lengths: tuple[tuple[int, int], ...] = ()
+    # A compact report whose pickled values (ShardRef.dtype None) changed length or place since the layout:
+    # (position in this rank's layout, offset in the slot, length). Every other chunk is where the layout has it.
+    moved: tuple[tuple[int, int, int], ...] = ()
 
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.
@@ -125,8 +125,8 @@ def agreed_basis(reports: list[RankReport]) -> bool:
 
 def overlay(split: SplitLayout, reports: list[RankReport]) -> ChecksumOverlay | None:
     """This save's storage_data as the layout plus checksums, when every report is compact."""
-    if not split.rank_ordered or any(rep.checksums is None or rep.lengths for rep in reports):
-        return None  # (an overlay holds checksums only: new lengths go into a full layout)
+    if not split.rank_ordered or any(rep.checksums is None or rep.moved for rep in reports):
+        return None  # (an overlay holds checksums only: moved values go into a full layout)
     ordered = sorted(reports, key=lambda rep: rep.rank)
     sums = array("Q")
     for rep in ordered:
@@ -136,25 +136,29 @@ def overlay(split: SplitLayout, reports: list[RankReport]) -> ChecksumOverlay | 
 
 def compact(report: RankReport, mine: list[tuple[MetadataIndex, ShardRef]]) -> RankReport:
     """``report`` with its results replaced by their checksums when they match ``mine``
-    (the recorded layout of this rank) in everything but the checksums and the lengths of
-    pickled values (those ride in ``lengths``); else unchanged."""
+    (the recorded layout of this rank) in everything but the checksums and the places (offset,
+    length) of pickled values (those ride in ``moved``); else unchanged."""
     res = report.results
     if len(res) != len(mine):
         return report
-    lengths: list[tuple[int, int]] = []
+    moved: list[tuple[int, int, int]] = []
     for k, (wr, (idx, ref)) in enumerate(zip(res, mine)):
         got = wr.storage_data.with_checksum(ref.checksum)
-        if got != ref and ref.dtype is None and got.dtype is None and got._replace(length=ref.length) == ref:
-            lengths.append((k, got.length))
-        elif wr.index != idx or got != ref:
+        if wr.index != idx:
             return report
+        if got != ref:
+            if ref.dtype is None and got.dtype is None and got._replace(offset=ref.offset, length=ref.length) == ref:
+                moved.append((k, got.offset, got.length))
+            else:
+                return report
     return dataclasses.replace(report, results=(), checksums=tuple(wr.storage_data.checksum for wr in res),
-                               lengths=tuple(lengths))
+                               moved=tuple(moved))
 
 
-def changed_lengths(byte_lengths: tuple[tuple[int, int], ...], mine: list[tuple[MetadataIndex, ShardRef]]) -> tuple[tuple[int, int], ...]:
-    """The (position, length) pairs of ``byte_lengths`` whose length differs from ``mine``'s (the layout)."""
-    return tuple((k, n) for k, n in byte_lengths if mine[k][1].length != n)
+def moved_values(byte_spans: tuple[tuple[int, int, int], ...],
+                 mine: list[tuple[MetadataIndex, ShardRef]]) -> tuple[tuple[int, int, int], ...]:
+    """The (position, offset, length) of ``byte_spans`` that are not where ``mine`` (the layout) has them."""
+    return tuple((k, o, n) for k, o, n in byte_spans if (mine[k][1].offset, mine[k][1].length) != (o, n))
 
 
 def expand(report: RankReport | None, layouts: RankLayouts) -> RankReport | None:
@@ -175,13 +179,13 @@ def expand_report(report: RankReport, layouts: RankLayouts) -> RankReport:
         )
         for (idx, ref), cs in zip(mine, report.checksums, strict=True)
     ]
-    for k, n in report.lengths:  # pickled values of another length, where the layout kept their room
+    for k, offset, n in report.moved:  # pickled values of another length or place
         wr = results[k]
-        if wr.storage_data.dtype is not None or not 0 <= n:
-            raise UntrustedDataError(f"rank {report.rank}'s commit report changes the length of item {k}, which is not a "
-                                     "pickled value: not a gemini_dcp report; nothing was committed")
-        results[k] = WriteResult(index=wr.index, size_in_bytes=n, storage_data=wr.storage_data._replace(length=n))
-    return dataclasses.replace(report, results=tuple(results), checksums=None, lengths=())
+        if wr.storage_data.dtype is not None or offset < 0 or n < 0:
+            raise UntrustedDataError(f"rank {report.rank}'s commit report moves item {k}, which is not a pickled value: "
+                                     "not a gemini_dcp report; nothing was committed")
+        results[k] = WriteResult(index=wr.index, size_in_bytes=n, storage_data=wr.storage_data._replace(offset=offset, length=n))
+    return dataclasses.replace(report, results=tuple(results), checksums=None, moved=())
 
 
 def check_node_identities(reports: list[RankReport]) -> None:

@@ -152,6 +152,7 @@ class _Program:
     single: list[int]  # tensor positions copied one by one (large, or not a plain CPU tensor)
     byte_pos: list[int]
     byte_fqns: list[str] | None = None  # the FQNs at byte_pos (built at the first replayed resolve)
+    rooms: list[int] = dataclasses.field(default_factory=list)  # each item's room in the slot (>= its size)
     # Resolving the items without DCP (``_resolve_known``): each tensor item's FQN and the type of
     # its object in the flattened state dict (None: some item needs ``planner.resolve_data``), the
     # positions among them of the DTensors, and the DTensor specs last seen without a Partial.
@@ -202,9 +203,9 @@ def byte_capacity(n: int) -> int:
     return n + max(256, n // 4)
 
 
-def _layout_of(sizes: list[int], byte_pos: Iterable[int] = ()) -> tuple[list[int], int]:
-    """Each item's offset in the slot and the slot's used size: tensors back to back (aligned), a
-    pickled value (``byte_pos``) with :func:`byte_capacity` of room."""
+def _layout_of(sizes: list[int], byte_pos: Iterable[int] = ()) -> tuple[list[int], list[int], int]:
+    """Each item's offset in the slot, its room there, and the slot's used size: tensors back to back
+    (aligned), a pickled value (``byte_pos``) with :func:`byte_capacity` of room."""
     room = list(sizes)
     for i in byte_pos:
         room[i] = byte_capacity(sizes[i])
@@ -213,14 +214,33 @@ def _layout_of(sizes: list[int], byte_pos: Iterable[int] = ()) -> tuple[list[int
     for n in room:
         offsets.append(total)
         total = align(total + n)
-    return offsets, total
+    return offsets, room, total
 
 
 def fits_room(prog: _Program, sizes: list[int]) -> bool:
     """Every pickled value of this save fits the room the program's layout kept for it."""
-    offsets, total = prog.offsets, prog.total
-    last = len(offsets) - 1
-    return all(sizes[i] <= (offsets[i + 1] if i < last else total) - offsets[i] for i in prog.byte_pos)
+    rooms = prog.rooms
+    return all(sizes[i] <= rooms[i] for i in prog.byte_pos)
+
+
+def same_items_sized(prog: _Program, byte_pos: list[int], sizes: list[int]) -> bool:
+    """``sizes`` are the program's items: pickled values at the same positions, every tensor of its size."""
+    if len(sizes) != len(prog.sizes) or byte_pos != prog.byte_pos:
+        return False
+    old = prog.sizes
+    return all(sizes[i] == old[i] for i in prog.tensor_pos)
+
+
+def relocated(prog: _Program, sizes: list[int]) -> tuple[list[int], list[int], int]:
+    """``prog``'s layout with every pickled value that outgrew its room moved to the end of the slot
+    with twice its size of room; every other item stays where the recorded layout has it, so the
+    commit report stays compact (the moved values' new places ride in it)."""
+    offsets, rooms, total = list(prog.offsets), list(prog.rooms), prog.total
+    for i in prog.byte_pos:
+        if sizes[i] > rooms[i]:
+            offsets[i], rooms[i] = total, 2 * sizes[i]
+            total = align(total + rooms[i])
+    return offsets, rooms, total
 
 
 def _result(index: MetadataIndex, n: int, ref: ShardRef, cs: int) -> WriteResult:

@@ -71,6 +71,8 @@ from .copy_program import (
     _type,
     direct_lookup,
     fits_room,
+    relocated,
+    same_items_sized,
 )
 from .device_copy import DeviceCopier
 from .row_delta import RowDelta, copy_changed_rows, is_row_item, row_geometry
@@ -114,16 +116,22 @@ class LocalWriter:
                 for i in prog.byte_pos:
                     sizes[i] = len(entries[i])
         if known is not None and prog is not None and (sizes is prog.sizes or sizes == prog.sizes or fits_room(prog, sizes)):
-            offsets, total = prog.offsets, prog.total
+            offsets, rooms, total = prog.offsets, prog.rooms, prog.total
         else:
             known = None
-            offsets, total = _layout_of(sizes, [i for i, it in enumerate(items) if it.type == WriteItemType.BYTE_IO])
+            byte_pos = [i for i, it in enumerate(items) if it.type == WriteItemType.BYTE_IO]
+            if prog is not None and same_items_sized(prog, byte_pos, sizes):
+                # The layout already recorded (compact reports match it); a pickled value that outgrew its room moves.
+                offsets, rooms, total = relocated(prog, sizes)
+            else:
+                offsets, rooms, total = _layout_of(sizes, byte_pos)
         slot_idx = self.slot_pool.choose(rank)
         slot = self.slot_pool.slot(rank, slot_idx)
         with slot.lock:
             self.slot_pool.grow(slot, total)
             if known is None and (prog is None or not self._fits(prog, plan, algo, block, entries, offsets)):
                 prog = self._build(plan, items, entries, sizes, offsets, total, rank, algo, block, flat)
+                prog.rooms = rooms
                 self._programs[rank] = prog
             assert prog is not None
             plan_c = None
@@ -146,14 +154,14 @@ class LocalWriter:
                 self.carry.remember(rank, slot_idx, slot, prog, plan_c, sums)
                 self.last_carry = (plan_c, sizes, deltas)
         # The results are the program's templates plus checksums, and, for pickled values, this save's lengths.
-        byte_lengths = tuple((i, sizes[i]) for i in prog.byte_pos)
+        byte_spans = tuple((i, prog.offsets[i], sizes[i]) for i in prog.byte_pos)
         save_bytes = None
         if plan_c is not None:
             carried = sum(n for n, c in zip(sizes, plan_c.carry) if c)
             carried += sum(sizes[i] - rd.bytes_written for i, rd in deltas.items())
             save_bytes = (sum(sizes) - carried, carried)
         return LocalWrite(slot=slot_idx, results=WriteResults(prog, sizes, sums), nbytes=total, checksums=tuple(sums),
-                          template=prog, byte_lengths=byte_lengths, save_bytes=save_bytes, item_bytes=sum(sizes))
+                          template=prog, byte_spans=byte_spans, save_bytes=save_bytes, item_bytes=sum(sizes))
 
     def delta_offer(self, rank: int, token: str, seq: int) -> tuple[Any, ...] | None:
         """The last write's offer for delta replication (``peer.delta``), as save ``seq`` of writer ``token``."""
