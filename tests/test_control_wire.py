@@ -1,9 +1,11 @@
-"""The control group's object collectives decode without running code (transport/comm.py, transport/wire.py).
+"""The control group's messages decode without running code (transport/comm.py, transport/wire.py, and
+the commit gather, commit/exchange.py).
 
 Two real gloo ranks on gemini_dcp's control group: a message whose pickle names ``os.system`` is refused
-on every rank that decodes it (gather, broadcast, the recovering gather) and never runs; an announced
-length over ``wire.MAX_OBJECT_BYTES`` is refused before anything is allocated, and the group stays
-usable; real control messages (peer slots, views, tallies) still decode, in group rank order.
+on every rank that decodes it (gather, broadcast, the recovering gather, the commit gather) and never runs;
+an announced length over ``wire.MAX_OBJECT_BYTES`` / ``exchange.MAX_REPORT_BYTES`` is refused before
+anything is allocated, and the group stays usable; real control messages (peer slots, views, tallies,
+plain reports) still decode, in group rank order.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ def _ranks(rank: int, world: int, root: str, marker: str) -> dict[str, Any]:
     out["gather"] = _refused(lambda: comm.all_gather_object(planted if rank == 1 else rank))
     out["broadcast"] = _refused(lambda: comm.broadcast_object(planted if rank == 1 else None, src=1))
     out["try_gather"] = _refused(lambda: comm.try_all_gather_object(planted if rank == 0 else rank))
+    # The commit gather (fixed frames, a second round for a long report): the same refusals.
+    import gemini_dcp.commit.exchange as ex
+
+    out["commit_gather"] = _refused(lambda: ex.gather_objects(comm, planted if rank == 1 else {"rank": rank}))
+    saved, ex.MAX_REPORT_BYTES = ex.MAX_REPORT_BYTES, ex.frame_bytes(world) * 2
+    out["commit_long"] = _refused(lambda: ex.gather_objects(comm, os.urandom(ex.MAX_REPORT_BYTES + 10) if rank == 0 else b""))
+    ex.MAX_REPORT_BYTES = saved
+    out["commit_real"] = [g["rank"] for g in ex.gather_objects(comm, {"rank": rank})]
     wire.MAX_OBJECT_BYTES = 4096  # a "huge" announcement, cheap to send for real
     out["long"] = _refused(lambda: comm.all_gather_object(os.urandom(8192) if rank == 0 else b"x"))
     wire.MAX_OBJECT_BYTES = 1 << 30
@@ -76,3 +86,5 @@ def test_control_messages_never_run_code_and_real_ones_decode() -> None:
         assert "system" in res["try_gather"] and "group rank 0" in res["try_gather"], res
         assert "group ranks [0] announced" in res["long"], res
         assert res["real"] == [True, True] and res["bcast_real"], res
+        assert "system" in res["commit_gather"] and "group rank 1" in res["commit_gather"], res
+        assert "group ranks [0] announced" in res["commit_long"] and res["commit_real"] == [0, 1], res

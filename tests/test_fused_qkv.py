@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from mp_utils import run_ranks
+from titan_stub import ModelWrapperStub as _Wrapper
 
 
 class FusedQKVLinear(torch.nn.Module):
@@ -44,26 +45,6 @@ class FusedQKVLinear(torch.nn.Module):
         sd[f"{prefix}wq.weight"] = heads[:, :hpk].reshape(-1, cols).contiguous()
         sd[f"{prefix}wk.weight"] = heads[:, hpk].reshape(-1, cols).contiguous()
         sd[f"{prefix}wv.weight"] = heads[:, hpk + 1].reshape(-1, cols).contiguous()
-
-
-class _Wrapper:
-    """torchtitan's ModelWrapper merge (0.3.0), without torchtitan."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = [model]
-        self.cached_state_dict = self._get_state_dict()
-
-    def _get_state_dict(self) -> dict[str, Any]:
-        return {k: v for m in self.model for k, v in m.state_dict().items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        for key, value in self._get_state_dict().items():
-            cached = self.cached_state_dict.get(key)
-            if cached is None or cached.shape != value.shape or cached.dtype != value.dtype:
-                self.cached_state_dict[key] = value
-            else:
-                cached.copy_(value)
-        return self.cached_state_dict
 
 
 def _model(mesh: Any, n_kv: int) -> Any:

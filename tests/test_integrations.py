@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from titan_stub import ModelWrapperStub as _Wrapper
 
 from gemini_dcp import ConfigError, GeminiStorageReader, GeminiStorageWriter
 from gemini_dcp.integrations.discovery import newest_restorable_step
@@ -164,26 +165,6 @@ def test_override_factory_keeps_torchtitan_fields_and_validates(tmp_path: Path) 
         tt.gemini_checkpoint(base, gemini_every=0)
     with pytest.raises(ConfigError):
         tt.gemini_checkpoint_config(gemini_replicas=0)
-
-
-class _Wrapper:
-    """torchtitan's ModelWrapper semantics (0.3.0), for ModelStatesCache without torchtitan."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = [model]
-        self.cached_state_dict = self._get_state_dict()
-
-    def _get_state_dict(self) -> dict[str, Any]:
-        return {k: v for m in self.model for k, v in m.state_dict().items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        for key, value in self._get_state_dict().items():
-            cached = self.cached_state_dict.get(key)
-            if cached is None or cached.shape != value.shape or cached.dtype != value.dtype:
-                self.cached_state_dict[key] = value
-            elif cached.untyped_storage().data_ptr() != value.untyped_storage().data_ptr():
-                cached.copy_(value)
-        return self.cached_state_dict
 
 
 def _fused_model() -> Any:
