@@ -120,6 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--rounds", type=int, default=1, help="passes over the variants (interleaved)")
+    ap.add_argument("--alternate", action="store_true", help="reverse the variants' order every other round (ABBA)")
     ap.add_argument("--seq-len", type=int, default=256, help="training.seq_len (the issue's reference: 256)")
     ap.add_argument("--batch", type=int, default=2, help="training.local_batch_size")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
@@ -139,8 +140,10 @@ def main() -> None:
     load_before = os.getloadavg()
     i = 0
     t0 = time.time()
-    for _ in range(args.rounds):
-        for name in names:
+    for rnd in range(args.rounds):
+        # --alternate: every other round runs the variants in reverse order (ABBA), so a bias of the position in
+        # a round (the host's load drifting, the page cache) weighs on every variant alike.
+        for name in (names[::-1] if args.alternate and rnd % 2 else names):
             i += 1
             (scratch / f"v{i}").mkdir()
             shutil.copytree(assets, scratch / f"v{i}" / "assets")
@@ -166,7 +169,7 @@ def main() -> None:
         "what": f"torchtitan llama3 debugmodel on CPU, 2 ranks FSDP2/gloo, seq {args.seq_len} x batch {args.batch}, "
                 "checkpoint every step; iteration time = previous save + this step (steps 4..N)",
         "seq_len": args.seq_len, "local_batch": args.batch,
-        "state_bytes_total": 80_059_650, "steps": args.steps, "rounds": args.rounds, "wall_s": time.time() - t0,
+        "state_bytes_total": 80_059_650, "steps": args.steps, "rounds": args.rounds, "alternate": args.alternate, "wall_s": time.time() - t0,
         "command": " ".join(sys.argv), "loadavg_before": load_before, "machine": machine_info(), "variants": rows,
     }
     write_json(RESULTS / f"{args.out}.json", data)
