@@ -21,7 +21,6 @@ is :class:`~gemini_dcp.errors.UntrustedDataError` on every rank alike when a len
 
 from __future__ import annotations
 
-import pickle
 import struct
 from collections.abc import Collection
 from typing import Any, Protocol, TypeVar
@@ -29,8 +28,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..core.safe_pickle import restricted_loads
-from ..errors import UntrustedDataError
+from ..transport import wire
 
 T = TypeVar("T")
 
@@ -107,7 +105,7 @@ def gather_objects(
         return comm.all_gather_object(obj)
     world = comm.world_size
     frame = frame_bytes(world)
-    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    blob = wire.encode(obj)
     head = frame - _LEN.size
     mine = bytearray(frame)
     _LEN.pack_into(mine, 0, len(blob))
@@ -117,15 +115,7 @@ def gather_objects(
     comm.run(what, dist.all_gather, out, torch.frombuffer(mine, dtype=torch.uint8), group=comm.group)
     frames = [o.numpy() for o in out]
     lengths = [int(f[: _LEN.size].view("<u8")[0]) for f in frames]
-    longest = max(lengths)
-    if longest > MAX_REPORT_BYTES:  # every rank sees the same lengths: all refuse together
-        bad = [r for r, n in enumerate(lengths) if n > MAX_REPORT_BYTES]
-        raise UntrustedDataError(
-            f"{what}: group ranks {bad} announced {longest} bytes, more than any gemini_dcp report "
-            f"({MAX_REPORT_BYTES} bytes); nothing was allocated or decoded. A process that is not this "
-            "job's (or a corrupted frame) is on the checkpoint control group: check that every rank "
-            "runs the same gemini_dcp and that MASTER_ADDR/MASTER_PORT are this job's own."
-        )
+    longest = wire.checked_length(what, lengths, MAX_REPORT_BYTES)  # before anything is allocated for it
     tails: list[Any] = [None] * world
     if longest > head:  # some pickle did not fit: every rank sees it in the same lengths
         rest = longest - head
@@ -140,5 +130,5 @@ def gather_objects(
         data = f[_LEN.size : _LEN.size + min(n, head)].tobytes()
         if n > head:
             data += t[: n - head].tobytes()
-        values.append(restricted_loads(data, source=f"{what}: group rank {len(values)}'s report", allowed=allowed))
+        values.append(wire.decode(data, f"{what}: group rank {len(values)}'s report", allowed))
     return values

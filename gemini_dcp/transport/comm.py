@@ -50,7 +50,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import RestartRequiredError, UntrustedDataError
+from ..errors import RestartRequiredError
 from . import exit_guard, wire
 
 T = TypeVar("T")
@@ -168,13 +168,13 @@ class Comm:
         :meth:`all_gather_object`'s on the other ranks, ``obj`` itself on ``src``."""
         if not self.distributed:
             return obj
-        what = f"broadcast_object from rank {self.global_rank(src)}"
         root = self.global_rank(src)
+        what = f"broadcast_object from rank {root}"
         mine = self.rank == src
         blob = wire.encode(obj) if mine else b""
         size = torch.tensor([len(blob)], dtype=torch.int64)
         self.run(what, dist.broadcast, size, src=root, group=self.group)
-        n = _checked_length(what, [int(size.item())])
+        n = wire.checked_length(what, [int(size.item())], wire.MAX_OBJECT_BYTES)
         buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if mine else torch.empty(n, dtype=torch.uint8)
         self.run(what, dist.broadcast, buf, src=root, group=self.group)
         if mine:
@@ -205,7 +205,7 @@ class Comm:
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         run(what, dist.all_gather, sizes, torch.tensor([len(blob)], dtype=torch.int64), group=self.group)
         lengths = [int(s.item()) for s in sizes]
-        longest = _checked_length(what, lengths)
+        longest = wire.checked_length(what, lengths, wire.MAX_OBJECT_BYTES)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
@@ -356,20 +356,6 @@ class Comm:
                 _GROUPS[key] = fresh
         self.group = fresh
         log.warning("checkpoint control group replaced after a failed peer transfer (%s)", reason)
-
-
-def _checked_length(what: str, lengths: list[int]) -> int:
-    """The longest announced pickle, or UntrustedDataError (every rank sees the same lengths: all refuse)."""
-    longest = max(lengths)
-    if longest <= 0 or longest > wire.MAX_OBJECT_BYTES:
-        bad = [r for r, n in enumerate(lengths) if n <= 0 or n > wire.MAX_OBJECT_BYTES]
-        raise UntrustedDataError(
-            f"{what}: group ranks {bad} announced {longest} bytes, not a gemini_dcp control message "
-            f"(1 to {wire.MAX_OBJECT_BYTES} bytes); nothing was allocated or decoded. A process that is not "
-            "this job's (or a corrupted frame) is on the checkpoint control group: check that every rank runs "
-            "the same gemini_dcp and that MASTER_ADDR/MASTER_PORT are this job's own."
-        )
-    return longest
 
 
 def _bounded(what: str, fn: Callable[[], T], limit_s: float) -> T:

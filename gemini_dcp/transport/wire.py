@@ -17,9 +17,11 @@ Keep :data:`CONTROL_GLOBALS` to plain value classes of gemini_dcp and torch's ch
 from __future__ import annotations
 
 import pickle
+from collections.abc import Collection
 from typing import Any
 
 from ..core.safe_pickle import restricted_loads
+from ..errors import UntrustedDataError
 
 #: The globals gemini_dcp's control messages may name, beyond the record and DCP metadata classes
 #: of :data:`gemini_dcp.core.safe_pickle.ALLOWED_GLOBALS`. Plain containers, numbers, strings and
@@ -43,6 +45,22 @@ def encode(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def decode(data: bytes, source: str) -> Any:
-    """The object ``data`` holds, resolving only the allowed globals (UntrustedDataError otherwise)."""
-    return restricted_loads(data, source=source, allowed=CONTROL_GLOBALS)
+def decode(data: bytes, source: str, allowed: Collection[tuple[str, str]] = CONTROL_GLOBALS) -> Any:
+    """The object ``data`` holds, resolving only ``allowed`` beside the record and DCP metadata classes
+    (UntrustedDataError otherwise)."""
+    return restricted_loads(data, source=source, allowed=allowed)
+
+
+def checked_length(what: str, lengths: list[int], limit: int) -> int:
+    """The longest of the pickle lengths the ranks announced, or UntrustedDataError when one is 0 or over
+    ``limit`` (every rank sees the same lengths, so all refuse together, before allocating anything)."""
+    longest = max(lengths)
+    if longest <= 0 or longest > limit:
+        bad = [r for r, n in enumerate(lengths) if n <= 0 or n > limit]
+        raise UntrustedDataError(
+            f"{what}: group ranks {bad} announced {longest} bytes, not a gemini_dcp control message "
+            f"(1 to {limit} bytes); nothing was allocated or decoded. A process that is not this job's (or a "
+            "corrupted frame) is on the checkpoint control group: check that every rank runs the same "
+            "gemini_dcp and that MASTER_ADDR/MASTER_PORT are this job's own."
+        )
+    return longest
