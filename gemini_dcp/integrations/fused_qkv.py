@@ -112,14 +112,15 @@ class FusedQKVSplit:
         return split
 
 
-def split_makers(makers: list[tuple[Any, str]], sd: dict[str, Any]) -> dict[int, FusedQKVSplit]:
-    """For each maker (module, prefix) of ``sd`` that :class:`FusedQKVSplit` covers: its split, by position."""
+def split_makers(makers: list[tuple[Any, str]], sd: dict[str, Any]) -> dict[int, FusedQKVSplit] | None:
+    """For each maker (module, prefix) of ``sd`` whose hook is torchtitan's fused split: its split, by position;
+    None when one of them cannot be split (that module keeps torchtitan's hook, so no rank may split)."""
     out: dict[int, FusedQKVSplit] = {}
     for i, (module, prefix) in enumerate(makers):
-        if _hook_names(module) == [SPLIT_HOOK]:
+        if SPLIT_HOOK in _hook_names(module):
             made = {k: v for k, v in sd.items() if k.startswith(prefix)}
-            split = FusedQKVSplit.build(module, prefix, made)
-            if split is not None:
-                out[i] = split
+            split = FusedQKVSplit.build(module, prefix, made)  # None for any other hook beside it, too
+            if split is None:
+                return None
+            out[i] = split
     return out
-

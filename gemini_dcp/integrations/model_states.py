@@ -13,7 +13,7 @@ import operator
 from typing import Any
 
 from ..options import DEFAULT_TIMEOUT_S
-from .fused_qkv import SPLIT_HOOK, FusedQKVSplit, _hook_names, split_makers
+from .fused_qkv import FusedQKVSplit, split_makers
 
 
 class ModelStatesCache:
@@ -51,7 +51,6 @@ class ModelStatesCache:
         self._makers: list[tuple[Any, str]] = []  # (module, its state-dict prefix), in module order
         self._splits: dict[int, FusedQKVSplit] = {}  # makers whose values come from local rows (by position)
         self._out: dict[str, Any] | None = None  # what get() returns: the wrapper's dict, or ours with the splits
-        self._split_failed = False  # a fused-qkv maker whose split did not apply (this rank, last rebuild)
         self.hits = 0
         self.rebuilds = 0
 
@@ -86,9 +85,8 @@ class ModelStatesCache:
         sd: dict[str, Any] = wrapper.state_dict()
         self.rebuilds += 1
         self.forget()
-        if known and sd is getattr(wrapper, "cached_state_dict", None):
-            self._remember(wrapper, sd)
-        self._agree_splits()
+        ok = known and sd is getattr(wrapper, "cached_state_dict", None) and self._remember(wrapper, sd)
+        self._agree_splits(ok)
         return self._out if self._out is not None else sd
 
     def _comm(self) -> Any:
@@ -105,51 +103,50 @@ class ModelStatesCache:
         self._sd = self._key = self._out = None
         self._objs, self._makers, self._splits = [], [], {}
 
-    def _agree_splits(self) -> None:
+    def _agree_splits(self, ok: bool) -> None:
         """Keep the fused splits only when every rank remembered its makers and split all of its fused ones
-        (collective, after every rebuild): a rank whose fused maker runs torchtitan's hook all-gathers, so
-        either every rank splits or none does."""
-        ok = self._sd is not None and not self._split_failed
-        self._split_failed = False
+        (``ok`` on every rank; collective, after every rebuild): a rank whose fused maker runs torchtitan's hook
+        all-gathers, so either every rank splits or none does."""
         if not _agree(ok, self._comm()) and self._splits:
             self._splits = {}
             self._out = self._sd
 
-    def _remember(self, wrapper: Any, sd: dict[str, Any]) -> None:
+    def _remember(self, wrapper: Any, sd: dict[str, Any]) -> bool:
+        """Remember ``sd``'s makers (and fused splits); True when remembered with every fused maker split."""
         objs, key = self._tensors(wrapper)
         storages = {_local(t).untyped_storage().data_ptr() for t in objs}
         made = [k for k, v in sd.items() if not (_is_tensor(v) and _local(v).untyped_storage().data_ptr() in storages)]
         makers: list[tuple[Any, str]] = []
         for part in wrapper.model:
             if type(part).state_dict is not _module_state_dict():
-                return
+                return False
             hooked: list[str] = []  # prefixes of modules whose hooks a maker's own call would skip
             for name, module in part.named_modules(remove_duplicate=False):
                 prefix = f"{name}." if name else ""
                 if type(module).state_dict is not _module_state_dict():
-                    return
+                    return False
                 pre = [getattr(f, "__qualname__", "") for f in module._state_dict_pre_hooks.values()]
                 if any(q not in self.KNOWN_PRE_HOOKS for q in pre) or module._state_dict_hooks and not name:
-                    return  # a hook of unknown effect, or on the root: torchtitan's full call every save
+                    return False  # a hook of unknown effect, or on the root: torchtitan's full call every save
                 if module._state_dict_hooks:
                     if any(prefix.startswith(h) for h in hooked):
-                        return
+                        return False
                     hooked.append(prefix)
                     makers.append((module, prefix))
         if len(wrapper.model) > 1 and makers:
-            return  # makers of several parts: their prefixes are not the flattened keys' (torchtitan merges parts)
+            return False  # makers of several parts: their prefixes are not the flattened keys' (torchtitan merges parts)
         prefixes = tuple(p for _, p in makers)
         if any(not k.startswith(prefixes) for k in made) or not all(map(_is_tensor, sd.values())):
-            return  # a value neither a parameter's nor a maker's, or not a tensor (extra state)
+            return False  # a value neither a parameter's nor a maker's, or not a tensor (extra state)
         self._sd, self._key, self._objs, self._makers = sd, key, objs, makers
         self._out = sd
         splits = split_makers(makers, sd)
-        self._split_failed = len(splits) != sum(1 for m, _ in makers if SPLIT_HOOK in _hook_names(m))
-        if splits and not self._split_failed:
+        if splits:
             self._splits = splits
             self._out = dict(sd)
             for split in splits.values():
                 self._out.update(split.values)
+        return splits is not None
 
     @staticmethod
     def _tensors(wrapper: Any) -> tuple[list[Any], tuple[Any, ...]]:
