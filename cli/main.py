@@ -369,12 +369,13 @@ def gc_cmd(
     job: JobOpt = None,
     remove_job: Annotated[bool, typer.Option(
         "--remove-job", help="Delete ALL of the job's memory on this node (a finished job). Needs an explicit --job.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="With --remove-job: remove even if processes still have "
-                                                         "the job's files open.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Touch a live job anyway: one whose launch lock is held "
+                                                         "(a trainer, maybe in another container) or whose files "
+                                                         "processes have open.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be removed; remove nothing.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Evict old steps of a job from this node's memory, never the newest committed one; free slot files no step uses and no process has open. --remove-job drops a finished job entirely."""
+    """Evict old steps of a job from this node's memory, never the newest committed one; free slot files no step uses and no process has open. A live job (its launch lock held, from any container) is left alone without --force. --remove-job drops a finished job entirely."""
     from gemini_dcp.ops.housekeeping import collect_garbage, remove_job as remove
 
     me = [os.getpid()]
@@ -389,7 +390,7 @@ def gc_cmd(
         _out().print(f"{verb} job {rep.job_id!r} from {escape(rep.root)}: {len(rep.steps)} step(s) {rep.steps}, "
                      f"{bytes_h(rep.freed_bytes)} freed")
         return
-    rep = collect_garbage(root, job, keep, dry_run=dry_run, exclude_pids=me)
+    rep = collect_garbage(root, job, keep, dry_run=dry_run, exclude_pids=me, force=force)
     if as_json:
         _emit_json({"ok": True, "action": "gc", **rep.to_dict()})
         return

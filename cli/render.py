@@ -223,6 +223,10 @@ def render_verify(out: Console, report: Any) -> None:
 
 # ---- gc ------------------------------------------------------------------------------------------
 def render_gc(out: Console, rep: Any) -> None:
+    if rep.live_launches:
+        out.print(f"[yellow]left job {escape(rep.job_id)} in {escape(rep.root)} alone[/]: it is live, held by "
+                  f"{escape('; '.join(rep.live_launches))} (its writer keeps its own steps; --force to collect anyway)")
+        return
     verb = "would evict" if rep.dry_run else "evicted"
     out.print(f"job {escape(rep.job_id)} in {escape(rep.root)} (keep {rep.keep}): {verb} steps {rep.evicted_steps or 'none'}; "
               f"kept {rep.kept_steps or 'none'}")

@@ -31,7 +31,8 @@ def test_step_ids(checkpoint_id: object, step: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "checkpoint_id", ["step-", "step-x", "step_3", "outputs/step-3/model", "checkpoint", "step--1", True, -1, 3.0]
+    "checkpoint_id", ["step-", "step-x", "step_3", "outputs/step-3/model", "checkpoint", "step--1", True, -1, 3.0,
+                      "\u00b2", "\u0663", "step-\u0663", "1\u00b2", "\uff11\uff12"]  # superscript, Arabic-Indic, fullwidth
 )
 def test_other_ids_keep_the_clear_error(checkpoint_id: object) -> None:
     with pytest.raises(InvalidStepError, match="checkpoint_id"):

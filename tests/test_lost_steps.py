@@ -28,6 +28,7 @@ from mp_utils import run_ranks
 from workloads import plain_state
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
+from gemini_dcp.core import launch as launch_mod
 from gemini_dcp.core.launch import current_launch
 from gemini_dcp.errors import ConfigError, InvalidStepError, JobConflictError
 from gemini_dcp.local.tier import LocalTier
@@ -51,11 +52,11 @@ def launch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         gc.collect()  # writers of the previous launch are gone: their launch lock with them
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.9")
         monkeypatch.setenv("MASTER_PORT", str(20000 + n))
-        current_launch.cache_clear()
+        launch_mod.cache_clear()
 
     yield switch
     gc.collect()
-    current_launch.cache_clear()
+    launch_mod.cache_clear()
 
 
 def _save(root: str, job: str, step: int, sd: dict[str, Any] | None = None, **kw: Any) -> None:

@@ -121,6 +121,18 @@ def test_lost_node_rebuilt_from_parity_then_corrupt_parity_and_two_lost(nodes) -
     assert all(o.get("error") == "ChecksumMismatchError" for o in out), out
     assert str(bad) in out[0]["message"] and "parity" in out[0]["message"]
 
+    # a survivor's parity file missing: the shards are unavailable (not corrupt), named with the file and node
+    stats = run_ranks(_save, 4, n, steps=[4])
+    assert all(not s["degraded"] for s in stats), stats
+    rec4 = LocalTier(n[0], "par").record(4)
+    assert rec4 is not None
+    gone = Path(n[0]) / "par" / "ranks" / "rank-00000" / f"parity-{rec4.slot_of(0).slot}.bin"  # type: ignore[union-attr]
+    gone.unlink()
+    wipe(n[3])
+    out = run_ranks(_load, 4, n)
+    assert all(o.get("error") == "ShardUnavailableError" for o in out), out
+    assert str(gone) in out[0]["message"] and repr(rec4.rank_nodes[0]) in out[0]["message"], out[0]["message"]
+
     # two nodes of one group lost: no memory copy, no persistent tier: a clear refusal naming the group
     wipe(n[1])
     out = run_ranks(_load, 4, n)

@@ -88,12 +88,12 @@ def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> Non
     # the same save of step 6 again by the next launch (a torchrun restart retrying it): the store
     # already has it, nothing is rewritten. (A second save of one step within a launch is refused.)
     mtime = (step_dir / ".metadata").stat().st_mtime_ns
-    from gemini_dcp.core.launch import current_launch
+    from gemini_dcp.core import launch as launch_mod
 
     restart = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RESTART_COUNT": "1"}
     saved_env = {k: os.environ.get(k) for k in restart}
     os.environ.update(restart)
-    current_launch.cache_clear()
+    launch_mod.cache_clear()
     try:
         w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=2, persist_keep=2)
         dcp.save(plain_state(6), storage_writer=w, checkpoint_id=6)
@@ -103,7 +103,7 @@ def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> Non
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        current_launch.cache_clear()
+        launch_mod.cache_clear()
     assert wait_idle(_persist_dir(root, job), 180)
     assert "already holds" in drain_status(_persist_dir(root, job))["steps"]["6"]["detail"]
     assert (step_dir / ".metadata").stat().st_mtime_ns == mtime

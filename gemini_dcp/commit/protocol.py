@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -70,7 +72,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..core.config import TierOptions
 from ..core.faults import fault_point
 from ..core.safe_pickle import restricted_loads
-from ..errors import InvalidStepError, PeerError
+from ..errors import InvalidStepError, PeerError, TierRootError
 from ..local.records import (
     ChecksumOverlay,
     RankSlot,
@@ -449,6 +451,7 @@ class CommitProtocol:
         if self.leader:
             fault_point("commit.before_record")
             try:
+                self._check_slots_present(node_record)
                 self.tier.write_record(node_record)
             except BaseException:
                 # Not committed on this node; the previous steps are untouched (nothing was evicted).
@@ -461,6 +464,22 @@ class CommitProtocol:
             fault_point("commit.after_evict")
             if evicted:
                 log.debug("node %s evicted steps %s", node_id, evicted)
+
+    def _check_slots_present(self, record: StepRecord) -> None:
+        """TierRootError when a slot file the record names is gone from this node (removed while the
+        step was saved): committing it would publish a step no restore can read."""
+        for rs in record.slots:
+            path = self.tier.slot_path(rs.rank, rs.slot)
+            try:
+                regular = stat.S_ISREG(os.lstat(path).st_mode)
+            except OSError:
+                regular = False
+            if not regular:
+                raise TierRootError(
+                    f"step {record.step}: slot file {path} (rank {rs.rank}) is gone from node {self.node.node_id} "
+                    "(removed by hand, or by `gemini-dcp gc --force` on a live job): the step is not committed here "
+                    "and the previous one stays restorable."
+                )
 
     def _warn_replicas_capped(self, nodes: int) -> None:
         if self.options.replicas > nodes and not self._warned_replicas:

@@ -6,14 +6,23 @@ of the step being saved is never one a kept step still uses, see
 ranks land in slots of those ranks on this node. A slot file is mapped once per writer
 and grown in place (never shrunk) as a save needs it.
 
+A slot file removed behind the writer's back (``rm``, a ``gc --force``) would keep taking
+bytes that no restore can reach: a mapping whose file is no longer the one its path names is
+dropped and the slot made anew (written in full) at its next use, and :meth:`SlotPool.check_linked`
+fails a save whose slot went while it was written, before anything commits.
+
 Local work only (no collective): each rank calls it for the slots it writes or receives.
 """
 
 from __future__ import annotations
 
-from ..errors import TierFullError
+import logging
+
+from ..errors import TierFullError, TierRootError
 from ..local.slots import ALIGN, SlotFile, free_bytes, round_capacity, tier_full_message
 from ..local.tier import LocalTier
+
+log = logging.getLogger(__name__)
 
 
 class SlotPool:
@@ -33,12 +42,28 @@ class SlotPool:
         """The slot file ``idx`` of ``rank`` on this node, created (empty) and mapped on first use."""
         key = (rank, idx)
         slot = self._slots.get(key)
+        if slot is not None and not slot.linked():
+            log.warning("slot file %s was removed or replaced while this job ran (by hand, or a gc --force): made "
+                        "anew; this save copies every item into it", slot.path)
+            slot.close()
+            slot = None
         if slot is None:
             path = self.tier.slot_path(rank, idx)
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             slot = SlotFile(path)
             self._slots[key] = slot
         return slot
+
+    def check_linked(self, rank: int, idx: int) -> None:
+        """TierRootError when slot ``idx`` of ``rank`` is no longer the file its path names: its
+        bytes would be committed where no restore finds them (the save fails; the previous step stays)."""
+        slot = self._slots.get((rank, idx))
+        if slot is not None and not slot.linked():
+            raise TierRootError(
+                f"slot file {slot.path} was removed or replaced while this save wrote it (by hand, or by "
+                "`gemini-dcp gc --force` on a live job): this step is not committed and the previous one stays "
+                "restorable. The next save makes the slot anew; keep other tools off a live job's tier root."
+            )
 
     def choose(self, rank: int) -> int:
         """The slot index ``rank``'s next save (or replica) goes to (see ``LocalTier.choose_slot``)."""

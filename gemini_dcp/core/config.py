@@ -88,7 +88,7 @@ def resolve_node_id(root: Path) -> str:
     return f"{socket.gethostname()}:{root}"
 
 
-_STEP_DIR = re.compile(r"step-(\d+)")
+_STEP_DIR = re.compile(r"step-([0-9]+)")
 
 
 def _step_of_path(checkpoint_id: object) -> int | None:
@@ -103,10 +103,15 @@ def _step_of_path(checkpoint_id: object) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _ascii_digits(text: str) -> bool:
+    """``text`` is one or more of ``0``-``9`` (``str.isdigit`` also takes ``'²'`` and ``'٣'``)."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_step(checkpoint_id: object) -> int:
     """Turn a DCP ``checkpoint_id`` into a training step, or raise InvalidStepError.
 
-    Accepted: an int ``>= 0`` (or a numpy integer), a string of digits, or a path-like id
+    Accepted: an int ``>= 0`` (or a numpy integer), a string of ASCII digits, or a path-like id
     (``str`` or ``os.PathLike``) whose last component is ``step-<N>`` — e.g. torchtitan's
     ``outputs/checkpoint/step-1200`` is step 1200; the folder part is ignored (the job is ``job_id``).
     """
@@ -116,7 +121,7 @@ def parse_step(checkpoint_id: object) -> int:
         )
     if isinstance(checkpoint_id, int) or type(checkpoint_id).__name__ in {"int64", "int32"}:
         step = int(checkpoint_id)  # type: ignore[arg-type]
-    elif isinstance(checkpoint_id, str) and checkpoint_id.strip().isdigit():
+    elif isinstance(checkpoint_id, str) and _ascii_digits(checkpoint_id.strip()):
         step = int(checkpoint_id.strip())
     elif (from_path := _step_of_path(checkpoint_id)) is not None:
         step = from_path

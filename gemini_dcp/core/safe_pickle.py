@@ -194,7 +194,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     for part in version.split("+", 1)[0].split("."):
         digits = ""
         for ch in part:
-            if not ch.isdigit():
+            if not ("0" <= ch <= "9"):
                 break
             digits += ch
         if not digits:

@@ -77,7 +77,7 @@ def _release(version: str) -> tuple[int, ...]:
     """``'2.15.0+cu130'`` -> ``(2, 15, 0)``; ``'2.16.0a0'`` -> ``(2, 16, 0)`` (the numeric release part)."""
     out: list[int] = []
     for part in version.split("+")[0].split("."):
-        m = re.match(r"\d+", part)
+        m = re.match(r"[0-9]+", part)
         if m is None:
             break
         out.append(int(m.group()))

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..core.restore_order import RestoreDecision
-from ..errors import ChecksumMismatchError
+from ..errors import ChecksumMismatchError, ShardUnavailableError
 from ..local.parity_record import rebuilt_path
 from ..local.records import StepRecord
 from ..local.tier import LocalTier
@@ -59,8 +59,9 @@ def rebuild_from_parity(
     ``mine``: this node's record of the step (None: this node holds none); ``local``: the reader's
     saving rank -> slot file map of this node, to which the rebuilt slots of this node are added.
     Returns the decision to restore with (a failed rebuild moved to the persistent tier).
-    Raises ChecksumMismatchError on every rank when a rank could not be rebuilt and the
-    persistent tier does not hold the step.
+    Raises, on every rank, when a rank could not be rebuilt and the persistent tier does not hold
+    the step: ShardUnavailableError when a survivor's data or parity file is missing or unreadable
+    (naming the file and its node), else ChecksumMismatchError.
     """
     servers = rebuild_servers(record, decision.holders, decision.node_ranks)
     slot_of = {s.rank: s.slot for s in mine.slots} if mine is not None else {}
@@ -90,6 +91,12 @@ def rebuild_from_parity(
             decision, holders=holders, use_persistent=True,
             missing_ranks=tuple(sorted(set(decision.missing_ranks) | set(failed))),
             rebuilt={r: b for r, b in decision.rebuilt.items() if r not in out.errors},
+        )
+    if set(failed) <= set(out.unreadable):
+        raise ShardUnavailableError(
+            f"job {record.job_id!r} step {record.step}: the lost saving ranks {failed} cannot be rebuilt from parity: "
+            f"{why}. Nothing was restored. Load an older step, or configure persistent=<url> so that such a loss "
+            "falls back to the persistent tier."
         )
     raise ChecksumMismatchError(
         f"job {record.job_id!r} step {record.step}: the lost saving ranks {failed} (parity groups of saving ranks "

@@ -74,6 +74,20 @@ TIERS = ("local", "peer", "persistent", "parity")  # parity: bytes of slots rebu
 ItemKey = tuple[int, int]  # (saving rank, offset in its slot): one stored item
 
 
+class _OurErrorNotDcpFallback(logging.Filter):
+    """Drops ``dcp.load``'s "Global metadata is not found. Falling back to rank local metadata."
+    warning (logged with a full traceback on every rank, on the root logger) when the error it
+    carries is one of ours: the restore decision is collective, there is no rank-local fallback,
+    and the same error reaches the caller through DCP's own exception a moment later."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, GeminiError) and str(record.msg).startswith("Global metadata is not found"))
+
+
+_DCP_FALLBACK_FILTER = _OurErrorNotDcpFallback()
+
+
 class GeminiStorageReader(StorageReader):
     """Load DCP checkpoints from node memory, peer memory, then persistent storage.
 
@@ -108,6 +122,9 @@ class GeminiStorageReader(StorageReader):
         ``options``: a :class:`gemini_dcp.options.GeminiOptions` instead of, or with, the keywords
         (a keyword left at its default takes the options' value; both set differently is a ConfigError)."""
         super().__init__()
+        root_logger = logging.getLogger()  # torch's state_dict_loader logs there
+        if _DCP_FALLBACK_FILTER not in root_logger.filters:
+            root_logger.addFilter(_DCP_FALLBACK_FILTER)
         # Validated before any directory is touched: ``options`` merged with the keywords
         # (a keyword and an options field set to different values is a ConfigError).
         self.gemini_options: GeminiOptions = resolve_options(

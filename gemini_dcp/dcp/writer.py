@@ -56,7 +56,7 @@ from ..commit.protocol import CommitProtocol, LocalWrite, NodeIdentity, SaveSpec
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import resolve_algo
 from ..core.config import parse_step, resolve_node_id
-from ..core.launch import current_launch
+from ..core.launch import current_launch, launch_known
 from ..errors import ConfigError, InvalidStepError
 from ..local.launch_lock import hold_launch_lock
 from ..local.records import ShardRef, StepRecord
@@ -148,8 +148,10 @@ class GeminiStorageWriter(StorageWriter):
     writers with separate job ids). A step saved by another launch (before a restart)
     is replaced, and the replacement is logged.
 
-    One live launch per job: constructing a writer holds a lock for this launch in the
-    job directory while the writer lives; a second *live* launch with the same root and
+    One live launch per job: constructing a writer (or its first save, when it was built before
+    ``init_process_group``) holds a lock for this launch in the job directory while the writer
+    lives (the ranks agree on the launch over the default group's store, however the group was
+    initialized: :mod:`gemini_dcp.core.launch`); a second *live* launch with the same root and
     job id is refused with JobConflictError (a dead one, e.g. before a torchrun restart,
     never blocks). Records of steps newer than the one being saved are deleted only when a
     restore in this launch went back past them.
@@ -198,7 +200,11 @@ class GeminiStorageWriter(StorageWriter):
         self.job_id: str = self.tier.job_id
         self.node_id = cfg.local.node_id or resolve_node_id(self.root)
         self.launch = current_launch()
-        hold_launch_lock(self.tier, self.launch, self)  # JobConflictError if another live launch uses the job
+        # The launch lock needs the launch's identity, which the ranks agree on over the default
+        # group's store: taken now when the group exists, else at the first save (_bind_launch).
+        self._launch_bound = launch_known()
+        if self._launch_bound:
+            hold_launch_lock(self.tier, self.launch, self)  # JobConflictError if another live launch uses the job
         st = os.stat(self.root)
         node = NodeIdentity(
             node_id=self.node_id, host=self.launch.host, root_id=(st.st_dev, st.st_ino),
@@ -295,8 +301,21 @@ class GeminiStorageWriter(StorageWriter):
         self._step = None if checkpoint_id is None else parse_step(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._bind_launch()
         self._is_coordinator = is_coordinator
         self._rank = int(kwargs.get("rank", _default_rank()))
+
+    def _bind_launch(self) -> None:
+        """Hold the launch lock of a writer built before the process group existed (once)."""
+        if self._launch_bound:
+            return
+        self.launch = current_launch()
+        hold_launch_lock(self.tier, self.launch, self)
+        self.commit.node = dataclasses.replace(
+            self.commit.node, host=self.launch.host, launch_id=self.launch.launch_id,
+            launch_description=self.launch.description,
+        )
+        self._launch_bound = True
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Check the space, and hand this rank's pre-write agreement values to DCP's coordinator
@@ -325,6 +344,7 @@ class GeminiStorageWriter(StorageWriter):
 
         Collective over the checkpoint control group: all ranks call it (DCP does).
         """
+        self._bind_launch()
         comm = get_comm(self.options.timeout_s, self.process_group)
         planned = getattr(planner, "metadata", None) if comm.rank == 0 else None  # the coordinator's global metadata
         step = self._require_step()
@@ -507,6 +527,7 @@ class GeminiStorageWriter(StorageWriter):
         into a slot of the node's tier (paced by ``hooks.pace`` when set; see
         :mod:`gemini_dcp.dcp.local_write`). Local work."""
         done = self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
+        self.slot_pool.check_linked(rank, done.slot)  # before the gather: a removed slot fails the save everywhere
         self._pending_save = _save_stats(step, done, self.local_writer)
         memory = self._replica_memory
         if memory is not None:

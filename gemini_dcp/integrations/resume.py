@@ -17,7 +17,7 @@ from typing import Literal
 
 from ..errors import ConfigError
 
-STEP_DIR = re.compile(r"step-(\d+)")
+STEP_DIR = re.compile(r"step-([0-9]+)")
 MARKERS = (".metadata", "model.safetensors.index.json")  # what makes a step folder complete (torchtitan's test)
 
 Source = Literal["gemini", "folder", "fresh"]

@@ -25,10 +25,10 @@ from ..core.config import DEFAULT_ROOT, ENV_ROOT
 from ..core.regular_file import NotRegularFileError, open_regular
 from ..errors import TierFullError, TierRootError, UntrustedDataError
 
-_STEP_RE = re.compile(r"^step-(\d{12,})\.rec$")  # record_path pads to 12 digits; larger steps are longer
-_SLOT_RE = re.compile(r"^slot-(\d+)\.bin$")
-_RANK_RE = re.compile(r"^rank-(\d+)$")
-_TMP_RE = re.compile(r"^\..+\.tmp-(\d+)(?:-\d+)?$")  # atomic_write_bytes' temporary files (pid, thread)
+_STEP_RE = re.compile(r"^step-([0-9]{12,})\.rec$")  # record_path pads to 12 digits; larger steps are longer
+_SLOT_RE = re.compile(r"^slot-([0-9]+)\.bin$")
+_RANK_RE = re.compile(r"^rank-([0-9]+)$")
+_TMP_RE = re.compile(r"^\..+\.tmp-([0-9]+)(?:-[0-9]+)?$")  # atomic_write_bytes' temporary files (pid, thread)
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)

@@ -23,7 +23,7 @@ from ..errors import JobConflictError
 from .job_dir import ensure_private_dir, open_private, remove_quietly
 from .tier import LocalTier, _warn_once
 
-__all__ = ["hold_launch_lock"]
+__all__ = ["hold_launch_lock", "live_launches"]
 
 
 class _HeldLock:
@@ -201,3 +201,72 @@ def _probe(path: Path, fd: int) -> str:
         if time.monotonic() >= deadline:
             return "alive"
         time.sleep(0.02)
+
+
+def live_launches(job_dir: Path) -> list[dict[str, object]]:
+    """The launches whose lock file in ``job_dir`` is held right now: what each wrote of itself
+    (``description``, ``host``, ``pid``; a pid is that of the launch's own PID namespace).
+
+    Proof of life that crosses PID namespaces and containers: the lock is the kernel's, on the
+    tmpfs inode every container sharing the memory volume sees, where ``/proc`` shows only this
+    namespace's processes. Changes nothing (a dead launch's file stays for its next writer to
+    remove). A launch held by this very process counts as live: a POSIX lock never conflicts
+    with its own process, so this process's locks are looked up, not probed (and probing one
+    would drop it: closing any descriptor of a file releases the process's locks on it).
+    """
+    ldir = job_dir / "launches"
+    try:
+        names = sorted(os.listdir(ldir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    with _held_guard:
+        _apply_releases()
+        mine = {_inode(h.fd): h.fd for h in _held.values()}
+    out: list[dict[str, object]] = []
+    for name in names:
+        path = ldir / name
+        if not name.endswith(".lock"):
+            continue
+        try:
+            held_fd = mine.get(_inode_of(path))
+        except OSError:
+            continue
+        if held_fd is not None:
+            out.append(_read_fd_info(held_fd))  # through the held descriptor: no second one to close
+            continue
+        try:
+            fd = _open_lock_file(path, create=False)
+        except OSError:
+            continue  # gone, or not a lock file of ours (a link, another owner): not a launch
+        try:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                out.append(_read_fd_info(fd))
+            else:
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+    return out
+
+
+def _inode(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def _inode_of(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return (st.st_dev, st.st_ino)
+
+
+def _read_fd_info(fd: int) -> dict[str, object]:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        info = {}
+    if not isinstance(info, dict):
+        info = {}
+    return {k: info.get(k, "?") for k in ("launch_id", "description", "host", "pid")}

@@ -63,7 +63,7 @@ def _split_body(magic: bytes, body: bytes, source: str) -> tuple[bytes, str | No
 def _newer_magic(magic: bytes) -> bool:
     """A record magic of a later gemini_dcp (``GEMREC03`` and up)."""
     tail = magic[len(_MAGIC_PREFIX) :]
-    return magic.startswith(_MAGIC_PREFIX) and tail.isdigit() and int(tail) > int(RECORD_MAGIC[len(_MAGIC_PREFIX) :])
+    return magic.startswith(_MAGIC_PREFIX) and tail.isascii() and tail.isdigit() and int(tail) > int(RECORD_MAGIC[len(_MAGIC_PREFIX) :])
 
 
 def decode_record(data: bytes, *, source: str = "<bytes>") -> StepRecord:

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 HOLD_S = 120.0  # a hold not refreshed for this long is stale (its drain died or hangs)
-_HOLD_RE = re.compile(r"^rank-(\d+)-slot-(\d+)$")
+_HOLD_RE = re.compile(r"^rank-([0-9]+)-slot-([0-9]+)$")
 
 
 def holds_dir(persist_dir: str | os.PathLike[str]) -> Path:

@@ -147,6 +147,16 @@ class SlotFile:
     def view(self, offset: int, length: int) -> torch.Tensor:
         return self.tensor[offset : offset + length]
 
+    def linked(self) -> bool:
+        """Whether the mapped file is still the one ``path`` names (not unlinked, not replaced):
+        bytes copied into an unlinked slot reach nobody who opens the path (a restore)."""
+        try:
+            st = os.fstat(self._fd)
+            at = os.lstat(self.path)
+        except OSError:
+            return False
+        return st.st_nlink >= 1 and (at.st_dev, at.st_ino) == (st.st_dev, st.st_ino)
+
     def close(self) -> None:
         self._unmap()
         if self._fd >= 0:

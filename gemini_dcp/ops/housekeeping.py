@@ -1,7 +1,10 @@
 """Freeing a tier's memory by hand: ``gc`` (evict old steps, free unused slot files) and ``remove``.
 
-Both refuse to touch what a live process has open or mapped, and ``gc`` never
-evicts the newest committed step.
+Both leave a live job alone and ``gc`` never evicts the newest committed step. A job is live
+when a launch holds its launch lock (:func:`gemini_dcp.local.launch_lock.live_launches`: the
+kernel's lock on the tmpfs inode, seen from any container or PID namespace sharing the memory
+volume) or when a process this namespace can see has its files open or mapped (``/proc``).
+Touching a live job needs ``force``.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..core.config import DEFAULT_KEEP
-from ..errors import ConfigError, TierRootError
+from ..errors import ConfigError, JobConflictError, TierRootError
 from ..local.job_dir import remove_quietly
 from ..local.job_files import job_usage_bytes, open_job, read_record_or_reason
+from ..local.launch_lock import live_launches
 from ..local.records import StepRecord
 
 
@@ -49,6 +53,7 @@ class GcReport:
     freed_files: list[str]
     freed_bytes: int
     busy_files: dict[str, list[int]]    # slot file -> pids that have it open/mapped (not freed)
+    live_launches: list[str] = dataclasses.field(default_factory=list)  # launches holding the job's lock
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -61,6 +66,7 @@ def collect_garbage(
     *,
     dry_run: bool = False,
     exclude_pids: Iterable[int] = (),
+    force: bool = False,
 ) -> GcReport:
     """Keep the newest ``keep`` steps of ``job_id`` in this root; evict the older ones.
 
@@ -68,6 +74,10 @@ def collect_garbage(
     being committed right now). Slot files that no remaining record uses are
     deleted to give the memory back, unless some process (a running trainer)
     has them open or mapped: those are listed in ``busy_files`` and left alone.
+
+    A job a live launch holds (``live_launches`` of the report) is left untouched, whatever
+    ``/proc`` shows (its trainer may run in another container): its writer owns its retention
+    and its spare slot. ``force`` collects it anyway.
     """
     if not isinstance(keep, int) or keep < 1:
         raise ConfigError(
@@ -75,6 +85,11 @@ def collect_garbage(
             "to drop a finished job's memory entirely, remove the job (`gemini-dcp gc --remove-job`)."
         )
     layout = open_job(root, job_id)
+    live = [] if force else [_launch_text(info) for info in live_launches(layout.job_dir)]
+    if live:
+        return GcReport(root=str(layout.root), job_id=layout.job_id, keep=keep, dry_run=dry_run,
+                        kept_steps=layout.record_steps(), evicted_steps=[], freed_files=[], freed_bytes=0,
+                        busy_files={}, live_launches=live)
     steps = layout.record_steps()
     records: dict[int, StepRecord | None] = {s: read_record_or_reason(layout, s)[0] for s in steps}
     committed = [s for s, r in records.items() if r is not None and r.complete]
@@ -126,7 +141,7 @@ def _ranks_present(layout: Any) -> list[int]:
         return []
     out = []
     for n in names:
-        if n.startswith("rank-") and n[5:].isdigit() and (layout.ranks_dir / n).is_dir():
+        if n.startswith("rank-") and n[5:].isascii() and n[5:].isdigit() and (layout.ranks_dir / n).is_dir():
             out.append(int(n[5:]))
     return sorted(out)
 
@@ -203,11 +218,19 @@ def remove_job(
 ) -> RemoveReport:
     """Delete every file of a finished job in this root (its memory goes back to the node).
 
-    Refuses while a process has the job's files open or mapped (a trainer still
-    running), naming the processes, unless ``force``.
+    Refuses while a launch holds the job's launch lock (from any container sharing the
+    volume: :class:`~gemini_dcp.errors.JobConflictError` naming it) or a process has the job's
+    files open or mapped (a trainer still running), unless ``force``.
     """
     layout = open_job(root, job_id)
     if not force:
+        live = [_launch_text(info) for info in live_launches(layout.job_dir)]
+        if live:
+            raise JobConflictError(
+                f"job {layout.job_id!r} in {layout.root} is live: held by {'; '.join(live)}. Its trainer may run in "
+                "another container or PID namespace, where this one cannot see its processes. Stop the job first, or "
+                "pass --force if that launch is hung."
+            )
         users = processes_using(layout.job_dir, exclude=exclude_pids)
         if users:
             who = ", ".join(f"{pid} ({name})" for pid, name in sorted(users.items()))
@@ -230,3 +253,7 @@ def remove_job(
     return RemoveReport(root=str(layout.root), job_id=layout.job_id, removed=not dry_run, freed_bytes=freed, steps=steps)
 
 
+
+
+def _launch_text(info: dict[str, object]) -> str:
+    return f"launch {info.get('description', '?')} (host {info.get('host', '?')}, pid {info.get('pid', '?')})"

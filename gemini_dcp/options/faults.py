@@ -47,7 +47,7 @@ def parse_fault(text: str) -> FaultSpec:
         sig = int(signal.SIGKILL)
         if ":" in raw:
             raw, _, s = raw.partition(":")
-            sig = int(signal.Signals(int(s))) if s.isdigit() else int(getattr(signal, s))
+            sig = int(signal.Signals(int(s))) if s.isascii() and s.isdigit() else int(getattr(signal, s))
         nth = 1
         if "@" in raw:
             raw, _, n = raw.partition("@")

@@ -207,6 +207,16 @@ class Rebuilt:
     errors: dict[int, str]  # lost saving rank -> why not
     nbytes: int  # bytes rebuilt (all ranks)
 
+    @property
+    def unreadable(self) -> list[int]:
+        """Lost ranks whose rebuild failed only because a survivor's file was missing or unreadable
+        (not a checksum failure): their shards are unavailable, not corrupt."""
+        return sorted(r for r, why in self.errors.items() if why.startswith(UNREADABLE))
+
+
+#: How an error of :class:`Rebuilt` starts when a survivor's data or parity file could not be read.
+UNREADABLE = "cannot read "
+
 
 def rebuild_servers(record: StepRecord, holders: Mapping[int, Sequence[str]], node_ranks: Mapping[str, Sequence[int]]) -> dict[int, int]:
     """Saving rank -> the current rank that serves its slot and parity (the lowest rank of its own
@@ -264,9 +274,18 @@ def rebuild_lost(
         idx = slot_index(t.member)
         if idx is None:
             raise FileNotFoundError(f"this node holds no slot of rank {t.member} for step {step}")
+        path = slot_path(t.member, idx) if t.kind == "data" else parity_path(rank_dir(t.member), idx)
+        try:
+            return _source_view(t, path)
+        except OSError as exc:
+            raise OSError(
+                f"{UNREADABLE}the {t.kind} file {path} of saving rank {t.member} on node "
+                f"{record.rank_nodes[t.member]!r} (step {step}): {exc.strerror or exc}"
+            ) from exc
+
+    def _source_view(t: Transfer, path: Path) -> torch.Tensor:
         if t.kind == "data":
-            return mapped(slot_path(t.member, idx)).view(t.offset, t.length)
-        path = parity_path(rank_dir(t.member), idx)
+            return mapped(path).view(t.offset, t.length)
         if t.member not in checked:  # the whole parity, once, before any of it leaves this rank
             full = mapped(path).view(0, layout.parity_nbytes[t.member])
             ok = checksum(full, layout.algo) == layout.checksums[t.member]
@@ -298,7 +317,9 @@ def rebuild_lost(
             try:
                 buf = source(t)
             except (OSError, ValueError) as exc:  # keep the pairing: send zeros, report the error
-                local_error = local_error or f"rank {me} could not read {t.kind} of rank {t.member}: {exc}"
+                text = str(exc)
+                local_error = local_error or (text if text.startswith(UNREADABLE)
+                                              else f"rank {me} could not read {t.kind} of rank {t.member}: {exc}")
                 errors[t.lost] = local_error
                 buf = torch.zeros(t.length, dtype=torch.uint8)
             if t.kind == "parity" and checked.get(t.member):

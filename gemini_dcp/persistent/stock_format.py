@@ -67,7 +67,7 @@ from .store import (
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-_RANK_FILE_RE = re.compile(r"^__(\d+)_")
+_RANK_FILE_RE = re.compile(r"^__([0-9]+)_")
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,7 +98,7 @@ __all__ = [  # the names the drain, the CLI and the tests import from here
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR_RE = re.compile(r"^step-(\d+)$")
+_STEP_DIR_RE = re.compile(r"^step-([0-9]+)$")
 _T = TypeVar("_T")
 
 # Successful probes, per process: a writer constructed for every save probes the store once.

@@ -379,6 +379,29 @@ def _bounded(what: str, fn: Callable[[], T], limit_s: float) -> T:
     return result["value"]
 
 
+def agree_on_default_store(key: str, proposal: str, limit_s: float) -> str | None:
+    """The value every rank of the default group gets for ``key``: the first ``proposal`` posted.
+
+    Not collective (no rank waits for another): each rank offers its own proposal with one
+    ``compare_set`` on the default group's key-value store, which keeps the first and hands it
+    back to everyone, however the group was initialized (torchrun, ``env://``, ``tcp://``,
+    ``file://``, a ``Store`` passed in). ``None`` without an initialized group or when the store
+    cannot compare-and-set; TimeoutError when its host does not answer within ``limit_s``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+
+    def offer() -> str | None:
+        try:
+            got = store.compare_set(key, "", proposal)
+        except (NotImplementedError, RuntimeError):  # a Store without compare_set
+            return None
+        return got.decode() if isinstance(got, bytes) else str(got)
+
+    return _bounded(f"agreeing on {key!r} over the default store", offer, limit_s)
+
+
 def _new_group(ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup:
     """A gloo group of ``ranks`` whose every operation waits at most ``timeout_s``.
 
