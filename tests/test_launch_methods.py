@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from mp_utils import free_port, node_root_factory, run_ranks
 
 make_roots, _cleanup = node_root_factory("gemini-launch-")
