@@ -179,11 +179,19 @@ def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: i
     }
 
 
-def restore_worker(rank: int, world: int, *, total_bytes: int, roots: list[str], expect_by_rank: list[dict[str, int]], extra_loads: int) -> dict[str, Any]:
+def restore_worker(rank: int, world: int, *, total_bytes: int, roots: list[str], expect_by_rank: list[dict[str, int]], extra_loads: int,
+                   before: bool = False) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
     from gemini_dcp import GeminiStorageReader
+
+    if before:  # as before the fix: the extension loaded on first use inside the restore, one pre-fault call
+        import gemini_dcp.ext.loader as ext_loader
+        import gemini_dcp.peer.arena as arena
+
+        ext_loader.preload = lambda: None
+        arena.POPULATE_STEP = 0
 
     timed = common.timed
     expect = expect_by_rank[rank]
@@ -281,6 +289,11 @@ def summarize(save: list[dict[str, Any]], restores: list[list[dict[str, Any]]], 
         "gbps_by_restore_seconds": median(gbps(x["peer_bytes"], x["restore_seconds"]) for x in rest_rows),
         "again_gbps": median(gbps(peer_bytes, t) for x in rest_rows for t in x["again_load_s"]),
     }
+    loads = sorted(x["load_s"] for x in rest_rows)
+    figs["restore"]["spread"] = {  # replacement-node restores in fresh processes: the tail, not only the median
+        "load_s_sorted": loads, "median_s": median(loads), "max_s": loads[-1] if loads else None,
+        "max_over_median": (loads[-1] / median(loads)) if loads and median(loads) else None,
+    }
     figs["restore_raw_oneway"] = {
         "gbps": median(gbps(x["peer_bytes"], x["raw_oneway_s"]) for x in rest_rows),
         "gbps_range": spread([gbps(x["peer_bytes"], x["raw_oneway_s"]) for x in rest_rows]),
@@ -300,7 +313,7 @@ def summarize(save: list[dict[str, Any]], restores: list[list[dict[str, Any]]], 
     return {
         "benchmark": "peer",
         "machine": common.machine_info(),
-        "config": {"gib": args.gib, "nodes": 2, "ranks_per_node": 1, "threads_per_rank": 1, "replicas": 2,
+        "config": {"before_dlopen_fix": args.before, "gib": args.gib, "nodes": 2, "ranks_per_node": 1, "threads_per_rank": 1, "replicas": 2,
                    "keep": args.keep, "rounds": args.rounds, "restores": args.restores, "gb": "1e9 bytes",
                    "tier_dir": args.shm, "tier_mount": common.mount_options(args.shm)},
         "payload_bytes_per_rank": payload,
@@ -334,6 +347,11 @@ def report(s: dict[str, Any]) -> None:
     line("raw gloo isend/irecv swap, touched buffer (per rank)", f["raw_swap"], f"median {fmt(f['raw_swap']['median_s'], '.3f')} s")
     line("raw gloo one-way 0->1, touched buffer", f["raw_oneway"])
     line("raw gloo one-way 0->1, fresh buffer", f["raw_oneway_fresh"])
+    sp = f["restore"].get("spread") or {}
+    if sp.get("load_s_sorted"):
+        print(f"  restores in fresh processes ({len(sp['load_s_sorted'])}): "
+              f"{', '.join(fmt(x, '.3f') for x in sp['load_s_sorted'])} s; median {fmt(sp['median_s'], '.3f')} s, "
+              f"max {fmt(sp['max_over_median'], '.2f')}x the median")
     line("whole dcp.save replicas=2 (all state bytes / wall)", f["gemini_save"], f"median {fmt(f['gemini_save']['median_s'], '.3f')} s")
     line("restore of lost node from peer (peer bytes / dcp.load)", f["restore"],
          f"(by restore_seconds {fmt(f['restore']['gbps_by_restore_seconds'])}; warm re-load {fmt(f['restore']['again_gbps'])})")
@@ -445,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="output JSON (default benchmarks/results/peer.json)")
     ap.add_argument("--png", type=Path, default=None, help="output plot (default docs/img/bench_peer.png)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    ap.add_argument("--before", action="store_true",
+                    help="restore as before the dlopen fix: the extension loaded lazily inside the restore and the "
+                         "receive arena pre-faulted in one madvise call (for a before/after of the restore spread)")
     ap.add_argument("--shm", default="/dev/shm",
                     help="memory-backed directory the nodes' tier roots are made in (default /dev/shm; "
                          "e.g. a tmpfs mounted with huge=within_size, see docs/architecture.md)")
@@ -477,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.restores):
             wipe(roots[1])  # node 1 is replaced: fresh processes, empty memory
             restores.append(common.spawn(restore_worker, 2, total_bytes=total, roots=[str(r) for r in roots],
-                                         expect_by_rank=[x["expect"] for x in save], extra_loads=args.extra_loads))
+                                         expect_by_rank=[x["expect"] for x in save], extra_loads=args.extra_loads,
+                                         before=args.before))
         s = summarize(save, restores, args)
         s["wall_s"] = time.time() - t0
         s["machine"]["loadavg_before"] = load_before

@@ -57,6 +57,7 @@ from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
+from ..ext import loader as ext_loader
 from ..local.records import ShardRef, StepRecord
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
@@ -122,6 +123,7 @@ class GeminiStorageReader(StorageReader):
         ``options``: a :class:`gemini_dcp.options.GeminiOptions` instead of, or with, the keywords
         (a keyword left at its default takes the options' value; both set differently is a ConfigError)."""
         super().__init__()
+        ext_loader.preload()  # the extension mapped now, not inside a timed save or restore
         root_logger = logging.getLogger()  # torch's state_dict_loader logs there
         if _DCP_FALLBACK_FILTER not in root_logger.filters:
             root_logger.addFilter(_DCP_FALLBACK_FILTER)

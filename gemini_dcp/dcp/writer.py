@@ -58,6 +58,7 @@ from ..core.checksum import resolve_algo
 from ..core.config import parse_step, resolve_node_id
 from ..core.launch import current_launch, launch_known
 from ..errors import ConfigError, InvalidStepError
+from ..ext import loader as ext_loader
 from ..local.launch_lock import hold_launch_lock
 from ..local.records import ShardRef, StepRecord
 from ..local.slots import SlotFile
@@ -191,6 +192,7 @@ class GeminiStorageWriter(StorageWriter):
             full_every=full_every,
         )
         cfg = self.gemini_options
+        ext_loader.preload()  # the extension mapped now, not inside a timed save or restore
         self.options = cfg.tier_options()
         self.incremental: IncrementalOptions = cfg.incremental
         self.parity_group = cfg.peer.parity_group  # validated with replicas (PeerOptions), before any directory exists

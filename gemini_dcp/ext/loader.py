@@ -403,6 +403,17 @@ def load(verbose: bool = False) -> bool:
     return LOADER.load(verbose)
 
 
+def preload() -> None:
+    """:func:`load` now, where a writer or reader is built: never inside a timed save or restore.
+
+    Loading maps the library (``dlopen``), which waits for the process's memory-map lock; a
+    restore pre-faults its receive buffers (:class:`gemini_dcp.peer.arena.ReceiveArena`) while
+    gloo writes into them, and a first load behind that waited up to ~0.7 s. Called by the
+    writer's and the reader's constructors; benchmarks replace it to measure the lazy load.
+    """
+    load()
+
+
 def has_cuda_ext() -> bool:
     """Whether the CUDA ops are loaded (after :func:`load`; does not build)."""
     return LOADER.has_cuda and cuda_ops_loaded()

@@ -17,6 +17,8 @@ __all__ = ["ReceiveArena"]
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python exposes it from 3.13 only
 _HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) transparent huge page
+#: Bytes pre-faulted per ``madvise`` call (a multiple of the huge page; 0: the whole arena in one call).
+POPULATE_STEP = 32 << 20
 _CHUNK_ALIGN = 4096  # each chunk starts on a page: aligned for every dtype, and madvise ranges need page starts
 
 
@@ -90,7 +92,15 @@ class ReceiveArena:
 
     def _populate(self) -> None:
         if _madvise is not None:
-            self.populated = _madvise(self._addr, self.nbytes, _MADV_POPULATE_WRITE) == 0
+            # In steps: each call holds the process's memory-map lock for its whole range, and a
+            # thread that maps memory meanwhile (a dlopen, a large malloc) waits for the lock.
+            step = POPULATE_STEP or self.nbytes
+            ok = True
+            for at in range(0, self.nbytes, step):
+                ok = _madvise(self._addr + at, min(step, self.nbytes - at), _MADV_POPULATE_WRITE) == 0 and ok
+                if not ok:
+                    break
+            self.populated = ok
             return
         mm = self._mm
         if mm is None:
