@@ -106,7 +106,7 @@ class GeminiStorageWriter(StorageWriter):
     Args:
         root: tier root on a memory-backed filesystem (default ``$GEMINI_DCP_ROOT``
             or ``/dev/shm/gemini_dcp``). Ranks sharing a root are one node.
-        job_id: isolates jobs sharing a root (default ``$TORCHELASTIC_RUN_ID`` or ``"default"``).
+        job_id: isolates jobs sharing a root (default ``$GEMINI_DCP_JOB_ID``, ``$TORCHELASTIC_RUN_ID`` or ``"default"``).
         keep: committed steps retained in memory (default 2).
         replicas: copies of each node's shards in CPU memory, the node's own included
             (1 = local only; 2 = one peer copy).

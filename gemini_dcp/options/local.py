@@ -45,7 +45,7 @@ class LocalOptions:
     """The node's memory tier.
 
     ``root`` None: ``$GEMINI_DCP_ROOT``, else ``/dev/shm/gemini_dcp`` (resolved when the tier
-    is opened). ``job_id`` None: ``$TORCHELASTIC_RUN_ID``, else ``"default"``. ``node_id``
+    is opened). ``job_id`` None: ``$GEMINI_DCP_JOB_ID``, else ``$TORCHELASTIC_RUN_ID``, else ``"default"``. ``node_id``
     None: ``$GEMINI_DCP_NODE_ID``, else ``<hostname>:<root>``.
     """
 
