@@ -151,7 +151,9 @@ class Job:
                         storage_data=ShardRef(r, 64 * i, 64, step * 1000 + r * 10 + i, "xxh3"))
             for i in range(CHUNKS)
         )
-        return LocalWrite(slot=self.tiers[r].choose_slot(r, self.options.keep), results=results, nbytes=64 * CHUNKS)
+        slot = self.tiers[r].choose_slot(r, self.options.keep)
+        _touch(self.tiers[r].slot_path(r, slot))  # the leader refuses to commit a record naming a missing slot
+        return LocalWrite(slot=slot, results=results, nbytes=64 * CHUNKS)
 
     def save(self, step: int, *, fail_write: int | None = None, replicate: bool = False,
              hooks: SaveHooks = NO_HOOKS) -> list[Any]:
@@ -166,6 +168,8 @@ class Job:
             def repl(step_: int, reports: list[RankReport], expand: Any) -> tuple[tuple[RankSlot, ...], dict[str, Any]]:
                 mine = tuple(RankSlot(rep.rank, 9, rep.nbytes) for rep in reports if rep.node_id != reports[r].node_id
                              and rep.rank % len(reports) == (r + 1) % len(reports))
+                for rs in mine:
+                    _touch(self.tiers[r].slot_path(rs.rank, rs.slot))
                 return mine, {"sent_bytes": 0}
 
             spec = SaveSpec(step=step, planned=_PLANNED if r == 0 else None, use_basis=True)
@@ -173,6 +177,11 @@ class Job:
 
         self.comms = []
         return _run_ranks(len(self.nodes), body)
+
+
+def _touch(path: Path) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.touch()
 
 
 # ---- pure parts ------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from ..options.local import (
     ENV_NODE_ID,
     ENV_ROOT,
     ChecksumAlgo,
+    job_id_from_env,
     node_id_from_env,
     root_from_env,
 )
@@ -50,7 +51,7 @@ def resolve_root(root: str | os.PathLike[str] | None) -> Path:
 def resolve_job_id(job_id: str | None) -> str:
     """``job_id`` if given, else ``$GEMINI_DCP_JOB_ID``, else ``$TORCHELASTIC_RUN_ID``, else ``"default"``."""
     if job_id is None or job_id == "":
-        job_id = os.environ.get("GEMINI_DCP_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        job_id = job_id_from_env() or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
         if job_id in DEFAULT_JOB_IDS:
             _warn_default_job_id(job_id)
     if not isinstance(job_id, str) or not _JOB_RE.match(job_id):

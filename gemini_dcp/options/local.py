@@ -17,6 +17,7 @@ from .checks import check_choice, check_int, check_optional_int, check_path
 from .env import env_str
 
 __all__ = [
+    "ENV_JOB_ID", "job_id_from_env",
     "DEFAULT_KEEP", "DEFAULT_ROOT", "ENV_NODE_ID", "ENV_ROOT", "ChecksumAlgo", "LocalOptions",
     "node_id_from_env", "root_from_env",
 ]
@@ -25,6 +26,7 @@ DEFAULT_ROOT = "/dev/shm/gemini_dcp"
 DEFAULT_KEEP = 2
 ENV_ROOT = "GEMINI_DCP_ROOT"  # tier root of this node (default DEFAULT_ROOT)
 ENV_NODE_ID = "GEMINI_DCP_NODE_ID"  # identity of this node (default <hostname>:<root>)
+ENV_JOB_ID = "GEMINI_DCP_JOB_ID"  # the job (default $TORCHELASTIC_RUN_ID, else "default")
 
 ChecksumAlgo = Literal["auto", "xxh3", "crc32c", "xsum64"]
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -33,6 +35,11 @@ _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 def root_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """``$GEMINI_DCP_ROOT`` (stripped), or None when unset or blank."""
     return env_str(ENV_ROOT, None, environ)
+
+
+def job_id_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$GEMINI_DCP_JOB_ID`` (stripped), or None when unset or blank."""
+    return env_str(ENV_JOB_ID, None, environ)
 
 
 def node_id_from_env(environ: Mapping[str, str] | None = None) -> str | None:
