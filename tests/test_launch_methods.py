@@ -9,7 +9,8 @@ on one tier root (one node, as every rank of a host shares /dev/shm):
   in, ``file://``, and ``env://`` with the rank variables set by hand as under ``srun`` — and
   saves twice and restores: the two ranks agree on one launch id, new for every launch.
 
-torchrun and ``mp.spawn`` with ``env://`` are what the rest of the suite runs.
+Last, a writer built before ``init_process_group`` moves to the launch its ranks agree on at its
+first save. torchrun and ``mp.spawn`` with ``env://`` are what the rest of the suite runs.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def _launches(rank: int, world_size: int, root: str, ports: list[int], meet: str
     def state(step: int) -> dict[str, torch.Tensor]:
         return {f"w{r}": torch.arange(16, dtype=torch.float32) * (step + 10 * r)}
 
-    def save_and_restore(job: str) -> str:
-        w = GeminiStorageWriter(root=root, job_id=job)
+    def save_and_restore(job: str, w: Any = None) -> str:
+        w = w or GeminiStorageWriter(root=root, job_id=job)
         for step in (1, 2):
             dcp.save(state(step), storage_writer=w, checkpoint_id=step)
         out = {f"w{r}": torch.zeros(16)}
@@ -113,12 +114,24 @@ def _launches(rank: int, world_size: int, root: str, ports: list[int], meet: str
     for method, arg in methods:
         new_launch(method, arg)
         got[method] = save_and_restore(f"by-{method}")
+    # a writer built before init_process_group holds its process's launch, then moves to the agreed one
+    gc.collect()
+    dist.destroy_process_group()
+    reset_groups()
+    launch.cache_clear()
+    early = GeminiStorageWriter(root=root, job_id=f"early-{pair}")
+    if pair == 0:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[3]}", rank=r, world_size=2)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{meet_dir / 'early'}", rank=r, world_size=2)
+    got["early"] = save_and_restore(f"early-{pair}", early)
+    assert os.listdir(Path(root, f"early-{pair}", "launches")) == [f"{got['early']}.lock"]
     return got
 
 
 def test_every_launch_method_is_one_launch_and_two_live_launches_conflict(tmp_path: Path) -> None:
     (root,) = make_roots(1)
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     out = run_ranks(_launches, 4, root, timeout=300, ports=ports, meet=str(tmp_path))
     assert out[0]["first_kept"] and out[1]["first_kept"]
     for r in (2, 3):
@@ -130,3 +143,4 @@ def test_every_launch_method_is_one_launch_and_two_live_launches_conflict(tmp_pa
             assert a[m] == b[m], (m, a, b)  # both ranks of the launch agree
             ids[m] = a[m]
     assert len(set(ids.values())) == 4, ids  # every launch its own
+    assert out[0]["early"] == out[1]["early"] and out[2]["early"] == out[3]["early"] != out[0]["early"]

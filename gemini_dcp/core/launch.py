@@ -16,7 +16,7 @@ of the worker group: a restart is a new launch.
 
 Without an initialized process group the identity comes from torchrun's rendezvous variables
 when they are set, else from this host, process id and process start time: a launch of one process. It is computed again once a group exists, so a
-writer built before ``init_process_group`` takes its identity at its first save.
+writer built before ``init_process_group`` moves to the agreed identity at its first save.
 """
 
 from __future__ import annotations

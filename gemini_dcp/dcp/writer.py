@@ -149,10 +149,10 @@ class GeminiStorageWriter(StorageWriter):
     writers with separate job ids). A step saved by another launch (before a restart)
     is replaced, and the replacement is logged.
 
-    One live launch per job: constructing a writer (or its first save, when it was built before
-    ``init_process_group``) holds a lock for this launch in the job directory while the writer
-    lives (the ranks agree on the launch over the default group's store, however the group was
-    initialized: :mod:`gemini_dcp.core.launch`); a second *live* launch with the same root and
+    One live launch per job: constructing a writer holds a lock for this launch in the job
+    directory while the writer lives (the ranks agree on the launch over the default group's
+    store, however the group was initialized: :mod:`gemini_dcp.core.launch`; a writer built
+    before ``init_process_group`` moves to the agreed launch at its first save); a second *live* launch with the same root and
     job id is refused with JobConflictError (a dead one, e.g. before a torchrun restart,
     never blocks). Records of steps newer than the one being saved are deleted only when a
     restore in this launch went back past them.
@@ -202,11 +202,12 @@ class GeminiStorageWriter(StorageWriter):
         self.job_id: str = self.tier.job_id
         self.node_id = cfg.local.node_id or resolve_node_id(self.root)
         self.launch = current_launch()
-        # The launch lock needs the launch's identity, which the ranks agree on over the default
-        # group's store: taken now when the group exists, else at the first save (_bind_launch).
+        # JobConflictError if another live launch uses the job. The ranks agree on the launch's
+        # identity over the default group's store; a writer built before the group exists holds the
+        # lock of its process (or torchrun's environment) and moves to the agreed one at its first
+        # save (_bind_launch).
+        self._launch_release = hold_launch_lock(self.tier, self.launch, self)
         self._launch_bound = launch_known()
-        if self._launch_bound:
-            hold_launch_lock(self.tier, self.launch, self)  # JobConflictError if another live launch uses the job
         st = os.stat(self.root)
         node = NodeIdentity(
             node_id=self.node_id, host=self.launch.host, root_id=(st.st_dev, st.st_ino),
@@ -308,16 +309,23 @@ class GeminiStorageWriter(StorageWriter):
         self._rank = int(kwargs.get("rank", _default_rank()))
 
     def _bind_launch(self) -> None:
-        """Hold the launch lock of a writer built before the process group existed (once)."""
+        """Move a writer built before the process group existed to the launch the ranks agreed on
+        (once a group exists; local work apart from the first agreement's compare-and-set)."""
         if self._launch_bound:
             return
-        self.launch = current_launch()
-        hold_launch_lock(self.tier, self.launch, self)
+        if not launch_known():
+            return  # still no group: a launch of one process, as held
+        self._launch_bound = True
+        agreed = current_launch()
+        if agreed.launch_id == self.launch.launch_id:
+            return
+        self._launch_release()
+        self.launch = agreed
+        self._launch_release = hold_launch_lock(self.tier, self.launch, self)
         self.commit.node = dataclasses.replace(
             self.commit.node, host=self.launch.host, launch_id=self.launch.launch_id,
             launch_description=self.launch.description,
         )
-        self._launch_bound = True
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Check the space, and hand this rank's pre-write agreement values to DCP's coordinator

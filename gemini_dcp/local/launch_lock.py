@@ -53,7 +53,7 @@ def _open_lock_file(path: Path, create: bool) -> int:
     return open_private(path, os.O_RDWR | (os.O_CREAT if create else 0))
 
 
-def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None:
+def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> weakref.finalize:
     """Hold this launch's lock file of ``tier``'s job while ``owner`` (a writer) lives; refuse a
     second live launch of the same job on the same root.
 
@@ -61,6 +61,8 @@ def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None
     POSIX record lock; the kernel drops it when the process exits (however it dies), so a dead
     launch never blocks: its file is removed. Another launch's file that is still locked belongs
     to a live process: :class:`JobConflictError` names it. Called from every rank (local work only).
+    Returns the release: called when ``owner`` goes, or earlier by hand (once; e.g. to hold the
+    lock of another launch identity instead).
 
     POSIX locks (``lockf``), not ``flock``: a child forked without exec (a DataLoader worker) does
     not inherit them, so an orphaned child of a crashed worker cannot block the restarted launch.
@@ -80,8 +82,9 @@ def hold_launch_lock(tier: LocalTier, launch: LaunchInfo, owner: object) -> None
                 raise
             held = _held[job_dir] = _HeldLock(path, fd)
         held.users += 1
-        weakref.finalize(owner, _release_launch_lock, job_dir)
+        release = weakref.finalize(owner, _release_launch_lock, job_dir)
         _apply_releases()
+    return release
 
 
 def _lock_own_file(path: Path, launch: LaunchInfo) -> int:
