@@ -15,7 +15,7 @@ checksums), and times both ways of committing it, in the same run:
   decode it (every other rank, once per save), fingerprint it, and index every
   chunk by location (each restoring rank);
 * ``overlay`` (replayed saves, and plain saves of an unchanged structure, now):
-  ``records.ChecksumOverlay`` — the shared layout plus one array of checksums —
+  ``record_types.ChecksumOverlay`` — the shared layout plus one array of checksums —
   for the same steps; the fingerprint and location
   index of a second record of the same plan (what every save after the first and
   every restore after the first record costs).
@@ -63,8 +63,9 @@ def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[
 
     from gemini_dcp.core.restore_order import NodeView, StepView
     from gemini_dcp.dcp.writer import _expand, _overlay, _RankReport, _SplitLayout
-    from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
-    from gemini_dcp.peer.replication import refs_by_key
+    from gemini_dcp.local.record_codec import decode_record, encode_record
+    from gemini_dcp.local.record_types import RankSlot, ShardRef, StepRecord
+    from gemini_dcp.peer.fetch import refs_by_key
 
     layout = {
         MetadataIndex(f"model.layers.{i // 3}.w{i % 3}", [r * 64, 0]): ShardRef(r, i * 65536, 65536, 0, "crc32c", "bfloat16", (64, 512))
@@ -151,7 +152,7 @@ def plain_gather(world: int, tensors: int, nodes: tuple[str, ...], repeat: int) 
     from torch.distributed.checkpoint.storage import WriteResult
 
     from gemini_dcp.dcp.writer import INLINE_METADATA_PADDING, _RankReport
-    from gemini_dcp.local.records import ShardRef
+    from gemini_dcp.local.record_types import ShardRef
 
     fqns = [f"model.layers.{i // 3}.w{i % 3}" for i in range(tensors)]
     meta = Metadata({
@@ -190,23 +191,23 @@ def first_record(rec: Any, repeat: int) -> dict[str, Any]:
     """The first record of a layout in a process: the node leader's encode (layout pickled and its
     location digest computed once per layout), and a restoring process's decode, kept packed
     (now) vs materializing a MetadataIndex and a ShardRef per chunk (what decoding did before)."""
-    from gemini_dcp.local import records
+    from gemini_dcp.local import record_codec, record_types
 
     def cold() -> None:
-        for cache in (records._layout_blobs, records._digests, records._positions, records._locations):
+        for cache in (record_types._layout_blobs, record_types._digests, record_types._positions, record_types._locations):
             cache._entries.clear()
-        records._layouts_by_blob.clear()
-        records._indexes.clear()
+        record_types._layouts_by_blob.clear()
+        record_types._indexes.clear()
 
     def encode() -> bytes:
         cold()
-        return records.encode_record(rec)
+        return record_codec.encode_record(rec)
 
     t_enc, blob = _best(encode, repeat)
 
     def decode(materialize: bool) -> Any:
         cold()
-        sd = records.decode_record(blob).metadata.storage_data
+        sd = record_codec.decode_record(blob).metadata.storage_data
         return dict(sd.layout.items()) if materialize else sd
 
     t_packed, _ = _best(lambda: decode(False), repeat)

@@ -14,7 +14,6 @@ or ``AsyncGeminiStorageWriter`` for stock ``dcp.async_save`` (it is DCP's ``Asyn
 
 from typing import Any
 
-from ._aliases import OLD_MODULES, install as _install_aliases
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -38,8 +37,6 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-_install_aliases()
-
 # Public names and the module that defines each; imported on first use, so that
 # ``import gemini_dcp`` (and ``gemini_dcp.errors``) does not import torch.
 _LAZY = {
@@ -55,13 +52,11 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """Public classes (and the old flat module names) imported on first use."""
+    """Public classes imported on first use."""
     import importlib  # noqa: PLC0415 - keeps the root light
 
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif name in OLD_MODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

@@ -9,14 +9,12 @@ docs/architecture.md states them; this file is where they are enforced:
 - nothing imports the trainer integrations, and they import a trainer only inside functions;
 - only ``gemini_dcp/transport/`` touches torch.distributed point-to-point;
 - ``import gemini_dcp``, ``gemini_dcp.errors``, the options tree and the drain server import no torch;
-- a module over 500 lines says why at its top (a ``Size:`` line in its docstring);
-- every old flat import path still resolves, to the same module object as its new home.
+- one import path per module: no alias finder for the package's old flat names.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 import subprocess
 import sys
@@ -28,7 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "gemini_dcp"
 TIERS = ("core", "local", "peer", "persistent", "transport")
 ABOVE_TIERS = ("gemini_dcp.dcp", "gemini_dcp.snapshot", "gemini_dcp.ops", "gemini_dcp.integrations", "gemini_dcp_cli")
-MAX_LINES = 500
 
 
 def _module_name(path: Path) -> str:
@@ -198,23 +195,16 @@ def test_light_modules_import_no_torch() -> None:
     assert out.stdout.strip() == "False", f"{light} pulled in torch"
 
 
-def test_long_modules_say_why() -> None:
-    silent = []
-    for name, path in MODULES.items():
-        text = path.read_text()
-        if text.count("\n") > MAX_LINES:
-            doc = ast.get_docstring(ast.parse(text)) or ""
-            if "Size:" not in doc:
-                silent.append(f"{name} ({text.count(chr(10))} lines)")
-    assert silent == []
+def test_one_name_per_module_no_alias_layer() -> None:
+    """A module has one import path: no meta-path finder maps the package's old flat names."""
+    import importlib.util
 
-
-def test_old_import_paths_resolve_to_the_new_modules() -> None:
-    from gemini_dcp._aliases import OLD_MODULES
-
-    for old, new in OLD_MODULES.items():
-        assert importlib.import_module(f"gemini_dcp.{old}") is importlib.import_module(f"gemini_dcp.{new}"), old
     import gemini_dcp
 
+    for old in ("writer", "reader", "records", "comm", "checksum", "drain", "stock", "layout"):
+        assert importlib.util.find_spec(f"gemini_dcp.{old}") is None, old
+        with pytest.raises(AttributeError):
+            getattr(gemini_dcp, old)
+    assert not any(type(f).__module__.startswith("gemini_dcp") for f in sys.meta_path)
     assert gemini_dcp.GeminiStorageWriter is importlib.import_module("gemini_dcp.dcp.writer").GeminiStorageWriter
     assert gemini_dcp.AsyncCheckpointer is importlib.import_module("gemini_dcp.snapshot").AsyncCheckpointer

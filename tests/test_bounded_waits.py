@@ -340,7 +340,7 @@ def _degrade_scenario(rank: int, world_size: int, root: str, stall_s: float) -> 
     sd = {f"w{rank}": torch.full((64, 8), float(rank)), "step": 0}
     w = GeminiStorageWriter(root=root, job_id="degrade", replicas=2, timeout_s=3, on_peer_failure="degrade")
     dcp.save(sd, storage_writer=w, checkpoint_id=1)
-    out: dict[str, Any] = {"1": w.last_replication.get("degraded")}
+    out: dict[str, Any] = {"1": w.commit.last_replication.get("degraded")}
     routes = peer.replication_routes
     if rank == 1:
 
@@ -352,13 +352,13 @@ def _degrade_scenario(rank: int, world_size: int, root: str, stall_s: float) -> 
     t0 = time.monotonic()
     try:
         dcp.save(sd, storage_writer=w, checkpoint_id=2)
-        out["2"] = (w.last_replication.get("degraded"), w.last_committed_step, time.monotonic() - t0)
+        out["2"] = (w.commit.last_replication.get("degraded"), w.commit.last_committed_step, time.monotonic() - t0)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out["2"] = (repr(find_gemini_error(exc) or exc), None, time.monotonic() - t0)
     peer.replication_routes = routes  # type: ignore[assignment]
     try:
         dcp.save(sd, storage_writer=w, checkpoint_id=3)  # on the replaced group: replicated in full again
-        out["3"] = (w.last_replication.get("degraded"), w.last_committed_step)
+        out["3"] = (w.commit.last_replication.get("degraded"), w.commit.last_committed_step)
     except BaseException as exc:  # noqa: BLE001
         out["3"] = (repr(find_gemini_error(exc) or exc), None)
     return out
@@ -422,7 +422,7 @@ def _frozen_store_host_rank(rank: int, world_size: int, port: int, root: str, ou
 
     # DCP's own gather on the training group follows write_data: with rank 0 frozen it fails with
     # that group's raw timeout, which then hides the writer's error; the reason stays on record here.
-    result.update(seconds=time.monotonic() - t0, committed=w.last_committed_step, own_reason=broken_reason())
+    result.update(seconds=time.monotonic() - t0, committed=w.commit.last_committed_step, own_reason=broken_reason())
     tmp = Path(out_dir, f"{rank}.tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, Path(out_dir, f"{rank}.json"))

@@ -241,7 +241,7 @@ def _train_and_save(rank: int, world: int, root: str, steps: list[int], load_fir
         out["stats"].append(w.last_save)  # type: ignore[union-attr]
     out["head"] = sd[f"head{rank}"].clone()  # type: ignore[union-attr]
     out["frozen"] = sd["frozen"].to_local().clone()  # type: ignore[union-attr]
-    out["replication"] = dict(w.last_replication)
+    out["replication"] = dict(w.commit.last_replication)
     check = _dtensor_state(rank, world)
     check[f"head{rank}"] = torch.zeros_like(check[f"head{rank}"])  # type: ignore[arg-type]
     dcp.load(check, storage_reader=GeminiStorageReader(root, JOB), checkpoint_id=steps[-1])

@@ -11,6 +11,7 @@ proves the test can see the hazard the guard removes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -243,7 +244,7 @@ def _train_async(rank: int, world: int, root: str, *, steps: int, out: str) -> d
             else:
                 if fut is not None:
                     fut.result()
-                writer.pace = SlowPacer(SlowCheckpointer.delay, wait_backward=True)
+                writer.hooks = dataclasses.replace(writer.hooks, pace=SlowPacer(SlowCheckpointer.delay, wait_backward=True))
                 fut = writer.track(dcp.async_save(sd, storage_writer=writer, checkpoint_id=step, process_group=writer.checkpoint_group))
         replayed = None
         if ck is not None:

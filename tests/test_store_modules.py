@@ -3,6 +3,7 @@ and side files pickled under the module names of earlier releases still decode (
 
 from __future__ import annotations
 
+import importlib
 import pickle
 
 import pytest
@@ -35,8 +36,10 @@ def test_public_names_stay_importable_from_store() -> None:
 def test_side_files_pickled_under_earlier_module_names_decode(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
     index = StepIndex(3, "fp", {MetadataIndex("w", [0]): ("xxh3", 7)}, ("n0",), "job")
     marker = PartMarker(3, "fp", "n0", (0,), {}, {}, 0, 1.0)
+    home = importlib.import_module(module)
     for cls in (StepIndex, PartMarker):
         monkeypatch.setattr(cls, "__module__", module)  # as a release that defined it there pickled it
+        monkeypatch.setattr(home, cls.__name__, cls, raising=False)  # where pickle looks it up
     raw_index, raw_marker = pickle.dumps(index), pickle.dumps(marker)
     monkeypatch.undo()
     assert module.encode() in raw_index

@@ -71,13 +71,7 @@ from ..core.config import TierOptions
 from ..core.faults import fault_point
 from ..core.safe_pickle import restricted_loads
 from ..errors import InvalidStepError, PeerError
-from ..local.records import (
-    ChecksumOverlay,
-    RankSlot,
-    ShardRef,
-    StepRecord,
-    metadata_shell_blob,
-)
+from ..local.record_types import ChecksumOverlay, RankSlot, ShardRef, StepRecord, metadata_shell_blob
 from ..local.tier import LocalTier
 from . import reports as rp
 from .agreement import Agreement, min_all_reduce, prewrite_values

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
-from ..local.records import ShardRef
+from ..local.record_types import ShardRef
 from ..local.slots import align
 from .batch_copy import SourceViews
 

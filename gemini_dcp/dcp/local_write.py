@@ -45,7 +45,7 @@ from ..commit.protocol import LocalWrite
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
-from ..local.records import ShardRef
+from ..local.record_types import ShardRef
 from .batch_copy import copy_group, fused_available
 from .carry import CarryPlan, CarryTracker, note_plain_write
 from .copy_program import (

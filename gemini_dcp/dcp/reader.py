@@ -57,7 +57,7 @@ from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
-from ..local.records import ShardRef, StepRecord
+from ..local.record_types import ShardRef, StepRecord
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
 from ..peer.arena import ReceiveArena

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import (
 from ..core.chunk_sink import StagedChunks, describe_item, stored_view, verify_chunk
 from ..core.faults import fault_point
 from ..errors import GeminiError, IncompatibleCheckpointError
-from ..local.records import ShardRef
+from ..local.record_types import ShardRef
 from ..local.slots import ReadOnlySlot
 from .device_land import DeviceLander
 

@@ -37,7 +37,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -49,9 +49,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..commit import reports as _reports
 from ..commit.agreement import AgreedValues, PlannedValues, combine_planned, take_agreed
-from ..commit.hooks import NO_HOOKS, Pacer, SaveHooks
+from ..commit.hooks import NO_HOOKS, SaveHooks
 from ..commit.protocol import CommitProtocol, LocalWrite, NodeIdentity, SaveSpec
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import resolve_algo
@@ -59,7 +58,7 @@ from ..core.config import parse_step, resolve_node_id
 from ..core.launch import current_launch
 from ..errors import ConfigError, InvalidStepError
 from ..local.launch_lock import hold_launch_lock
-from ..local.records import ShardRef, StepRecord
+from ..local.record_types import ShardRef, StepRecord
 from ..local.slots import SlotFile
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
@@ -71,33 +70,7 @@ from ..transport.p2p import transport_for
 from .carry import CarryTracker, IncrementalOptions, SaveStats
 from .local_write import LocalWriter
 
-# The names this module had before the commit package (tests and benchmarks import them).
-INLINE_METADATA_PADDING = _reports.INLINE_METADATA_PADDING
-_RankReport = _reports.RankReport
-_SplitLayout = _reports.SplitLayout
-_check_node_identities = _reports.check_node_identities
-_compact = _reports.compact
-_expand = _reports.expand
-_overlay = _reports.overlay
-_rank_layouts = _reports.rank_layouts
-
 log = logging.getLogger(__name__)
-
-V = TypeVar("V")
-
-
-class _Remembered(Generic[V]):
-    """An attribute of the writer that is the commit protocol's state (read and written there)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> V:
-        return getattr(obj.commit, self._name)
-
-    def __set__(self, obj: Any, value: V) -> None:
-        setattr(obj.commit, self._name, value)
-
 
 class GeminiStorageWriter(StorageWriter):
     """Write DCP checkpoints into the CPU memory of this node (and of peers).
@@ -248,44 +221,6 @@ class GeminiStorageWriter(StorageWriter):
             self._drainer.resume()  # drains left pending by a previous worker generation
             self._drainer.start_early()  # the first due step finds its drain running (torch imported)
 
-    # What the commit protocol remembers from save to save, readable (as before) on the writer.
-    global_step: _Remembered[int | None] = _Remembered()  # newest step known committed on every node
-    last_committed_step: _Remembered[int | None] = _Remembered()
-    last_save_seconds: _Remembered[float | None] = _Remembered()
-    last_replication: _Remembered[dict[str, Any]] = _Remembered()
-    planned_metadata: _Remembered[Metadata | None] = _Remembered()  # the global metadata of the last save
-    last_metadata_transfer: _Remembered[str] = _Remembered()  # how the last save's metadata reached this rank
-    committed_layout: _Remembered[Mapping[MetadataIndex, ShardRef] | None] = _Remembered()
-    last_commit_compact: _Remembered[bool] = _Remembered()  # the last commit gather sent checksums only
-
-    # ---- the async path's hooks (one value; the single names kept readable and settable) --------
-    @property
-    def pace(self) -> Pacer | None:
-        """Paces the local copy: called with each block's size (``pace.block_bytes`` sets it)."""
-        return self.hooks.pace
-
-    @pace.setter
-    def pace(self, value: Pacer | None) -> None:
-        self.hooks = dataclasses.replace(self.hooks, pace=value)
-
-    @property
-    def replication_pace(self) -> Pacer | None:
-        """Paces the peer replication: called with each message's size before it is sent."""
-        return self.hooks.replication_pace
-
-    @replication_pace.setter
-    def replication_pace(self, value: Pacer | None) -> None:
-        self.hooks = dataclasses.replace(self.hooks, replication_pace=value)
-
-    @property
-    def on_local_copy_done(self) -> Callable[[int], None] | None:
-        """Called with the step once this rank's bytes are in the tier (before the commit collectives)."""
-        return self.hooks.on_local_copy_done
-
-    @on_local_copy_done.setter
-    def on_local_copy_done(self, value: Callable[[int], None] | None) -> None:
-        self.hooks = dataclasses.replace(self.hooks, on_local_copy_done=value)
-
     # ---- StorageWriter API -------------------------------------------------------------
     @property
     def checkpoint_id(self) -> int | None:
@@ -410,7 +345,7 @@ class GeminiStorageWriter(StorageWriter):
                     self._drainer.restage(final)
                 except OSError as exc:  # the in-memory commit stands; the drain still finds it in the tier
                     log.warning("step %s: could not restage the completed record for the drain: %s", step, exc)
-        self.last_committed_step = step
+        self.commit.last_committed_step = step
 
     def _after_commit(self, record: StepRecord, rank: int) -> None:
         """Hook run on every rank once ``record`` is committed on this node (end of write_data).

@@ -24,8 +24,7 @@ from ..errors import (
     UntrustedDataError,
 )
 from .job_dir import atomic_write_bytes, read_private_bytes
-from .record_caches import _decoding, _reading_torch
-from .record_types import StepRecord
+from .record_types import StepRecord, _decoding, _reading_torch
 
 RECORD_MAGIC_V1 = b"GEMREC01"  # header, then the pickled StepRecord (still decoded)
 RECORD_MAGIC = b"GEMREC02"  # header, versions, then the pickled StepRecord

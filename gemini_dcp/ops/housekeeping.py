@@ -17,7 +17,7 @@ from ..core.config import DEFAULT_KEEP
 from ..errors import ConfigError, TierRootError
 from ..local.job_dir import remove_quietly
 from ..local.job_files import job_usage_bytes, open_job, read_record_or_reason
-from ..local.records import StepRecord
+from ..local.record_types import StepRecord
 
 
 def processes_using(path: Path, *, exclude: Iterable[int] = ()) -> dict[int, str]:

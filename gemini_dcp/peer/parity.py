@@ -45,7 +45,7 @@ from ..core.checksum import checksum
 from ..core.chunk_sink import verify_chunk
 from ..errors import GeminiError, PeerError
 from ..local.parity_record import ParityLayout, parity_path, rebuilt_path
-from ..local.records import StepRecord, refs_by_location
+from ..local.record_types import StepRecord, refs_by_location
 from ..local.slots import ReadOnlySlot, SlotFile
 from ..transport.comm import Comm
 from ..transport.p2p import Pending, Transport

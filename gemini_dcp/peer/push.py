@@ -24,7 +24,7 @@ import torch
 from ..core.chunk_sink import verify_chunk
 from ..core.faults import fault_point
 from ..errors import PeerError
-from ..local.records import RankSlot, ShardRef, StepRecord
+from ..local.record_types import RankSlot, ShardRef, StepRecord
 from ..transport.comm import Comm, restart_required
 from ..transport.p2p import Pending, Transport
 from .delta import ReplicaMemory, merge_runs, packed_rows, pair_runs, row_view, touches

@@ -41,13 +41,13 @@ INDEX = "index.pkl"
 
 #: Globals a side file of the persistent tier may name, beyond safe_pickle's DCP metadata classes.
 #: The marker and index classes are pickled as ``gemini_dcp.persistent.store``'s (see the end of
-#: this module); stores written before the package moved into subpackages name the flat module
-#: ``gemini_dcp.persistent``, and this module's own path is accepted too.
+#: this module), and this module's own path is accepted too; stores written before the package
+#: moved into subpackages name the flat ``gemini_dcp.persistent`` (resolved through the versioned
+#: name map of :mod:`gemini_dcp.core.safe_pickle`).
 SIDE_FILE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
-        *((module, name) for module in (
-            "gemini_dcp.persistent.side_files", "gemini_dcp.persistent.store", "gemini_dcp.persistent",
-        ) for name in ("StepIndex", "PartMarker")),
+        *((module, name) for module in ("gemini_dcp.persistent.side_files", "gemini_dcp.persistent.store")
+          for name in ("StepIndex", "PartMarker")),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     }
 )

@@ -51,7 +51,7 @@ from ..errors import (
     StepNotFoundError,
     TierRootError,
 )
-from ..local.records import ShardRef, StepRecord
+from ..local.record_types import ShardRef, StepRecord
 from ..local.slots import ReadOnlySlot
 from ..local.tier import LocalTier
 from .store import (

@@ -40,7 +40,7 @@ from ..core.checksum import checksum
 from ..core.chunk_sink import StagedChunks, check_chunk, corrupt_message
 from ..core.regular_file import open_regular
 from ..errors import ChecksumMismatchError, PersistentTierError
-from ..local.records import ShardRef
+from ..local.record_types import ShardRef
 from .item_payload import ItemWindow, MappedFile, ReadAt, flat_bytes, payload_layout, read_exact, read_hashing
 from .side_files import StepIndex
 

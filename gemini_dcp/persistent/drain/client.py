@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import PersistentTierError
-from ...local.records import StepRecord, write_record
+from ...local.record_codec import write_record
+from ...local.record_types import StepRecord
 from ...local.slot_holds import take_holds
 from ...options.persistent import DrainOptions
 from ..store_calls import PersistentTimeoutError

@@ -32,7 +32,8 @@ from ...core.safe_pickle import restricted_loads
 from ...errors import UntrustedDataError
 from ...ext import loader as ext_loader
 from ...local.job_dir import open_private
-from ...local.records import StepRecord, read_record
+from ...local.record_codec import read_record
+from ...local.record_types import StepRecord
 from ...local.slot_holds import holds_intact, release_holds
 from ...options.persistent import DrainOptions
 from ..stock_format import items_of_record, try_finalize, write_rank_file
