@@ -35,10 +35,10 @@ from gemini_dcp.commit.protocol import (
 )
 from gemini_dcp.commit.reports import RankReport
 from gemini_dcp.commit.slot_pool import SlotPool
-from gemini_dcp.core.config import TierOptions
 from gemini_dcp.errors import InvalidStepError, PeerError, TierFullError
 from gemini_dcp.local.record_types import ChecksumOverlay, RankSlot, ShardRef
 from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.options import GeminiOptions, LocalOptions, PeerOptions
 
 T = TypeVar("T")
 CHUNKS = 3  # chunks per rank
@@ -131,7 +131,7 @@ class Job:
     """``n`` ranks, rank r on node ``nodes[r]`` (its own tier root per node), one protocol each."""
 
     def __init__(self, roots: list[str], nodes: list[int], *, keep: int = 1, replicas: int = 1) -> None:
-        self.options = TierOptions(keep=keep, replicas=replicas)
+        self.options = GeminiOptions(local=LocalOptions(keep=keep), peer=PeerOptions(replicas=replicas))
         self.nodes = nodes
         self.tiers = [LocalTier(roots[n], "cp") for n in nodes]
         self.protocols = [
@@ -151,7 +151,7 @@ class Job:
                         storage_data=ShardRef(r, 64 * i, 64, step * 1000 + r * 10 + i, "xxh3"))
             for i in range(CHUNKS)
         )
-        return LocalWrite(slot=self.tiers[r].choose_slot(r, self.options.keep), results=results, nbytes=64 * CHUNKS)
+        return LocalWrite(slot=self.tiers[r].choose_slot(r, self.options.local.keep), results=results, nbytes=64 * CHUNKS)
 
     def save(self, step: int, *, fail_write: int | None = None, replicate: bool = False,
              hooks: SaveHooks = NO_HOOKS) -> list[Any]:

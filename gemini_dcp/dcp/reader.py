@@ -110,10 +110,10 @@ class GeminiStorageReader(StorageReader):
         super().__init__()
         # Validated before any directory is touched: ``options`` merged with the keywords
         # (a keyword and an options field set to different values is a ConfigError).
-        self.gemini_options: GeminiOptions = resolve_options(
+        self.options: GeminiOptions = resolve_options(
             options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s
         )
-        cfg = self.gemini_options
+        cfg = self.options
         self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id

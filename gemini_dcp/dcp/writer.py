@@ -154,18 +154,17 @@ class GeminiStorageWriter(StorageWriter):
         # Every option is validated before anything is created (tier or persistent directories):
         # ``options`` merged with the keywords (a keyword and an options field set to different
         # values is a ConfigError), the drain settings from the environment when no options are given.
-        self.gemini_options: GeminiOptions = resolve_options(
+        self.options: GeminiOptions = resolve_options(
             options, root=root, job_id=job_id, keep=keep, replicas=replicas, placement=placement, checksum=checksum,
             capacity_bytes=capacity_bytes, timeout_s=timeout_s, on_peer_failure=on_peer_failure,
             persistent=persistent, persist_every=persist_every, persist_keep=persist_keep,
             persist_keep_every=persist_keep_every, parity_group=parity_group, incremental=incremental,
             full_every=full_every,
         )
-        cfg = self.gemini_options
-        self.options = cfg.tier_options()
+        cfg = self.options
         self.incremental: IncrementalOptions = cfg.incremental
         self.parity_group = cfg.peer.parity_group  # validated with replicas (PeerOptions), before any directory exists
-        self._algo = resolve_algo(self.options.checksum)
+        self._algo = resolve_algo(self.options.local.checksum)
         self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
@@ -181,11 +180,11 @@ class GeminiStorageWriter(StorageWriter):
         self.commit.parity = self.parity_group is not None
         self.parity_slots = ParitySlots(self.tier.layout.rank_dir)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
-        self.slot_pool = SlotPool(self.tier, keep=self.options.keep, capacity_bytes=self.options.capacity_bytes)
-        carry = CarryTracker(self.incremental, history=self.options.keep + 2) if self.incremental.enabled else None
+        self.slot_pool = SlotPool(self.tier, keep=self.options.local.keep, capacity_bytes=self.options.local.capacity_bytes)
+        carry = CarryTracker(self.incremental, history=self.options.local.keep + 2) if self.incremental.enabled else None
         # Delta replication of incremental saves (peer/delta.py): this writer's name and save count as a
         # sender, and what this node's replica slots hold as a receiver.
-        self._replica_memory = ReplicaMemory() if carry is not None and self.options.replicas > 1 else None
+        self._replica_memory = ReplicaMemory() if carry is not None and self.options.peer.replicas > 1 else None
         self._delta_token = os.urandom(8).hex()
         self._save_seq = 0
         self.local_writer = LocalWriter(self.slot_pool, carry)  # step 2, with its per-plan programs
@@ -217,7 +216,7 @@ class GeminiStorageWriter(StorageWriter):
         if self.persistent is not None:
             from ..persistent.drain.client import Drainer  # noqa: PLC0415 - optional tier
 
-            self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain, keep=self.options.keep)
+            self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain, keep=self.options.local.keep)
             self._drainer.resume()  # drains left pending by a previous worker generation
             self._drainer.start_early()  # the first due step finds its drain running (torch imported)
 
@@ -416,7 +415,7 @@ class GeminiStorageWriter(StorageWriter):
         done = encode_parity(
             comm, transport_for(comm), step, reports, group=self.parity_group, tier=self.tier,
             data_slot=self.slot_pool.slot, parity_slots=self.parity_slots, budget_check=self.slot_pool.budget_check,
-            algo=self._algo, on_peer_failure=self.options.on_peer_failure, previous_order=self._node_order,
+            algo=self._algo, on_peer_failure=self.options.peer.on_peer_failure, previous_order=self._node_order,
             pace=self.hooks.replication_pace,
         )
         self._node_order = done.node_order
@@ -446,7 +445,7 @@ class GeminiStorageWriter(StorageWriter):
         memory = self._replica_memory
         if memory is not None:
             offer = self.local_writer.delta_offer(rank, self._delta_token, self._next_seq())
-            keep = self.options.keep
+            keep = self.options.local.keep
             bases = memory.bases(lambda src: self.tier.choose_slot(src, keep))
             done = dataclasses.replace(done, delta_offer=offer, replica_bases=bases)
         return done

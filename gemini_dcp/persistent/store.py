@@ -44,8 +44,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ..core.chunk_sink import StagedChunks
-from ..core.config import check_timeout, resolve_job_id
+from ..core.config import resolve_job_id
 from ..errors import ConfigError, PersistentTierError, StepNotFoundError
+from ..options.checks import check_timeout
 from . import store_reads
 from .item_payload import MappedFile
 from .side_files import (
