@@ -4,8 +4,11 @@ docs/architecture.md states them; this file is where they are enforced:
 - no import cycle between the package's modules (function-local imports included: a local
   import is no way around a cycle);
 - the restore decision and the placement are pure (no torch.distributed, no I/O modules);
-- the tiers (``core``, ``local``, ``peer``, ``persistent``, ``transport``) never import the DCP
-  adapters, the async path, the operator library, the trainer integrations or the CLI;
+- the tiers (``core``, ``local``, ``peer``, ``persistent``, ``transport``) never import the save
+  and restore engines (``save``, ``restore``), the DCP adapters, the async path, the operator
+  library, the trainer integrations or the CLI;
+- the engines sit below the adapters: ``save`` and ``restore`` import neither each other nor
+  anything of ``dcp``, ``snapshot``, ``ops``, ``integrations`` or the CLI;
 - nothing imports the trainer integrations, and they import a trainer only inside functions;
 - only ``gemini_dcp/transport/`` touches torch.distributed point-to-point;
 - ``import gemini_dcp``, ``gemini_dcp.errors``, the options tree and the drain server import no torch;
@@ -25,7 +28,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "gemini_dcp"
 TIERS = ("core", "local", "peer", "persistent", "transport")
-ABOVE_TIERS = ("gemini_dcp.dcp", "gemini_dcp.snapshot", "gemini_dcp.ops", "gemini_dcp.integrations", "gemini_dcp_cli")
+ENGINES = ("gemini_dcp.save", "gemini_dcp.restore")
+ADAPTERS = ("gemini_dcp.dcp", "gemini_dcp.snapshot", "gemini_dcp.ops", "gemini_dcp.integrations", "gemini_dcp_cli")
+ABOVE_TIERS = ENGINES + ADAPTERS
 
 
 def _module_name(path: Path) -> str:
@@ -161,6 +166,17 @@ def test_tiers_never_import_the_layers_above() -> None:
         if m.split(".")[1:2] and m.split(".")[1] in TIERS
         for t in GRAPH[m]
         if t.startswith(ABOVE_TIERS)
+    }
+    assert bad == set()
+
+
+def test_the_engines_sit_below_the_adapters() -> None:
+    bad = {
+        (m, t)
+        for m in GRAPH
+        if m.startswith(ENGINES)
+        for t in GRAPH[m]
+        if t.startswith(ADAPTERS) or (t.startswith(ENGINES) and t.split(".")[1] != m.split(".")[1])
     }
     assert bad == set()
 

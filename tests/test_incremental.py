@@ -16,10 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
-from gemini_dcp.dcp.carry import IncrementalOptions, SaveStats
 from gemini_dcp.errors import ChecksumMismatchError, ConfigError
 from gemini_dcp.ops.inspection import inspect_root
 from gemini_dcp.ops.verify import verify
+from gemini_dcp.options.incremental import IncrementalOptions
+from gemini_dcp.save.carry import SaveStats
 
 JOB = "incr"
 FROZEN = 64 * 1024 * 4  # bytes of the frozen tensor below

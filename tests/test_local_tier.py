@@ -141,8 +141,8 @@ def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> N
         os.kill(os.getpid(), signal.SIGKILL)
 
     if point == "mid-copy":
-        # The copy lives in gemini_dcp.dcp.local_write (small items batched): die at its mid-copy point.
-        import gemini_dcp.dcp.local_write as lw
+        # The copy lives in gemini_dcp.save.local_write (small items batched): die at its mid-copy point.
+        import gemini_dcp.save.local_write as lw
 
         orig = lw.fault_point
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gemini_dcp.core.checksum import checksum
-from gemini_dcp.dcp.row_delta import copy_changed_rows, is_row_item, row_geometry
 from gemini_dcp.peer.delta import packed_rows
+from gemini_dcp.save.row_delta import copy_changed_rows, is_row_item, row_geometry
 
 JOB = "rows"
 

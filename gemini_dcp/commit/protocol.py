@@ -127,7 +127,7 @@ class LocalWrite:
     # save to save within its room in the slot, or it moves to a larger room (the results then differ
     # from the layout's in that offset and length).
     byte_spans: tuple[tuple[int, int, int], ...] = ()
-    # Incremental saves (dcp/carry.py): (item bytes copied, bytes the slot already held), None: all copied;
+    # Incremental saves (save/carry.py): (item bytes copied, bytes the slot already held), None: all copied;
     # delta replication (peer/delta.py): this save's offer, and the replica bases this node holds.
     save_bytes: tuple[int, int] | None = None
     delta_offer: Any = None

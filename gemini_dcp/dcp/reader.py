@@ -21,9 +21,9 @@ Call order (driven by ``dcp.load``; **all ranks must call dcp.load together**):
    them. A load that fails leaves the caller's tensors exactly as they were.
 
 This module is the adapter: the DCP calls, the collective decision and the order of a
-restore. The mechanics live beside it: :mod:`gemini_dcp.dcp.restore_stage` holds a load's
+restore. The mechanics live beside it: :mod:`gemini_dcp.restore.restore_stage` holds a load's
 verified chunks and the tier memory they are viewed through, :mod:`gemini_dcp.core.chunk_sink`
-verifies and lands each chunk, :mod:`gemini_dcp.dcp.state_dict_check` is the key/shape check,
+verifies and lands each chunk, :mod:`gemini_dcp.restore.state_dict_check` is the key/shape check,
 and :mod:`gemini_dcp.peer` moves chunks between nodes.
 
 Size: ~530 lines because the order of a restore (decide, stage local / peer / parity /
@@ -62,11 +62,11 @@ from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
 from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
+from ..restore.parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier, tier_bytes
+from ..restore.restore_stage import RestoreStage
+from ..restore.state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
-from .parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier, tier_bytes
-from .restore_stage import RestoreStage
-from .state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 
 log = logging.getLogger(__name__)
 
@@ -501,7 +501,7 @@ class GeminiStorageReader(StorageReader):
     def _rank_ok(self, ok: bool) -> None:
         self._staging.rank_ok = ok
 
-    # ---- the key/shape check (gemini_dcp.dcp.state_dict_check) ----------------------------------
+    # ---- the key/shape check (gemini_dcp.restore.state_dict_check) ----------------------------------
     def _resolve_destinations(self, plan: LoadPlan, planner: LoadPlanner) -> CheckpointMismatchError | None:
         """Resolve every tensor item's destination once (kept for the landing) and check that the
         state dict matches the checkpoint; the error (not raised: see ``read_data``) or None."""

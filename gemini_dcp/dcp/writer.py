@@ -62,13 +62,14 @@ from ..local.record_types import ShardRef, StepRecord
 from ..local.slots import SlotFile
 from ..local.tier import LocalTier
 from ..options import GeminiOptions, resolve_options
+from ..options.incremental import IncrementalOptions
 from ..peer.delta import ReplicaMemory
 from ..peer.parity import ParitySlots, encode_parity
 from ..peer.push import replicate
+from ..save.carry import CarryTracker, SaveStats
+from ..save.local_write import LocalWriter
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
-from .carry import CarryTracker, IncrementalOptions, SaveStats
-from .local_write import LocalWriter
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class GeminiStorageWriter(StorageWriter):
         full_every: with ``incremental``, copy everything every K-th save (bounds what a missed
             change can cost); None: only when the structure changes or after a restart.
 
-    ``writer.last_save`` (a :class:`gemini_dcp.dcp.carry.SaveStats`, this rank, the last
+    ``writer.last_save`` (a :class:`gemini_dcp.save.carry.SaveStats`, this rank, the last
     committed save): ``bytes_written`` copied into the tier, ``bytes_carried`` already held.
 
     Steps: each ``checkpoint_id`` is an int step in ``[0, 2**63)``. A step is evicted from
@@ -439,7 +440,7 @@ class GeminiStorageWriter(StorageWriter):
     def _write_local(self, plan: SavePlan, planner: SavePlanner, step: int, rank: int) -> LocalWrite:
         """Step 2 of the commit protocol: resolve this rank's DCP items and copy them, checksummed,
         into a slot of the node's tier (paced by ``hooks.pace`` when set; see
-        :mod:`gemini_dcp.dcp.local_write`). Local work."""
+        :mod:`gemini_dcp.save.local_write`). Local work."""
         done = self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
         self._pending_save = _save_stats(step, done, self.local_writer)
         memory = self._replica_memory

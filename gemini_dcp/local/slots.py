@@ -99,7 +99,7 @@ class SlotFile:
         self._mm: mmap.mmap | None = None
         self.tensor = torch.empty(0, dtype=torch.uint8)
         # Called with the mapping's tensor just before it is unmapped (a page-locked mapping is
-        # unregistered there: dcp/device_copy), set by whoever registered it.
+        # unregistered there: save/device_copy), set by whoever registered it.
         self.before_unmap: Callable[[torch.Tensor], None] | None = None
         self._fd = _open_slot(path)
         self.capacity = os.fstat(self._fd).st_size

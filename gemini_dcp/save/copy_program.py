@@ -1,7 +1,7 @@
 """The copy program of a plan: what a save of the same items does, computed once, and the
 cheap per-save resolution of the items against it.
 
-:class:`gemini_dcp.dcp.local_write.LocalWriter` keeps one :class:`_Program` per rank (see that
+:class:`gemini_dcp.save.local_write.LocalWriter` keeps one :class:`_Program` per rank (see that
 module for why): the items' offsets in the slot, the write results' templates, the typed
 destination views, the groups of small items. This module holds the program and what each save
 does with it before the copy:

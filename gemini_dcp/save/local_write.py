@@ -8,7 +8,7 @@ Per item, the plain way costs ~100 us of Python and torch calls at 738 items (re
 ``as_bytes`` views, argument checks, a pacer call and a fused copy call per item, a
 ``ShardRef`` and a ``WriteResult``): 75 ms of a 36 MiB save whose copy is ~4 ms. So the
 work that depends only on the plan is done once per (plan, slot) and kept in a
-:class:`~gemini_dcp.dcp.copy_program._Program`: the offsets, the write results' templates, the
+:class:`~gemini_dcp.save.copy_program._Program`: the offsets, the write results' templates, the
 typed destination views in the slot, and the items grouped into blocks of at most ``block``
 bytes. A save then:
 
@@ -19,10 +19,10 @@ bytes. A save then:
    device, layout: any difference builds a new program); the offsets are the program's
    unless a pickled item changed size,
 3. copies each group (one pacer call per group) through
-   :func:`gemini_dcp.dcp.batch_copy.copy_group`: the extension's fused copy+CRC per item
+   :func:`gemini_dcp.save.batch_copy.copy_group`: the extension's fused copy+CRC per item
    when it can, else one ``torch._foreach_copy_`` call and one checksum call per item over a
    ``memoryview`` of the slot (the same values as :func:`gemini_dcp.core.checksum.checksum`),
-4. hands back the results as :class:`~gemini_dcp.dcp.copy_program.WriteResults`, built from
+4. hands back the results as :class:`~gemini_dcp.save.copy_program.WriteResults`, built from
    the templates only if read.
 
 Items of ``block`` bytes or more keep the fused copy+checksum (block by block, paced). Pickled
@@ -88,7 +88,7 @@ class LocalWriter:
         self.slot_pool = slot_pool
         self._programs: dict[int, _Program] = {}  # rank -> the program of its last plan
         self.programs_built = 0
-        self.carry = carry  # incremental saves: what each slot already holds (dcp/carry.py)
+        self.carry = carry  # incremental saves: what each slot already holds (save/carry.py)
         # (the last write's carry plan, item sizes, the row deltas of its tables by item position)
         self.last_carry: tuple[CarryPlan, list[int], dict[int, RowDelta]] | None = None
         self.device_copier = DeviceCopier()  # CUDA tensors: chunked D2H into the page-locked slot
@@ -247,7 +247,7 @@ class LocalWriter:
               slot_idx: int | None = None) -> list[int]:
         """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves);
         of the tables ``rows`` marks, only the rows that differ from the slot's (their deltas into ``deltas``).
-        The groups go through :func:`gemini_dcp.dcp.batch_copy.copy_group` (fused per item when it can)."""
+        The groups go through :func:`gemini_dcp.save.batch_copy.copy_group` (fused per item when it can)."""
         if skip is not None:
             return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier, rows, deltas)
         sums = [0] * len(entries)

@@ -1,6 +1,6 @@
 """Copy a save's small items into the slot, checksummed, with as few Python-level calls as possible.
 
-:class:`gemini_dcp.dcp.local_write.LocalWriter` copies the small CPU items of a plan in groups
+:class:`gemini_dcp.save.local_write.LocalWriter` copies the small CPU items of a plan in groups
 of at most ``block`` bytes (one pacer call per group). This module does the copy of one
 group and the bookkeeping that makes it cheap at hundreds or thousands of items:
 

@@ -123,7 +123,7 @@ class RestoreStage:
         """Copy every staged chunk into the state dict (dtype-converted as stock DCP converts).
 
         Chunks bound for CUDA tensors go host-to-device asynchronously, from page-locked slot
-        mappings where enough of a mapping goes to the GPU (:mod:`gemini_dcp.dcp.device_land`);
+        mappings where enough of a mapping goes to the GPU (:mod:`gemini_dcp.restore.device_land`);
         this returns once every copy is done.
         """
         self._drop_lander()
