@@ -36,7 +36,10 @@ from workloads import plain_state
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.errors import PeerError, PersistentTierError, RestartRequiredError, UntrustedDataError
-from gemini_dcp.persistent.store import INDEX, SIDE_DIR, PersistentTier, PersistentTimeoutError, StepDir
+from gemini_dcp.persistent.side_files import INDEX, SIDE_DIR
+from gemini_dcp.persistent.step_dir import StepDir
+from gemini_dcp.persistent.store import PersistentTier
+from gemini_dcp.persistent.store_calls import PersistentTimeoutError
 
 SLACK_S = 4.0  # scheduling slack on a loaded 2-core machine
 
@@ -104,13 +107,11 @@ def test_reader_fails_on_black_hole_store(root: str, black_hole: str) -> None:
 
 def test_store_calls_after_the_probe_are_bounded(black_hole: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tier whose store stops answering after construction: listing and reads overrun, never hang."""
-    import gemini_dcp.persistent.store as persistent
-
     monkeypatch.setattr(PersistentTier, "_probe", lambda self: None)
     pt = PersistentTier(black_hole, "bh", timeout_s=1.5)
     for call in (pt.committed_steps, lambda: pt.read_metadata(3)):
         t0 = time.monotonic()
-        with pytest.raises(persistent.PersistentTimeoutError):
+        with pytest.raises(PersistentTimeoutError):
             call()
         assert time.monotonic() - t0 < 1.5 + SLACK_S
 

@@ -141,7 +141,8 @@ def test_progress_round_trips_and_reads_the_previous_pickle(tmp_path: Path) -> N
 
 def test_exceptions_are_classified_by_class() -> None:
     from gemini_dcp.persistent.drain import _classify
-    from gemini_dcp.persistent.store import PersistentChecksumError, UntrustedSideFileError
+    from gemini_dcp.persistent.side_files import UntrustedSideFileError
+    from gemini_dcp.persistent.store import PersistentChecksumError
 
     assert _classify(ChecksumMismatchError("slot reused"))[0] == "abandon"
     assert _classify(UntrustedDataError("planted"))[0] == "abandon"
