@@ -12,7 +12,9 @@ docs/architecture.md states them; this file is where they are enforced:
 - nothing imports the trainer integrations, and they import a trainer only inside functions;
 - only ``gemini_dcp/transport/`` touches torch.distributed point-to-point;
 - ``import gemini_dcp``, ``gemini_dcp.errors``, the options tree and the drain server import no torch;
-- one import path per module: no alias finder for the package's old flat names.
+- one import path per module: no alias finder for the package's old flat names;
+- docs/architecture.md lists every module of the package and of the CLI, and benchmarks/README.md
+  every benchmark script.
 """
 
 from __future__ import annotations
@@ -224,3 +226,19 @@ def test_one_name_per_module_no_alias_layer() -> None:
     assert not any(type(f).__module__.startswith("gemini_dcp") for f in sys.meta_path)
     assert gemini_dcp.GeminiStorageWriter is importlib.import_module("gemini_dcp.dcp.writer").GeminiStorageWriter
     assert gemini_dcp.AsyncCheckpointer is importlib.import_module("gemini_dcp.snapshot").AsyncCheckpointer
+
+
+def test_every_module_is_listed_in_the_architecture_doc() -> None:
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    files = sorted([*PKG.rglob("*.py"), *(REPO / "cli").rglob("*.py")])
+    missing = [str(p.relative_to(REPO)) for p in files if f"`{p.relative_to(REPO).as_posix()}`" not in doc]
+    assert missing == [], f"docs/architecture.md does not list {missing} (one line on each module's job)"
+    listed = set(re.findall(r"`((?:gemini_dcp|cli)/[\w/]+\.py)`", doc))
+    gone = sorted(p for p in listed if not (REPO / p).exists())
+    assert gone == [], f"docs/architecture.md lists modules that do not exist: {gone}"
+
+
+def test_every_benchmark_script_is_listed_in_its_readme() -> None:
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    scripts = sorted(p.name for p in (REPO / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert [s for s in scripts if f"`{s}`" not in readme] == []

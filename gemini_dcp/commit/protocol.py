@@ -50,7 +50,7 @@ Glossary:
   message); receivers post matching receives.
 - *leader*: the lowest rank of a node; it writes the node's record and evicts.
 
-Size: ~500 lines: the protocol is one sequence of collectives whose order every rank must
+The protocol is one sequence of collectives whose order every rank must
 follow (write, gather, protect by replicas or parity, record, commit, evict); each step's
 mechanics are in agreement.py, reports.py, slot_pool.py and the tiers.
 """

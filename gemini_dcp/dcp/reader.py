@@ -26,9 +26,9 @@ verified chunks and the tier memory they are viewed through, :mod:`gemini_dcp.co
 verifies and lands each chunk, :mod:`gemini_dcp.restore.state_dict_check` is the key/shape check,
 and :mod:`gemini_dcp.peer` moves chunks between nodes.
 
-Size: ~530 lines because the order of a restore (decide, stage local / peer / parity /
-persistent, agree, land) is one sequence of collectives that every rank must run in the same
-order; each stage's mechanics are already elsewhere.
+The order of a restore (decide, stage local / peer / parity / persistent, agree, land) is one
+sequence of collectives that every rank must run in the same order (all ranks call every
+method); each stage's mechanics live in :mod:`gemini_dcp.restore` and the tiers.
 """
 
 from __future__ import annotations

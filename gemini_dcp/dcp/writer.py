@@ -24,9 +24,8 @@ newest restorable one; records are renamed into place, never edited.
 The slot files live in a :class:`~gemini_dcp.commit.slot_pool.SlotPool`; the async path's
 pacers in one :class:`~gemini_dcp.commit.hooks.SaveHooks` value (``writer.hooks``).
 
-Size: ~550 lines: the DCP calls plus the constructor's validation of every option that
-shapes a save (replicas, parity_group, incremental / full_every), which must fail before
-any directory is created; the mechanisms live in commit/, peer/ and dcp/local_write.py.
+Every option that shapes a save is validated before any directory is created; the
+mechanisms live in :mod:`gemini_dcp.commit`, :mod:`gemini_dcp.save` and the tiers.
 """
 
 from __future__ import annotations

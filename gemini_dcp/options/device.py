@@ -1,4 +1,4 @@
-"""Options of the GPU paths (issue 20): the only reader of ``GEMINI_DCP_D2H_CHECKSUM`` and
+"""Options of the GPU paths: the only reader of ``GEMINI_DCP_D2H_CHECKSUM`` and
 ``GEMINI_DCP_H2D_REGISTER``.
 
 ``GEMINI_DCP_D2H_CHECKSUM``

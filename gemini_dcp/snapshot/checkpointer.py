@@ -11,7 +11,7 @@ rank's bytes are in the tier. That is what :class:`AsyncCheckpointer` does::
         loss = model(batch).sum(); loss.backward()
         opt.step()                # waits (only) for the previous snapshot's local copy
         opt.zero_grad()
-        ckpt.save(get_state_dict_for(model, opt), step)   # returns in well under 5 ms
+        ckpt.save(get_state_dict_for(model, opt), step)   # returns once the structure is snapshotted
     ckpt.close()                  # waits for the last commit, raises any error
 
 ``save()`` records the request and returns; a background thread runs

@@ -6,9 +6,9 @@ gathers the plans, deduplicates replicated items and scatters the final plans,
 and after the write the results are gathered and the metadata broadcast — four
 pickled-object collectives through one coordinator, on top of the writer's own
 commit gather. A job that checkpoints every step saves the same structure every
-step, so the plan does not change; on this project's 2-core CPU host the
-planning was ~60% of the background CPU of a per-step snapshot, taken from
-training (docs/async.md), and on a large job every plan goes through rank 0.
+step, so the plan does not change; the planning is most of the background CPU
+of a per-step snapshot, taken from training (figures: docs/async.md), and on a
+large job every plan goes through rank 0.
 
 :class:`PlanReplay` runs the first save (and any save whose structure changed)
 through ``dcp.save`` with a planner that records the plans, then replays:

@@ -2,7 +2,7 @@
 
 How a step gets from CPU memory to the store (per node, no funnel through rank 0):
 
-1. **Request** (training path, ~1 ms): once a step is committed in memory, the
+1. **Request** (training path, a file write): once a step is committed in memory, the
    node's leader rank (its lowest rank) *holds* the step's slots of the saving ranks that
    ran on this node (:mod:`gemini_dcp.local.slot_holds`: the writer's slot choice leaves
    them alone), writes ``persist/requests/step-N.json`` (a :class:`~.request.DrainRequest`
