@@ -1,6 +1,6 @@
 """The landing of a restore onto CUDA tensors: host-to-device from page-locked tier mappings.
 
-The restore side of issue 20's save path (:mod:`gemini_dcp.save.device_copy`). By the time a
+The restore side of the GPU save path (:mod:`gemini_dcp.save.device_copy`). By the time a
 restore lands, every chunk it needs is verified where it lies (:mod:`gemini_dcp.restore.restore_stage`);
 for a local-tier chunk that is a read-only mapping of the slot file. Copying such a chunk into a
 CUDA tensor with a plain ``copy_`` is a *pageable* host-to-device copy: the driver bounces it

@@ -4,10 +4,9 @@
 it resolves the plan's items to tensors (and pickled bytes), lays them out in a slot of the
 node's tier (each item at a 64-byte aligned offset), copies them and checksums each one.
 
-Per item, the plain way costs ~100 us of Python and torch calls at 738 items (resolving,
-``as_bytes`` views, argument checks, a pacer call and a fused copy call per item, a
-``ShardRef`` and a ``WriteResult``): 75 ms of a 36 MiB save whose copy is ~4 ms. So the
-work that depends only on the plan is done once per (plan, slot) and kept in a
+Per item, the plain way costs many Python and torch calls (resolving, ``as_bytes`` views,
+argument checks, a pacer call and a fused copy call per item, a ``ShardRef`` and a
+``WriteResult``), far more than the copy itself at hundreds of items. So the work that depends only on the plan is done once per (plan, slot) and kept in a
 :class:`~gemini_dcp.save.copy_program._Program`: the offsets, the write results' templates, the
 typed destination views in the slot, and the items grouped into blocks of at most ``block``
 bytes. A save then:
