@@ -52,13 +52,13 @@ from torch.futures import Future
 
 from ..core.chunk_sink import describe_item
 from ..core.compat import failed_metadata, raise_if_failed
-from ..core.config import parse_step, resolve_node_id
+from ..core.config import parse_step
 from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
 from ..local.record_types import ShardRef, StepRecord
-from ..local.tier import LocalTier
+from ..node import open_tiers
 from ..options import GeminiOptions, resolve_options
 from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
@@ -114,20 +114,14 @@ class GeminiStorageReader(StorageReader):
             options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s
         )
         cfg = self.options
-        self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
+        tiers = open_tiers(cfg, writable=False)
+        self.tier = tiers.tier
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
-        self.node_id = cfg.local.node_id or resolve_node_id(self.root)
+        self.node_id = tiers.node_id
         self.timeout_s = cfg.timeout_s
         self.process_group = process_group
-        self.persistent = None
-        if cfg.persistent.url is not None:
-            from ..persistent.store import PersistentTier  # noqa: PLC0415
-
-            self.persistent = PersistentTier(  # every store call bounded
-                str(cfg.persistent.url), self.job_id, timeout_s=cfg.persistent_timeout_s,
-                storage_options=dict(cfg.persistent.storage_options) if cfg.persistent.storage_options is not None else None,
-            )
+        self.persistent = tiers.persistent
         self._requested: int | None = None
         self._metadata_error: Exception | None = None
         self._decision: RestoreDecision | None = None

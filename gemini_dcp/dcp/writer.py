@@ -53,13 +53,13 @@ from ..commit.hooks import NO_HOOKS, SaveHooks
 from ..commit.protocol import CommitProtocol, LocalWrite, NodeIdentity, SaveSpec
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import resolve_algo
-from ..core.config import parse_step, resolve_node_id
+from ..core.config import parse_step
 from ..core.launch import current_launch
 from ..errors import ConfigError, InvalidStepError
 from ..local.launch_lock import hold_launch_lock
 from ..local.record_types import ShardRef, StepRecord
 from ..local.slots import SlotFile
-from ..local.tier import LocalTier
+from ..node import open_tiers
 from ..options import GeminiOptions, resolve_options
 from ..options.incremental import IncrementalOptions
 from ..peer.delta import ReplicaMemory
@@ -165,10 +165,11 @@ class GeminiStorageWriter(StorageWriter):
         self.incremental: IncrementalOptions = cfg.incremental
         self.parity_group = cfg.peer.parity_group  # validated with replicas (PeerOptions), before any directory exists
         self._algo = resolve_algo(self.options.local.checksum)
-        self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
+        tiers = open_tiers(cfg, writable=True)
+        self.tier = tiers.tier
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
-        self.node_id = cfg.local.node_id or resolve_node_id(self.root)
+        self.node_id = tiers.node_id
         self.launch = current_launch()
         hold_launch_lock(self.tier, self.launch, self)  # JobConflictError if another live launch uses the job
         st = os.stat(self.root)
@@ -197,20 +198,8 @@ class GeminiStorageWriter(StorageWriter):
         self._step: int | None = None
         self._is_coordinator = True
         self._rank = 0
-        self.persistent = None
+        self.persistent = tiers.persistent
         pcfg = cfg.persistent
-        if pcfg.url is not None:
-            from ..persistent.store import PersistentTier  # noqa: PLC0415 - optional tier
-
-            self.persistent = PersistentTier(
-                str(pcfg.url),
-                self.job_id,
-                keep=pcfg.keep,
-                keep_every=pcfg.keep_every,
-                writable=True,
-                storage_options=dict(pcfg.storage_options) if pcfg.storage_options is not None else None,
-                timeout_s=cfg.persistent_timeout_s,  # bounds every store call (probe, drain uploads)
-            )
         self.persist_every = pcfg.every
         self._drainer = None
         if self.persistent is not None:
