@@ -8,7 +8,7 @@
     dcp.load(state_dict, storage_reader=reader)   # newest restorable step
     print(reader.restored_step, reader.restored_from)
 
-Per-step zero-stall snapshots (``gemini_dcp.snapshot.checkpointer``): ``AsyncCheckpointer`` (recommended),
+Per-step zero-stall snapshots (``gemini_dcp.snapshot``): ``AsyncCheckpointer`` (recommended),
 or ``AsyncGeminiStorageWriter`` for stock ``dcp.async_save`` (it is DCP's ``AsyncStager``).
 """
 
@@ -43,7 +43,7 @@ _LAZY = {
     "GeminiStorageWriter": "gemini_dcp.dcp.writer",
     "GeminiStorageReader": "gemini_dcp.dcp.reader",
     "AsyncCheckpointer": "gemini_dcp.snapshot.checkpointer",
-    "AsyncGeminiStorageWriter": "gemini_dcp.snapshot.checkpointer",
+    "AsyncGeminiStorageWriter": "gemini_dcp.snapshot.async_writer",
     "InterleaveOptions": "gemini_dcp.snapshot.checkpointer",
     "fast_load": "gemini_dcp.dcp.fast_load",
     "FastLoadResult": "gemini_dcp.dcp.fast_load",

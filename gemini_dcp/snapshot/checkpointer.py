@@ -73,8 +73,7 @@ from ..commit.hooks import NO_HOOKS, SaveHooks
 from ..core.config import parse_step
 from ..dcp.writer import GeminiStorageWriter
 from ..errors import ConfigError
-from .async_writer import AsyncGeminiStorageWriter
-from .handles import AsyncCheckpointError, SnapshotHandle, checkpoint_group
+from .handles import AsyncCheckpointError, SnapshotHandle
 from .interleave import (
     DEFAULT_ALPHA,
     DEFAULT_MAX_CHUNK,
@@ -86,24 +85,11 @@ from .interleave import (
     choose_chunk_bytes,
 )
 from .replay import PlanReplay
-from .structure import StructureCache, buffer_storages, clone_tensor, snapshot_structure, storage_key
+from .structure import StructureCache, buffer_storages
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "AsyncCheckpointer",
-    "AsyncCheckpointError",
-    "AsyncGeminiStorageWriter",
-    "InterleaveOptions",
-    "SnapshotHandle",
-    "checkpoint_group",
-    "snapshot_structure",
-]
-
-# The names the structural snapshot had here before it moved to .structure (tests import them).
-_storage_key = storage_key
-_clone = clone_tensor
-_buffer_storages = buffer_storages
+__all__ = ["AsyncCheckpointer", "InterleaveOptions"]
 
 DEFAULT_BANDWIDTH = 4e9  # bytes/s; replaced by the measured copy rate after the first chunks
 DEFAULT_NET_BANDWIDTH = 1e9  # bytes/s of the peer replication; replaced by its measured rate likewise
