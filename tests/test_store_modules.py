@@ -19,6 +19,13 @@ from gemini_dcp.persistent.side_files import (
 )
 
 
+def test_side_files_are_written_under_the_store_module_path() -> None:
+    assert StepIndex.__module__ == PartMarker.__module__ == "gemini_dcp.persistent.store"
+    assert store.StepIndex is StepIndex and store.PartMarker is PartMarker  # what pickle looks up when it writes
+    raw = pickle.dumps(StepIndex(1, "fp", {}, (), "j"))
+    assert b"gemini_dcp.persistent.store" in raw and decode_side_file(raw, "index.pkl", StepIndex) == StepIndex(1, "fp", {}, (), "j")
+
+
 def test_store_holds_its_reads_and_forwards_no_names() -> None:
     assert issubclass(store.PersistentChecksumError, PersistentTierError)
     assert issubclass(store.PersistentChecksumError, ChecksumMismatchError)

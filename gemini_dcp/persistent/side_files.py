@@ -115,7 +115,8 @@ class StepIndex:
     job_id: str
 
 
-# Pickled under the module path the stores written since the move into subpackages name
-# (``gemini_dcp.persistent.store`` re-exports both): a side file written here is byte-for-byte
-# what that release wrote, so either release reads the other's stores.
+# Pickled under the module path the stores written since the move into subpackages name (an
+# on-disk name: ``gemini_dcp.persistent.store`` imports both, which pickle checks when it writes),
+# so a side file written here is byte-for-byte what that release wrote, and either release reads
+# the other's stores.
 PartMarker.__module__ = StepIndex.__module__ = "gemini_dcp.persistent.store"
