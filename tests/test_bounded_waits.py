@@ -248,21 +248,22 @@ def test_planted_part_marker_is_refused(tmp_path: Path) -> None:
 
 
 def test_planted_progress_is_refused_and_abandons_the_drain(tmp_path: Path) -> None:
-    from gemini_dcp.persistent.drain import _classify, _load_progress
+    from gemini_dcp.persistent.drain.server import classify
+    from gemini_dcp.persistent.drain.upload import load_legacy_progress
 
     d = tmp_path / "stage" / "step-000000000001"
     d.mkdir(parents=True)
     marker = tmp_path / "progress-ran"
     (d / "progress.pkl").write_bytes(pickle.dumps(_Payload(marker)))
     with pytest.raises(UntrustedDataError) as ei:
-        _load_progress(d)
+        load_legacy_progress(d)
     assert not marker.exists()
-    assert _classify(ei.value)[0] == "abandon"
+    assert classify(ei.value)[0] == "abandon"
     (d / "progress.pkl").write_bytes(pickle.dumps(["not", "a", "dict"]))
     with pytest.raises(UntrustedDataError):
-        _load_progress(d)
+        load_legacy_progress(d)
     (d / "progress.pkl").unlink()
-    assert _load_progress(d) == {"begun": False, "files": {}}
+    assert load_legacy_progress(d) == {"begun": False, "files": {}}
 
 
 # ---- peers: bounded and clear -----------------------------------------------------------------------

@@ -55,9 +55,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "server_command": ("client", "server_command"),
     "serve": ("server", "serve"),
     "main": ("server", "main"),
-    "_classify": ("server", "classify"),
     "adoption_marker_id": ("upload", "adoption_marker_id"),
-    "_load_progress": ("upload", "load_legacy_progress"),
     "load_progress": ("upload", "load_progress"),
     "SPLIT_BYTES": ("upload", "SPLIT_BYTES"),
 }
@@ -73,5 +71,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DrainConfig", "DrainRequest", "Paths", "Progress", "SlotRef", "StoreTarget", "drain_status", "drain_summary",
-    "read_config", "server_pid", "wait_idle", *(n for n in _LAZY if not n.startswith("_")),
+    "read_config", "server_pid", "wait_idle", *_LAZY,
 ]
