@@ -124,7 +124,7 @@ def metadata_shell(meta_blob: bytes) -> Metadata:
     """The decoded (restricted-unpickled) DCP metadata shell of ``meta_blob``, shared by every record that has it."""
     shell = _shells.get(meta_blob)
     if shell is None:
-        loaded = restricted_loads(meta_blob, source="a step record's DCP metadata", writer_torch=_reading_torch())
+        loaded = restricted_loads(meta_blob, source="a step record's DCP metadata", writer_torch=reading_torch())
         if not isinstance(loaded, Metadata):
             raise UntrustedDataError(
                 f"a step record's DCP metadata holds a {type(loaded).__name__}, not a Metadata; it was not used. "
@@ -170,11 +170,11 @@ _layouts_by_blob: dict[bytes, PackedLayout] = {}  # decode
 
 # The torch version in the header of the record being decoded on this thread (for messages
 # from the nested unpickling of the metadata shell and the layout).
-_decoding = threading.local()
+decoding_context = threading.local()
 
 
-def _reading_torch() -> str | None:
-    return getattr(_decoding, "torch_version", None)
+def reading_torch() -> str | None:
+    return getattr(decoding_context, "torch_version", None)
 
 
 class ShardRef(NamedTuple):
@@ -587,7 +587,7 @@ def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
 def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
     layout = _layouts_by_blob.get(blob)
     if layout is None:
-        loaded = restricted_loads(blob, source="a step record's chunk layout", writer_torch=_reading_torch())
+        loaded = restricted_loads(blob, source="a step record's chunk layout", writer_torch=reading_torch())
         digest: bytes | None = None
         if isinstance(loaded, tuple) and len(loaded) == 3 and loaded[0] != _PACKED:  # (layout, digest, order)
             loaded, digest, order_bytes = loaded

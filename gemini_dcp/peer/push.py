@@ -31,7 +31,7 @@ from ..transport.p2p import Pending, Transport
 from .delta import ReplicaMemory, merge_runs, packed_rows, pair_runs, row_view, touches
 from .routes import SlotReport, choose_order, replication_routes
 
-__all__ = ["ReplicaTier", "Replicated", "SlotBuffer", "node_order", "replicate"]
+__all__ = ["ReplicaTier", "Replicated", "SlotBuffer", "agree_on_errors", "node_order", "replicate"]
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def replicate(
             replica_slots.append(RankSlot(src, idx, reports[src].nbytes))
             if memory is not None:
                 memory.note(src, idx, getattr(reports[src], "delta_offer", None))
-    errors = _agree(comm, step, error, transport_failed)
+    errors = agree_on_errors(comm, step, error, transport_failed)
     if errors:
         msg = (
             f"step {step}: could not place {options.peer.replicas} replicas in peer memory: {errors[0]}"
@@ -277,7 +277,7 @@ def _at(buf: SlotBuffer, base: int) -> Callable[[int, int], torch.Tensor]:
     return lambda off, n: buf.view(base + off, n)
 
 
-def _agree(comm: Comm, step: int, error: str | None, transport_failed: bool) -> list[str]:
+def agree_on_errors(comm: Comm, step: int, error: str | None, transport_failed: bool) -> list[str]:
     """Collective: every rank's replication error (empty: none anywhere), the same on every rank.
 
     After a transport failure anywhere, every rank replaces the control group (``Comm.rebuild``).
