@@ -205,9 +205,9 @@ def test_writer_and_reader_take_options(tmp_path: Path) -> None:
     assert (r.timeout_s, r.job_id, r.node_id, r.root) == (30.0, "opt", "n0", root) and r.options == opts
     inc = GeminiOptions(local=LocalOptions(root=str(root), job_id="opt3"), incremental=IncrementalOptions(enabled=True, full_every=5))
     w3 = GeminiStorageWriter(options=inc)
-    assert w3.incremental == IncrementalOptions(enabled=True, full_every=5) and w3.local_writer.carry is not None
+    assert w3.options.incremental == IncrementalOptions(enabled=True, full_every=5) and w3.local_writer.carry is not None
     w4 = GeminiStorageWriter(options=GeminiOptions(local=LocalOptions(root=str(root), job_id="opt4"), peer=PeerOptions(parity_group=3)))
-    assert w4.parity_group == 3
+    assert w4.options.peer.parity_group == 3
 
 
 def test_a_conflict_or_bad_value_fails_before_any_directory_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

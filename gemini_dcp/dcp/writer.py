@@ -61,7 +61,6 @@ from ..local.record_types import ShardRef, StepRecord
 from ..local.slots import SlotFile
 from ..node import open_tiers
 from ..options import GeminiOptions, resolve_options
-from ..options.incremental import IncrementalOptions
 from ..peer.delta import ReplicaMemory
 from ..peer.parity import ParitySlots, encode_parity
 from ..peer.push import replicate
@@ -162,8 +161,6 @@ class GeminiStorageWriter(StorageWriter):
             full_every=full_every,
         )
         cfg = self.options
-        self.incremental: IncrementalOptions = cfg.incremental
-        self.parity_group = cfg.peer.parity_group  # validated with replicas (PeerOptions), before any directory exists
         self._algo = resolve_algo(self.options.local.checksum)
         tiers = open_tiers(cfg, writable=True)
         self.tier = tiers.tier
@@ -178,11 +175,11 @@ class GeminiStorageWriter(StorageWriter):
             launch_id=self.launch.launch_id, launch_description=self.launch.description,
         )
         self.commit = CommitProtocol(self.tier, node, self.options)
-        self.commit.parity = self.parity_group is not None
+        self.commit.parity = cfg.peer.parity_group is not None
         self.parity_slots = ParitySlots(self.tier.layout.rank_dir)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
         self.slot_pool = SlotPool(self.tier, keep=self.options.local.keep, capacity_bytes=self.options.local.capacity_bytes)
-        carry = CarryTracker(self.incremental, history=self.options.local.keep + 2) if self.incremental.enabled else None
+        carry = CarryTracker(cfg.incremental, history=cfg.local.keep + 2) if cfg.incremental.enabled else None
         # Delta replication of incremental saves (peer/delta.py): this writer's name and save count as a
         # sender, and what this node's replica slots hold as a receiver.
         self._replica_memory = ReplicaMemory() if carry is not None and self.options.peer.replicas > 1 else None
@@ -308,7 +305,7 @@ class GeminiStorageWriter(StorageWriter):
             check_space=check_space, hooks=self.hooks,
             replicate=lambda step, reports, expand: self._replicate(comm, step, reports, expand),
             after_commit=self._after_commit,
-            protect=(lambda step, reports: self._protect(comm, step, reports)) if self.parity_group else None,
+            protect=(lambda step, reports: self._protect(comm, step, reports)) if self.options.peer.parity_group else None,
         )
         self.last_save = self._pending_save
         return results
@@ -400,9 +397,10 @@ class GeminiStorageWriter(StorageWriter):
 
     def _protect(self, comm: Comm, step: int, reports: Any) -> tuple[Any, dict[str, Any]]:
         """Step 4 with ``parity_group``: the XOR parity of every lane (gemini_dcp.peer.parity); collective."""
-        assert self.parity_group is not None
+        group = self.options.peer.parity_group
+        assert group is not None
         done = encode_parity(
-            comm, transport_for(comm), step, reports, group=self.parity_group, tier=self.tier,
+            comm, transport_for(comm), step, reports, group=group, tier=self.tier,
             data_slot=self.slot_pool.slot, parity_slots=self.parity_slots, budget_check=self.slot_pool.budget_check,
             algo=self._algo, on_peer_failure=self.options.peer.on_peer_failure, previous_order=self._node_order,
             pace=self.hooks.replication_pace,

@@ -381,7 +381,7 @@ class AsyncCheckpointer:
         """The pacer of the peer replication: only with replicas and a profile (else one message,
         unpaced). Its gaps are the same; its rate is the network's; it uses the gaps of one
         iteration only, since no guard bounds the replication."""
-        if (self.writer.options.peer.replicas <= 1 and not getattr(self.writer, "parity_group", None)) or self._no_dist:
+        if (self.writer.options.peer.replicas <= 1 and self.writer.options.peer.parity_group is None) or self._no_dist:
             return None
         return self._gap_pacer(self._net_bandwidth, one_iteration=True)
 
