@@ -103,12 +103,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from gemini_dcp import GeminiStorageWriter
-    from gemini_dcp.snapshot.checkpointer import (
-        AsyncCheckpointer,
-        AsyncGeminiStorageWriter,
-        InterleaveOptions,
-        checkpoint_group,
-    )
+    from gemini_dcp.snapshot import AsyncCheckpointer, AsyncGeminiStorageWriter, InterleaveOptions, checkpoint_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if os.environ.get("BENCH_SWITCH_INTERVAL"):

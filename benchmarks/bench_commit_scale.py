@@ -15,7 +15,7 @@ checksums), and times both ways of committing it, in the same run:
   decode it (every other rank, once per save), fingerprint it, and index every
   chunk by location (each restoring rank);
 * ``overlay`` (replayed saves, and plain saves of an unchanged structure, now):
-  ``records.ChecksumOverlay`` — the shared layout plus one array of checksums —
+  ``record_types.ChecksumOverlay`` — the shared layout plus one array of checksums —
   for the same steps; the fingerprint and location
   index of a second record of the same plan (what every save after the first and
   every restore after the first record costs).
@@ -61,22 +61,23 @@ def _lookup(refs: Any, keys: list[tuple[int, int]]) -> list[Any]:
 def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+    from gemini_dcp.commit.reports import RankReport, SplitLayout, expand, overlay
     from gemini_dcp.core.restore_order import NodeView, StepView
-    from gemini_dcp.dcp.writer import _expand, _overlay, _RankReport, _SplitLayout
-    from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
-    from gemini_dcp.peer.replication import refs_by_key
+    from gemini_dcp.local.record_codec import decode_record, encode_record
+    from gemini_dcp.local.record_types import RankSlot, ShardRef, StepRecord
+    from gemini_dcp.peer.fetch import refs_by_key
 
     layout = {
         MetadataIndex(f"model.layers.{i // 3}.w{i % 3}", [r * 64, 0]): ShardRef(r, i * 65536, 65536, 0, "crc32c", "bfloat16", (64, 512))
         for r in range(world)
         for i in range(tensors)
     }
-    split = _SplitLayout.of(layout)
+    split = SplitLayout.of(layout)
     nodes = tuple(f"node-{r // ranks_per_node:05d}" for r in range(world))
 
     def reports(step: int) -> list[Any]:
         return [
-            _RankReport(rank=r, node_id=nodes[r], slot=step % 2, nbytes=tensors * 65536, results=(),
+            RankReport(rank=r, node_id=nodes[r], slot=step % 2, nbytes=tensors * 65536, results=(),
                         checksums=tuple((step * 7919 + r * tensors + i) & 0xFFFFFFFF for i in range(tensors)))
             for r in range(world)
         ]
@@ -91,7 +92,7 @@ def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[
 
     # ---- expanded: what a save did with every rank's results, and what a restore did with the record
     def expand_build() -> Any:
-        full = [_expand(rep, split.by_rank) for rep in reps1]
+        full = [expand(rep, split.by_rank) for rep in reps1]
         return {wr.index: wr.storage_data for rep in full for wr in rep.results}
 
     def record_work(commit_s: float, rec: Any) -> dict[str, Any]:
@@ -109,12 +110,12 @@ def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[
     out["expanded"] = record_work(t_expand, rec_plain)
 
     # ---- overlay: the same steps over the shared layout (first record warms the per-layout caches)
-    first = record(1, _overlay(split, reps1))
+    first = record(1, overlay(split, reps1))
     first.fingerprint()
     _lookup(refs_by_key(first), mine)
-    t_ov, ov = _best(lambda: _overlay(split, reps2), repeat)
+    t_ov, ov = _best(lambda: overlay(split, reps2), repeat)
     out["overlay"] = record_work(t_ov, record(2, ov))
-    out["fingerprints_agree"] = record(1, _overlay(split, reps1)).fingerprint() == fp_plain
+    out["fingerprints_agree"] = record(1, overlay(split, reps1)).fingerprint() == fp_plain
 
     # ---- restore decision: what every rank sends (and receives world_size times)
     held = tuple(range(ranks_per_node * 2))
@@ -123,7 +124,7 @@ def measure(world: int, tensors: int, ranks_per_node: int, repeat: int) -> dict[
     out["view_bytes_before"] = out["view_bytes"] + 3 * len(pickle.dumps((nodes, (tensors * 65536,) * world), protocol=pickle.HIGHEST_PROTOCOL))
 
     out["plain_gather"] = plain_gather(world, tensors, nodes, repeat)
-    out["first_record"] = first_record(record(3, _overlay(split, reports(3))), repeat)
+    out["first_record"] = first_record(record(3, overlay(split, reports(3))), repeat)
 
     e, o = out["expanded"], out["overlay"]
     out["save_s"] = {"expanded": e["commit_s"] + e["encode_s"] + e["decode_s"], "overlay": o["commit_s"] + o["encode_s"] + o["decode_s"]}
@@ -150,8 +151,8 @@ def plain_gather(world: int, tensors: int, nodes: tuple[str, ...], repeat: int) 
     )
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from gemini_dcp.dcp.writer import INLINE_METADATA_PADDING, _RankReport
-    from gemini_dcp.local.records import ShardRef
+    from gemini_dcp.commit.reports import INLINE_METADATA_PADDING, RankReport
+    from gemini_dcp.local.record_types import ShardRef
 
     fqns = [f"model.layers.{i // 3}.w{i % 3}" for i in range(tensors)]
     meta = Metadata({
@@ -162,11 +163,11 @@ def plain_gather(world: int, tensors: int, nodes: tuple[str, ...], repeat: int) 
     meta_blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
     inline = len(meta_blob) * (world - 1) <= INLINE_METADATA_PADDING
     r = world // 2  # a typical rank's part (every part is padded to the largest anyway)
-    full = _RankReport(rank=r, node_id=nodes[r], slot=1, nbytes=tensors * 65536, results=tuple(
+    full = RankReport(rank=r, node_id=nodes[r], slot=1, nbytes=tensors * 65536, results=tuple(
         WriteResult(index=MetadataIndex(f, torch.Size([r * 64, 0]), r), size_in_bytes=65536,
                     storage_data=ShardRef(r, i * 65536, 65536, 0x9E3779B9 + i, "crc32c", "bfloat16", (64, 512)))
         for i, f in enumerate(fqns)))
-    compact = _RankReport(rank=r, node_id=nodes[r], slot=1, nbytes=tensors * 65536, results=(),
+    compact = RankReport(rank=r, node_id=nodes[r], slot=1, nbytes=tensors * 65536, results=(),
                           checksums=tuple(0x9E3779B9 + i for i in range(tensors)), known_metadata=b"d" * 16,
                           basis=(1, world * tensors))
     full_b, compact_b = (pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in (full, compact))
@@ -190,23 +191,23 @@ def first_record(rec: Any, repeat: int) -> dict[str, Any]:
     """The first record of a layout in a process: the node leader's encode (layout pickled and its
     location digest computed once per layout), and a restoring process's decode, kept packed
     (now) vs materializing a MetadataIndex and a ShardRef per chunk (what decoding did before)."""
-    from gemini_dcp.local import records
+    from gemini_dcp.local import record_codec, record_types
 
     def cold() -> None:
-        for cache in (records._layout_blobs, records._digests, records._positions, records._locations):
+        for cache in (record_types._layout_blobs, record_types._digests, record_types._positions, record_types._locations):
             cache._entries.clear()
-        records._layouts_by_blob.clear()
-        records._indexes.clear()
+        record_types._layouts_by_blob.clear()
+        record_types._indexes.clear()
 
     def encode() -> bytes:
         cold()
-        return records.encode_record(rec)
+        return record_codec.encode_record(rec)
 
     t_enc, blob = _best(encode, repeat)
 
     def decode(materialize: bool) -> Any:
         cold()
-        sd = records.decode_record(blob).metadata.storage_data
+        sd = record_codec.decode_record(blob).metadata.storage_data
         return dict(sd.layout.items()) if materialize else sd
 
     t_packed, _ = _best(lambda: decode(False), repeat)

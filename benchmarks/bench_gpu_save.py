@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
-    from gemini_dcp.dcp.device_copy import copy_path
+    from gemini_dcp.save.device_copy import copy_path
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         tensors = locals_of(sd)
         nbytes = sum(t.nbytes for t in tensors)
         pinned = [pin(torch.empty(t.shape, dtype=t.dtype)) for t in tensors]
-        from gemini_dcp.dcp.device_copy import DeviceCopier
+        from gemini_dcp.save.device_copy import DeviceCopier
 
         writer = GeminiStorageWriter(root=str(base / "tier"), job_id="gpu", keep=1)
         t0 = time.perf_counter()

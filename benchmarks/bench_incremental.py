@@ -104,7 +104,7 @@ def _rank(rank: int, world: int, roots: list[str], mib: int, rounds: int, keep: 
             step += 1
             st = w.last_save
             assert st is not None
-            rep = dict(w.last_replication)
+            rep = dict(w.commit.last_replication)
             samples[name].append({"seconds": secs, "bytes_written": st.bytes_written, "bytes_carried": st.bytes_carried,
                                   "sent_bytes": rep.get("sent_bytes", 0), "replication_s": rep.get("seconds")})
     # The floor: an incremental save with nothing changed (planning, collectives, record; no copy).
@@ -123,7 +123,7 @@ def _rank(rank: int, world: int, roots: list[str], mib: int, rounds: int, keep: 
             "bytes_written": xs[-1]["bytes_written"], "bytes_carried": xs[-1]["bytes_carried"],
             "sent_bytes": xs[-1]["sent_bytes"], "replication_s": median([x["replication_s"] or 0.0 for x in xs]),
         }
-    newest = writers["incremental"].last_committed_step
+    newest = writers["incremental"].commit.last_committed_step
     expect = {k: v.clone() for k, v in sd.items()}
     dist.barrier()
     if rank == 1:  # node 1 replaced: its bytes come back from node 0's (delta-built) replica

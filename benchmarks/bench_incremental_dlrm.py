@@ -139,7 +139,7 @@ def _rank(rank: int, world: int, roots: list[str], rows: int, full_every: int, c
         s = step
         secs = common.timed(lambda: dcp.save(sd, storage_writer=w, checkpoint_id=s))
         st = w.last_save
-        rep = dict(w.last_replication)
+        rep = dict(w.commit.last_replication)
         assert st is not None
         if record:
             samples.append({"pooling": pooling, "step": s, "seconds": secs, "full": st.full, "reason": st.reason,

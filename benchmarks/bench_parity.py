@@ -64,12 +64,12 @@ def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: i
     out: dict[str, Any] = {"rank": rank, "save_s": [], "step4_s": [], "sent_bytes": 0}
     for _ in range(rounds):
         out["save_s"].append(common.timed(save))
-        out["step4_s"].append(float(writer.last_replication.get("seconds", 0.0)))
-        out["sent_bytes"] = int(writer.last_replication.get("sent_bytes", 0))
+        out["step4_s"].append(float(writer.commit.last_replication.get("seconds", 0.0)))
+        out["sent_bytes"] = int(writer.commit.last_replication.get("sent_bytes", 0))
     out["fingerprint"] = common.fingerprint(sd)
     out["last_step"] = step[0]
     if scheme == "parity":
-        n = torch.tensor([int(writer.last_replication.get("sent_bytes", 0)) or 1])
+        n = torch.tensor([int(writer.commit.last_replication.get("sent_bytes", 0)) or 1])
         dist.all_reduce(n, op=dist.ReduceOp.MAX)  # one size on every rank (rank 0 also saves the plain tensors)
         nbytes = int(n.item())
         src = torch.full((nbytes,), 7, dtype=torch.uint8)

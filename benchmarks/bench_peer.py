@@ -146,7 +146,7 @@ def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: i
     warm = []
     for _ in range(keep + 1):
         warm.append(timed(save))
-    sizes = _sizes(int(writer.last_replication.get("sent_bytes", 0)))
+    sizes = _sizes(int(writer.commit.last_replication.get("sent_bytes", 0)))
     src = _slot_source(writer, step - 1, rank, max(sizes))
     touched = torch.empty(max(sizes), dtype=torch.uint8)
     touched.fill_(0)
@@ -158,9 +158,9 @@ def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: i
         for op in order:
             if op == "gemini_save":
                 ops[op].append(timed(save))
-                rep = dict(writer.last_replication)
+                rep = dict(writer.commit.last_replication)
                 rep.update(clock.acc)
-                rep["save_seconds"] = writer.last_save_seconds
+                rep["save_seconds"] = writer.commit.last_save_seconds
                 rows.append(rep)
             else:
                 ops[op].append(timed(raw[op]))

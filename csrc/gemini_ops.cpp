@@ -542,7 +542,7 @@ void copy_bytes(at::Tensor dst, const at::Tensor& src, int64_t num_threads) {
 
 // num_threads = 1 (the default): one pass on the calling thread. Otherwise (0 = the default
 // count of pick_threads) each thread checksums a contiguous piece and the CRCs are combined:
-// the device-to-host copy (dcp/device_copy.py) lands pieces faster than one core checksums them.
+// the device-to-host copy (save/device_copy.py) lands pieces faster than one core checksums them.
 int64_t crc32c(const at::Tensor& buf, int64_t value, int64_t num_threads) {
   check_bytes(buf, "gemini_dcp::crc32c", "buf");
   TORCH_CHECK(value >= 0 && value <= 0xFFFFFFFFLL, "gemini_dcp::crc32c: value must be a uint32, got ", value);

@@ -8,13 +8,12 @@
     dcp.load(state_dict, storage_reader=reader)   # newest restorable step
     print(reader.restored_step, reader.restored_from)
 
-Per-step zero-stall snapshots (``gemini_dcp.snapshot.checkpointer``): ``AsyncCheckpointer`` (recommended),
+Per-step zero-stall snapshots (``gemini_dcp.snapshot``): ``AsyncCheckpointer`` (recommended),
 or ``AsyncGeminiStorageWriter`` for stock ``dcp.async_save`` (it is DCP's ``AsyncStager``).
 """
 
 from typing import Any
 
-from ._aliases import OLD_MODULES, install as _install_aliases
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -38,15 +37,13 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-_install_aliases()
-
 # Public names and the module that defines each; imported on first use, so that
 # ``import gemini_dcp`` (and ``gemini_dcp.errors``) does not import torch.
 _LAZY = {
     "GeminiStorageWriter": "gemini_dcp.dcp.writer",
     "GeminiStorageReader": "gemini_dcp.dcp.reader",
     "AsyncCheckpointer": "gemini_dcp.snapshot.checkpointer",
-    "AsyncGeminiStorageWriter": "gemini_dcp.snapshot.checkpointer",
+    "AsyncGeminiStorageWriter": "gemini_dcp.snapshot.async_writer",
     "InterleaveOptions": "gemini_dcp.snapshot.checkpointer",
     "fast_load": "gemini_dcp.dcp.fast_load",
     "FastLoadResult": "gemini_dcp.dcp.fast_load",
@@ -55,13 +52,11 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """Public classes (and the old flat module names) imported on first use."""
+    """Public classes imported on first use."""
     import importlib  # noqa: PLC0415 - keeps the root light
 
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif name in OLD_MODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

@@ -211,7 +211,7 @@ def context() -> Any:
         ctx.set_forkserver_preload([
             # torch._dynamo: DTensor's first distribute_tensor imports it (~2 s a process otherwise)
             "torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.tensor", "gemini_dcp",
-            "gemini_dcp.dcp.writer", "gemini_dcp.dcp.reader", "gemini_dcp.peer.replication", __name__,
+            "gemini_dcp.dcp.writer", "gemini_dcp.dcp.reader", "gemini_dcp.peer.push", "gemini_dcp.peer.fetch", __name__,
         ])
         _CTX = ctx
     return _CTX

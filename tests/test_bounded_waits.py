@@ -36,7 +36,10 @@ from workloads import plain_state
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.errors import PeerError, PersistentTierError, RestartRequiredError, UntrustedDataError
-from gemini_dcp.persistent.store import INDEX, SIDE_DIR, PersistentTier, PersistentTimeoutError, StepDir
+from gemini_dcp.persistent.side_files import INDEX, SIDE_DIR
+from gemini_dcp.persistent.step_dir import StepDir
+from gemini_dcp.persistent.store import PersistentTier
+from gemini_dcp.persistent.store_calls import PersistentTimeoutError
 
 SLACK_S = 4.0  # scheduling slack on a loaded 2-core machine
 
@@ -104,13 +107,11 @@ def test_reader_fails_on_black_hole_store(root: str, black_hole: str) -> None:
 
 def test_store_calls_after_the_probe_are_bounded(black_hole: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tier whose store stops answering after construction: listing and reads overrun, never hang."""
-    import gemini_dcp.persistent.store as persistent
-
     monkeypatch.setattr(PersistentTier, "_probe", lambda self: None)
     pt = PersistentTier(black_hole, "bh", timeout_s=1.5)
     for call in (pt.committed_steps, lambda: pt.read_metadata(3)):
         t0 = time.monotonic()
-        with pytest.raises(persistent.PersistentTimeoutError):
+        with pytest.raises(PersistentTimeoutError):
             call()
         assert time.monotonic() - t0 < 1.5 + SLACK_S
 
@@ -247,21 +248,22 @@ def test_planted_part_marker_is_refused(tmp_path: Path) -> None:
 
 
 def test_planted_progress_is_refused_and_abandons_the_drain(tmp_path: Path) -> None:
-    from gemini_dcp.persistent.drain import _classify, _load_progress
+    from gemini_dcp.persistent.drain.server import classify
+    from gemini_dcp.persistent.drain.upload import load_legacy_progress
 
     d = tmp_path / "stage" / "step-000000000001"
     d.mkdir(parents=True)
     marker = tmp_path / "progress-ran"
     (d / "progress.pkl").write_bytes(pickle.dumps(_Payload(marker)))
     with pytest.raises(UntrustedDataError) as ei:
-        _load_progress(d)
+        load_legacy_progress(d)
     assert not marker.exists()
-    assert _classify(ei.value)[0] == "abandon"
+    assert classify(ei.value)[0] == "abandon"
     (d / "progress.pkl").write_bytes(pickle.dumps(["not", "a", "dict"]))
     with pytest.raises(UntrustedDataError):
-        _load_progress(d)
+        load_legacy_progress(d)
     (d / "progress.pkl").unlink()
-    assert _load_progress(d) == {"begun": False, "files": {}}
+    assert load_legacy_progress(d) == {"begun": False, "files": {}}
 
 
 # ---- peers: bounded and clear -----------------------------------------------------------------------
@@ -340,7 +342,7 @@ def _degrade_scenario(rank: int, world_size: int, root: str, stall_s: float) -> 
     sd = {f"w{rank}": torch.full((64, 8), float(rank)), "step": 0}
     w = GeminiStorageWriter(root=root, job_id="degrade", replicas=2, timeout_s=3, on_peer_failure="degrade")
     dcp.save(sd, storage_writer=w, checkpoint_id=1)
-    out: dict[str, Any] = {"1": w.last_replication.get("degraded")}
+    out: dict[str, Any] = {"1": w.commit.last_replication.get("degraded")}
     routes = peer.replication_routes
     if rank == 1:
 
@@ -352,13 +354,13 @@ def _degrade_scenario(rank: int, world_size: int, root: str, stall_s: float) -> 
     t0 = time.monotonic()
     try:
         dcp.save(sd, storage_writer=w, checkpoint_id=2)
-        out["2"] = (w.last_replication.get("degraded"), w.last_committed_step, time.monotonic() - t0)
+        out["2"] = (w.commit.last_replication.get("degraded"), w.commit.last_committed_step, time.monotonic() - t0)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out["2"] = (repr(find_gemini_error(exc) or exc), None, time.monotonic() - t0)
     peer.replication_routes = routes  # type: ignore[assignment]
     try:
         dcp.save(sd, storage_writer=w, checkpoint_id=3)  # on the replaced group: replicated in full again
-        out["3"] = (w.last_replication.get("degraded"), w.last_committed_step)
+        out["3"] = (w.commit.last_replication.get("degraded"), w.commit.last_committed_step)
     except BaseException as exc:  # noqa: BLE001
         out["3"] = (repr(find_gemini_error(exc) or exc), None)
     return out
@@ -422,7 +424,7 @@ def _frozen_store_host_rank(rank: int, world_size: int, port: int, root: str, ou
 
     # DCP's own gather on the training group follows write_data: with rank 0 frozen it fails with
     # that group's raw timeout, which then hides the writer's error; the reason stays on record here.
-    result.update(seconds=time.monotonic() - t0, committed=w.last_committed_step, own_reason=broken_reason())
+    result.update(seconds=time.monotonic() - t0, committed=w.commit.last_committed_step, own_reason=broken_reason())
     tmp = Path(out_dir, f"{rank}.tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, Path(out_dir, f"{rank}.json"))

@@ -29,7 +29,7 @@ from gemini_dcp.core.chunk_sink import (
     verify_chunk,
 )
 from gemini_dcp.errors import ChecksumMismatchError, IncompatibleCheckpointError
-from gemini_dcp.local.records import ShardRef
+from gemini_dcp.local.record_types import ShardRef
 
 ALGOS = ("xxh3", "crc32c")
 

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -35,10 +36,10 @@ from gemini_dcp.commit.protocol import (
 )
 from gemini_dcp.commit.reports import RankReport
 from gemini_dcp.commit.slot_pool import SlotPool
-from gemini_dcp.core.config import TierOptions
 from gemini_dcp.errors import InvalidStepError, PeerError, TierFullError
-from gemini_dcp.local.records import ChecksumOverlay, RankSlot, ShardRef
+from gemini_dcp.local.record_types import ChecksumOverlay, RankSlot, ShardRef
 from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.options import GeminiOptions, LocalOptions, PeerOptions
 
 T = TypeVar("T")
 CHUNKS = 3  # chunks per rank
@@ -131,7 +132,7 @@ class Job:
     """``n`` ranks, rank r on node ``nodes[r]`` (its own tier root per node), one protocol each."""
 
     def __init__(self, roots: list[str], nodes: list[int], *, keep: int = 1, replicas: int = 1) -> None:
-        self.options = TierOptions(keep=keep, replicas=replicas)
+        self.options = GeminiOptions(local=LocalOptions(keep=keep), peer=PeerOptions(replicas=replicas))
         self.nodes = nodes
         self.tiers = [LocalTier(roots[n], "cp") for n in nodes]
         self.protocols = [
@@ -151,7 +152,7 @@ class Job:
                         storage_data=ShardRef(r, 64 * i, 64, step * 1000 + r * 10 + i, "xxh3"))
             for i in range(CHUNKS)
         )
-        slot = self.tiers[r].choose_slot(r, self.options.keep)
+        slot = self.tiers[r].choose_slot(r, self.options.local.keep)
         _touch(self.tiers[r].slot_path(r, slot))  # the leader refuses to commit a record naming a missing slot
         return LocalWrite(slot=slot, results=results, nbytes=64 * CHUNKS)
 
@@ -360,17 +361,18 @@ def test_a_record_write_failing_on_one_node_never_loses_the_step_committed_every
     assert job.tiers[0].steps() == [3, 5] and job.tiers[1].steps() == [3, 5]
 
 
-def test_hooks_are_one_value_with_the_old_names_as_views(roots: list[str]) -> None:
+def test_hooks_are_one_value(roots: list[str]) -> None:
     from gemini_dcp.dcp.writer import GeminiStorageWriter
 
     w = GeminiStorageWriter(root=roots[0], job_id="hooks", replicas=2)
-    assert w.hooks is NO_HOOKS and w.pace is None and w.on_local_copy_done is None
+    assert w.hooks is NO_HOOKS and w.hooks.pace is None and w.hooks.on_local_copy_done is None
+    assert not hasattr(w, "pace") and not hasattr(w, "replication_pace")  # one name: the hooks' field
 
     def pacer(n: int) -> None: ...
 
     pacer.block_bytes = 1 << 20  # type: ignore[attr-defined]
-    w.replication_pace = pacer
-    assert w.hooks == SaveHooks(replication_pace=pacer) and w.replication_pace is pacer
+    w.hooks = dataclasses.replace(w.hooks, replication_pace=pacer)
+    assert w.hooks == SaveHooks(replication_pace=pacer) and w.hooks.replication_pace is pacer
     with pytest.raises(dataclasses.FrozenInstanceError):
         w.hooks.pace = pacer  # type: ignore[misc]
     job = Job(roots, [0, 1], replicas=2)
@@ -378,4 +380,4 @@ def test_hooks_are_one_value_with_the_old_names_as_views(roots: list[str]) -> No
     assert job.protocols[0].wire_chunk(comm, w.hooks) == 1 << 20  # the paced message size rides in the report
     assert job.protocols[0].wire_chunk(comm, NO_HOOKS) == 0
     w.hooks = NO_HOOKS
-    assert w.replication_pace is None
+    assert w.hooks.replication_pace is None

@@ -40,7 +40,7 @@ def _refused(fn: Any) -> str:
 
 def _ranks(rank: int, world: int, root: str, marker: str) -> dict[str, Any]:
     from gemini_dcp.core.restore_order import NodeView, StepView
-    from gemini_dcp.local.records import RankSlot
+    from gemini_dcp.local.record_types import RankSlot
     from gemini_dcp.peer.fetch import Tally
     from gemini_dcp.transport import wire
     from gemini_dcp.transport.comm import get_comm

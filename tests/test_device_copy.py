@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from gemini_dcp.core.checksum import checksum
-from gemini_dcp.dcp.device_copy import DeviceCopier, copy_path
 from gemini_dcp.errors import GeminiError
 from gemini_dcp.ext.cuda import DeviceCopyError
 from gemini_dcp.local.slots import SlotFile
+from gemini_dcp.save.device_copy import DeviceCopier, copy_path
 
 
 class _Done:

@@ -1,4 +1,4 @@
-"""The restore's CUDA landing (gemini_dcp.dcp.device_land): which slot mappings are page-locked.
+"""The restore's CUDA landing (gemini_dcp.restore.device_land): which slot mappings are page-locked.
 
 The decision and the bookkeeping run on the CPU with injected registration functions and
 destinations that say they are CUDA tensors; the real host-to-device path is exercised by the
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from gemini_dcp.dcp.device_land import MIN_REGISTER_BYTES, DeviceLander
+from gemini_dcp.restore.device_land import MIN_REGISTER_BYTES, DeviceLander
 
 MiB = 1 << 20
 

@@ -140,22 +140,23 @@ def test_progress_round_trips_and_reads_the_previous_pickle(tmp_path: Path) -> N
 
 
 def test_exceptions_are_classified_by_class() -> None:
-    from gemini_dcp.persistent.drain import _classify
-    from gemini_dcp.persistent.store import PersistentChecksumError, UntrustedSideFileError
+    from gemini_dcp.persistent.drain.server import classify
+    from gemini_dcp.persistent.side_files import UntrustedSideFileError
+    from gemini_dcp.persistent.store import PersistentChecksumError
 
-    assert _classify(ChecksumMismatchError("slot reused"))[0] == "abandon"
-    assert _classify(UntrustedDataError("planted"))[0] == "abandon"
-    assert _classify(UntrustedSideFileError("planted marker"))[0] == "abandon"
-    assert _classify(FileNotFoundError(2, "gone", "/x/persist/stage/step-1/rank-00000.bin"))[0] == "abandon"
-    assert _classify(PersistentChecksumError("store returned bad bytes"))[0] == "retry"
-    assert _classify(TimeoutError("store call did not finish"))[0] == "retry"
+    assert classify(ChecksumMismatchError("slot reused"))[0] == "abandon"
+    assert classify(UntrustedDataError("planted"))[0] == "abandon"
+    assert classify(UntrustedSideFileError("planted marker"))[0] == "abandon"
+    assert classify(FileNotFoundError(2, "gone", "/x/persist/stage/step-1/rank-00000.bin"))[0] == "abandon"
+    assert classify(PersistentChecksumError("store returned bad bytes"))[0] == "retry"
+    assert classify(TimeoutError("store call did not finish"))[0] == "retry"
 
 
-def test_the_face_keeps_every_name_its_callers_import() -> None:
+def test_the_face_names_the_drain_api() -> None:
     import gemini_dcp.persistent.drain as face
 
     for name in ("Drainer", "Paths", "drain_status", "drain_summary", "server_pid", "wait_idle", "ensure_server",
-                 "write_request", "read_config", "_classify", "_load_progress", "serve", "main"):
+                 "write_request", "read_config", "serve", "main"):
         assert getattr(face, name) is not None, name
     from gemini_dcp.persistent.drain.client import server_command
 

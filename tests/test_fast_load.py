@@ -21,9 +21,9 @@ from mp_utils import node_root_factory, run_ranks, wipe
 from gemini_dcp import FastLoadResult, GeminiStorageWriter, fast_load
 from gemini_dcp.core.checksum import buffer_checksum
 from gemini_dcp.core.chunk_sink import failed_spans, land_same_dtype
-from gemini_dcp.dcp import fast_plan
 from gemini_dcp.errors import CheckpointMismatchError, ChecksumMismatchError, ConfigError, find_gemini_error
 from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.restore import fast_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -16,10 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
-from gemini_dcp.dcp.carry import IncrementalOptions, SaveStats
 from gemini_dcp.errors import ChecksumMismatchError, ConfigError
 from gemini_dcp.ops.inspection import inspect_root
 from gemini_dcp.ops.verify import verify
+from gemini_dcp.options.incremental import IncrementalOptions
+from gemini_dcp.save.carry import SaveStats
 
 JOB = "incr"
 FROZEN = 64 * 1024 * 4  # bytes of the frozen tensor below
@@ -241,7 +242,7 @@ def _train_and_save(rank: int, world: int, root: str, steps: list[int], load_fir
         out["stats"].append(w.last_save)  # type: ignore[union-attr]
     out["head"] = sd[f"head{rank}"].clone()  # type: ignore[union-attr]
     out["frozen"] = sd["frozen"].to_local().clone()  # type: ignore[union-attr]
-    out["replication"] = dict(w.last_replication)
+    out["replication"] = dict(w.commit.last_replication)
     check = _dtensor_state(rank, world)
     check[f"head{rank}"] = torch.zeros_like(check[f"head{rank}"])  # type: ignore[arg-type]
     dcp.load(check, storage_reader=GeminiStorageReader(root, JOB), checkpoint_id=steps[-1])

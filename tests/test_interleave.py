@@ -209,11 +209,11 @@ def test_pacer_of_one_iteration_stops_pacing_when_the_next_begins() -> None:
 
 
 def test_replication_messages_split_a_slot_exactly() -> None:
-    from gemini_dcp.peer.replication import _messages
+    from gemini_dcp.transport.p2p import messages
 
-    assert _messages(10, 0) == [(0, 10)] and _messages(10, 16) == [(0, 10)]
-    assert _messages(10, 4) == [(0, 4), (4, 4), (8, 2)]
-    assert sum(n for _, n in _messages(MB + 3, 4096)) == MB + 3
+    assert messages(10, 0) == [(0, 10)] and messages(10, 16) == [(0, 10)]
+    assert messages(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert sum(n for _, n in messages(MB + 3, 4096)) == MB + 3
 
 
 def test_pacer_without_gaps_only_measures() -> None:

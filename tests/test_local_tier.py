@@ -46,10 +46,10 @@ def _last_committed(rank: int, world_size: int, root: str, *, job: str) -> list[
     from gemini_dcp import GeminiStorageWriter
 
     writer = GeminiStorageWriter(root=root, job_id=job)
-    seen = [writer.last_committed_step]
+    seen = [writer.commit.last_committed_step]
     for step in (4, 9):
         dcp.save(plain_state(step, rank), storage_writer=writer, checkpoint_id=step)
-        seen.append(writer.last_committed_step)
+        seen.append(writer.commit.last_committed_step)
     return seen
 
 
@@ -133,7 +133,7 @@ def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> N
     from workloads import dtensor_state
 
     import gemini_dcp.local.job_dir as layout_mod
-    import gemini_dcp.local.records as rec_mod
+    import gemini_dcp.local.record_codec as rec_mod
 
     dcp.save(dtensor_state(1, world_size), storage_writer=GeminiStorageWriter(root=root, job_id=job), checkpoint_id=1)
 
@@ -141,8 +141,8 @@ def _killer(rank: int, world_size: int, root: str, *, job: str, point: str) -> N
         os.kill(os.getpid(), signal.SIGKILL)
 
     if point == "mid-copy":
-        # The copy lives in gemini_dcp.dcp.local_write (small items batched): die at its mid-copy point.
-        import gemini_dcp.dcp.local_write as lw
+        # The copy lives in gemini_dcp.save.local_write (small items batched): die at its mid-copy point.
+        import gemini_dcp.save.local_write as lw
 
         orig = lw.fault_point
 
@@ -317,8 +317,9 @@ def test_step_record_encoding_reuses_the_metadata_shell() -> None:
     import xxhash
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
-    from gemini_dcp.local import records
-    from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
+    from gemini_dcp.local import record_codec, record_types
+    from gemini_dcp.local.record_codec import decode_record, encode_record
+    from gemini_dcp.local.record_types import RankSlot, ShardRef, StepRecord
 
     sd_meta = {f"w{i}": BytesStorageMetadata() for i in range(50)}
     base = Metadata(state_dict_metadata=sd_meta, planner_data={"w0": ("w0",)})
@@ -330,18 +331,18 @@ def test_step_record_encoding_reuses_the_metadata_shell() -> None:
                           (RankSlot(0, step % 2, 3200),), "n", created_unix=1.0 + step)
 
     calls: list[str] = []
-    real_dumps = records.pickle.dumps
+    real_dumps = record_types.pickle.dumps
 
     def counting_dumps(obj: object, *a: object, **k: object) -> bytes:
         calls.append(type(obj).__name__)
         return real_dumps(obj, *a, **k)
 
-    records.pickle.dumps = counting_dumps  # type: ignore[assignment]
+    record_types.pickle.dumps = counting_dumps  # type: ignore[assignment]
     try:
         encoded = [encode_record(record(s, base)) for s in range(3)]
         other = encode_record(record(3, Metadata(state_dict_metadata=dict(sd_meta))))  # another shell object
     finally:
-        records.pickle.dumps = real_dumps  # type: ignore[assignment]
+        record_types.pickle.dumps = real_dumps  # type: ignore[assignment]
     assert calls.count("Metadata") == 2  # once for the three replayed steps, once for the other shell
     for s, blob in enumerate(encoded):
         got = decode_record(blob)
@@ -360,7 +361,7 @@ def test_step_record_encoding_reuses_the_metadata_shell() -> None:
     FieldByField(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(record(7, base))
     payload = buf.getvalue()
     assert b"_rebuild_record" not in payload
-    old = records._HEADER.pack(records.RECORD_MAGIC_V1, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+    old = record_codec._HEADER.pack(record_codec.RECORD_MAGIC_V1, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
     assert decode_record(old) == record(7, base)
 
     # decoding shares what the records of one plan have in common: the shell and the chunk indexes
@@ -379,7 +380,7 @@ def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
 
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-    from gemini_dcp.local.records import ChecksumOverlay, RankSlot, ShardRef, StepRecord
+    from gemini_dcp.local.record_types import ChecksumOverlay, RankSlot, ShardRef, StepRecord
 
     layout = {MetadataIndex(f"w{i % 7}", [i // 7, 0]): ShardRef(i % 3, 64 * i, 64, 0, "crc32c", "float32", (4, 4))
               for i in range(60)}
@@ -401,21 +402,21 @@ def test_checksum_overlay_behaves_like_the_dict_it_stands_for() -> None:
     with pytest.raises(ValueError):
         ChecksumOverlay(layout, sums[:-1])
 
-    from gemini_dcp.local.records import refs_by_location
+    from gemini_dcp.local.record_types import refs_by_location
 
     by_loc = refs_by_location(overlay)
     assert dict(by_loc.items()) == refs_by_location(plain)  # a view over the overlay, the same chunks
     assert by_loc[(2, 64 * 59)] == plain[MetadataIndex("w3", [8, 0])]
 
     # a fresh process: the fingerprint's location digest arrives with the layout, not recomputed
-    from gemini_dcp.local import records
-    from gemini_dcp.local.records import decode_record, encode_record
+    from gemini_dcp.local import record_types
+    from gemini_dcp.local.record_codec import decode_record, encode_record
 
     blob = encode_record(record(overlay))
-    records._digests._entries.clear()
-    records._layouts_by_blob.clear()
+    record_types._digests._entries.clear()
+    record_types._layouts_by_blob.clear()
     decoded = decode_record(blob)
-    assert records._digests._entries and records._digests._entries[0][0] is decoded.metadata.storage_data.layout
+    assert record_types._digests._entries and record_types._digests._entries[0][0] is decoded.metadata.storage_data.layout
     assert decoded.fingerprint() == record(plain).fingerprint()
 
 
@@ -426,14 +427,13 @@ def test_decoded_layout_is_packed_and_behaves_like_the_dict() -> None:
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-    from gemini_dcp.local.records import (
+    from gemini_dcp.local.record_codec import decode_record, encode_record
+    from gemini_dcp.local.record_types import (
         ChecksumOverlay,
         PackedLayout,
         RankSlot,
         ShardRef,
         StepRecord,
-        decode_record,
-        encode_record,
         refs_by_location,
     )
 
@@ -483,7 +483,7 @@ def test_metadata_shell_of_a_replanned_save_is_compared_once_and_pickled_never(m
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-    from gemini_dcp.local import record_caches
+    from gemini_dcp.local import record_types as record_caches
 
     def planned() -> Metadata:
         return Metadata(state_dict_metadata={f"w{i}": BytesStorageMetadata() for i in range(40)},

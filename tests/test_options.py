@@ -23,7 +23,6 @@ from gemini_dcp.options import (
     LocalOptions,
     PeerOptions,
     PersistentOptions,
-    TierOptions,
     resolve_options,
 )
 from gemini_dcp.options.faults import fault_settings, parse_fault
@@ -32,12 +31,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- validation ----------------------------------------------------------------------------------
-def test_tier_options_stays_importable_from_core_config() -> None:
-    from gemini_dcp.core.config import TierOptions as Old
+def test_gemini_options_is_the_one_options_type() -> None:
+    import gemini_dcp.options as options
 
-    assert Old is TierOptions
+    assert not hasattr(options, "TierOptions") and not hasattr(GeminiOptions, "tier_options")
     with pytest.raises(ConfigError, match=r"keep=0: keep at least 1 committed step \(default 2\)"):
-        TierOptions(keep=0)
+        GeminiOptions().with_keywords(keep=0)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +81,7 @@ def test_validation_says_what_to_fix(make: object, message: str) -> None:
 
 
 def test_options_are_frozen_slotted_and_keyword_only() -> None:
-    for cls in (LocalOptions, PeerOptions, PersistentOptions, DrainOptions, GeminiOptions, TierOptions, IncrementalOptions):
+    for cls in (LocalOptions, PeerOptions, PersistentOptions, DrainOptions, GeminiOptions, IncrementalOptions):
         assert "__slots__" in cls.__dict__, cls
         with pytest.raises(TypeError):
             cls(1)  # type: ignore[misc]  # keyword-only
@@ -198,18 +197,17 @@ def test_writer_and_reader_take_options(tmp_path: Path) -> None:
     root.mkdir(mode=0o700)
     opts = GeminiOptions(local=LocalOptions(root=str(root), job_id="opt", keep=3, node_id="n0"), timeout_s=30.0)
     w = GeminiStorageWriter(options=opts)
-    assert (w.options.keep, w.options.timeout_s, w.job_id, w.node_id) == (3, 30.0, "opt", "n0")
-    assert w.root == root and w.gemini_options.local.keep == 3
-    assert w.options == opts.tier_options()
+    assert (w.options.local.keep, w.options.timeout_s, w.job_id, w.node_id) == (3, 30.0, "opt", "n0")
+    assert w.root == root and w.options == opts  # the keywords build the tree; the writer holds it
     w2 = GeminiStorageWriter(replicas=2, options=GeminiOptions(local=LocalOptions(root=str(root), job_id="opt2")))
-    assert w2.options.replicas == 2 and w2.job_id == "opt2"
+    assert w2.options.peer.replicas == 2 and w2.job_id == "opt2"
     r = GeminiStorageReader(options=opts)
-    assert (r.timeout_s, r.job_id, r.node_id, r.root) == (30.0, "opt", "n0", root)
+    assert (r.timeout_s, r.job_id, r.node_id, r.root) == (30.0, "opt", "n0", root) and r.options == opts
     inc = GeminiOptions(local=LocalOptions(root=str(root), job_id="opt3"), incremental=IncrementalOptions(enabled=True, full_every=5))
     w3 = GeminiStorageWriter(options=inc)
-    assert w3.incremental == IncrementalOptions(enabled=True, full_every=5) and w3.local_writer.carry is not None
+    assert w3.options.incremental == IncrementalOptions(enabled=True, full_every=5) and w3.local_writer.carry is not None
     w4 = GeminiStorageWriter(options=GeminiOptions(local=LocalOptions(root=str(root), job_id="opt4"), peer=PeerOptions(parity_group=3)))
-    assert w4.parity_group == 3
+    assert w4.options.peer.parity_group == 3
 
 
 def test_a_conflict_or_bad_value_fails_before_any_directory_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

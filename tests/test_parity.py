@@ -32,7 +32,7 @@ def _save(rank: int, world_size: int, root: str, *, steps: list[int], **kw: Any)
     for step in steps:
         w = GeminiStorageWriter(root=root, job_id="par", parity_group=4, **kw)
         dcp.save(_state(step, world_size), storage_writer=w, checkpoint_id=step)
-        out = dict(w.last_replication)
+        out = dict(w.commit.last_replication)
     return out
 
 

@@ -123,7 +123,7 @@ def test_plan_cli_shows_parity_beside_replicas() -> None:
 
 
 def test_restored_from_names_parity_only_when_used() -> None:
-    from gemini_dcp.dcp.parity_restore import tier_bytes
+    from gemini_dcp.restore.parity_restore import tier_bytes
 
     plain = tier_bytes({"local": 5, "peer": 0, "persistent": 0, "parity": 0})
     assert plain == {"local": 5, "peer": 0, "persistent": 0} and plain["parity"] == 0

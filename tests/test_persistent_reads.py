@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from gemini_dcp.core.checksum import checksum
 from gemini_dcp.core.chunk_sink import StagedChunks
 from gemini_dcp.errors import ChecksumMismatchError, PersistentTierError
-from gemini_dcp.persistent import store_reads
+from gemini_dcp.persistent import store
 from gemini_dcp.persistent.item_payload import ItemWindow, MappedFile, payload_layout
 from gemini_dcp.persistent.side_files import INDEX, SIDE_DIR, StepIndex
 from gemini_dcp.persistent.store import PersistentChecksumError, PersistentTier
@@ -62,7 +62,7 @@ def _write_items(path: Path, tensors: list[torch.Tensor], *, legacy: bool = Fals
 
 
 def _task(path: Path, span: tuple[int, int], expect: tuple[str, int] | None) -> Any:
-    return store_reads._Task(
+    return store._Task(
         index=MetadataIndex("t"), info=_StorageInfo(path.name, span[0], span[1]), is_bytes=False,
         expect=expect, what="item 't'", shown=str(path),
     )
@@ -77,8 +77,8 @@ def _both_reads(path: Path, span: tuple[int, int], expect: tuple[str, int] | Non
     mapped = MappedFile(str(path))
     fd = os.open(path, os.O_RDONLY)
     try:
-        return [store_reads.stage_mapped(mapped, _task(path, span, expect)),
-                store_reads.read_stored(lambda b, o: os.preadv(fd, [b], o), _task(path, span, expect))]
+        return [store.stage_mapped(mapped, _task(path, span, expect)),
+                store.read_stored(lambda b, o: os.preadv(fd, [b], o), _task(path, span, expect))]
     finally:
         os.close(fd)
 
@@ -130,7 +130,7 @@ def test_legacy_non_zip_item_and_garbage(tmp_path: Path) -> None:
     junk = tmp_path / "junk.distcp"
     junk.write_bytes(os.urandom(4096))
     with pytest.raises(PersistentTierError, match="not a readable torch.save tensor"):
-        store_reads.stage_mapped(MappedFile(str(junk)), _task(junk, (100, 2000), None))
+        store.stage_mapped(MappedFile(str(junk)), _task(junk, (100, 2000), None))
 
 
 def test_corrupt_payload_raises(tmp_path: Path) -> None:
@@ -146,11 +146,11 @@ def test_corrupt_payload_raises(tmp_path: Path) -> None:
     for read in range(2):
         with pytest.raises(PersistentChecksumError, match="failed its crc32c checksum"):
             if read == 0:
-                store_reads.stage_mapped(MappedFile(str(path)), _task(path, spans[0], _expect(t)))
+                store.stage_mapped(MappedFile(str(path)), _task(path, spans[0], _expect(t)))
             else:
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    store_reads.read_stored(lambda b, o: os.preadv(fd, [b], o), _task(path, spans[0], _expect(t)))
+                    store.read_stored(lambda b, o: os.preadv(fd, [b], o), _task(path, spans[0], _expect(t)))
                 finally:
                     os.close(fd)
 
@@ -162,7 +162,7 @@ def test_truncated_item_raises(tmp_path: Path) -> None:
     with open(path, "r+b") as f:
         f.truncate(spans[0][0] + spans[0][1] // 2)
     with pytest.raises(PersistentTierError):
-        store_reads.stage_mapped(MappedFile(str(path)), _task(path, spans[0], _expect(t)))
+        store.stage_mapped(MappedFile(str(path)), _task(path, spans[0], _expect(t)))
 
 
 # ---- read_items: a whole step, all or nothing ------------------------------------------------------
@@ -241,5 +241,5 @@ def test_read_items_with_one_corrupt_item_stages_and_lands_nothing(tmp_path: Pat
 
 
 def test_read_workers_are_sized_to_the_host() -> None:
-    assert store_reads.read_workers(1) == 1
-    assert 2 <= store_reads.read_workers(100) <= store_reads.MAX_READ_THREADS
+    assert store.read_workers(1) == 1
+    assert 2 <= store.read_workers(100) <= store.MAX_READ_THREADS

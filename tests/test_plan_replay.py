@@ -147,14 +147,14 @@ def _replay_replicated(rank: int, world: int, root: str) -> dict[str, Any]:
 
     writer = GeminiStorageWriter(root=root, job_id="rep", keep=2, replicas=2, timeout_s=60)
     replay = PlanReplay(writer, get_comm(60.0).group, no_dist=False)
-    from gemini_dcp.local.records import read_record
+    from gemini_dcp.local.record_codec import read_record
     from gemini_dcp.local.tier import LocalTier
 
     compact, kinds = [], []
     for step in range(4):
         replay.save(_state(rank, step, False), step)
-        compact.append(writer.last_commit_compact)
-        kinds.append(type(writer.committed_layout).__name__)
+        compact.append(writer.commit.last_commit_compact)
+        kinds.append(type(writer.commit.committed_layout).__name__)
     tier = LocalTier(root, "rep")
     on_disk = read_record(tier.layout.record_path(3))  # decoded from the file, not the cache
     same_record = on_disk == tier.record(3) and type(on_disk.metadata.storage_data).__name__ == "ChecksumOverlay"
@@ -192,7 +192,7 @@ def test_replayed_commit_sends_checksums_only_and_replicas_restore(roots: list[s
 
 def _plain_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     """Plain ``dcp.save`` every step: after the first, the commit sends checksums only."""
-    from gemini_dcp.local.records import read_record
+    from gemini_dcp.local.record_codec import read_record
     from gemini_dcp.local.tier import LocalTier
 
     def writer() -> GeminiStorageWriter:
@@ -204,10 +204,10 @@ def _plain_saves(rank: int, world: int, root: str) -> dict[str, Any]:
         if step == 3 and rank == 1:
             w = writer()  # a fresh writer on one rank: it holds no layout, so nobody may compact
         dcp.save(_state(rank, step, False), storage_writer=w, checkpoint_id=step)
-        compact.append(w.last_commit_compact)
-        kinds.append(type(w.committed_layout).__name__)
-        meta.append(w.last_metadata_transfer)
-        assert w.planned_metadata is not None and {"rank0.w", "rank1.w", "shared"} <= set(w.planned_metadata.state_dict_metadata)
+        compact.append(w.commit.last_commit_compact)
+        kinds.append(type(w.commit.committed_layout).__name__)
+        meta.append(w.commit.last_metadata_transfer)
+        assert w.commit.planned_metadata is not None and {"rank0.w", "rank1.w", "shared"} <= set(w.commit.planned_metadata.state_dict_metadata)
     on_disk = read_record(LocalTier(root, "plain").layout.record_path(5))
     ok, reader = _replace_node1_and_load(rank, root, "plain", 5)
     return {"compact": compact, "kinds": kinds, "meta": meta, "disk": type(on_disk.metadata.storage_data).__name__, "ok": ok,
@@ -247,7 +247,7 @@ def _growing_values(rank: int, world: int, root: str) -> dict[str, Any]:
     local = writer.local_writer
     for step in range(5):
         replay.save(state(step), step)
-        compact.append(writer.last_commit_compact)
+        compact.append(writer.commit.last_commit_compact)
         built.append(local.programs_built)
     out = state(99)
     out[f"loader{rank}"] = {"buffer": [], "step": -1}
@@ -272,39 +272,39 @@ def test_replayed_values_that_change_length_keep_the_program_and_compact_reports
 def test_compact_report_round_trip() -> None:
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from gemini_dcp.dcp.writer import _compact, _expand, _rank_layouts, _RankReport
-    from gemini_dcp.local.records import ShardRef
+    from gemini_dcp.commit.reports import RankReport, compact, expand, rank_layouts
+    from gemini_dcp.local.record_types import ShardRef
 
     def wr(rank: int, fqn: str, off: int, n: int, cs: int) -> WriteResult:
         return WriteResult(index=MetadataIndex(fqn, [0]), size_in_bytes=n,
                            storage_data=ShardRef(rank, off, n, cs, "crc32c", "float32", (n // 4,)))
 
     recorded = [wr(0, "a", 0, 64, 1), wr(0, "b", 64, 0, 2), wr(0, "c", 64, 128, 3), wr(1, "d", 0, 32, 4)]
-    layouts = _rank_layouts({w.index: w.storage_data for w in recorded})
+    layouts = rank_layouts({w.index: w.storage_data for w in recorded})
     now = (wr(0, "a", 0, 64, 11), wr(0, "b", 64, 0, 12), wr(0, "c", 64, 128, 13))
-    rep = _RankReport(rank=0, node_id="n0", slot=1, nbytes=192, results=now)
-    sent = _compact(rep, layouts[0])
+    rep = RankReport(rank=0, node_id="n0", slot=1, nbytes=192, results=now)
+    sent = compact(rep, layouts[0])
     assert sent.results == () and sent.checksums == (11, 12, 13)
-    assert _expand(sent, layouts) == rep
+    assert expand(sent, layouts) == rep
     moved = (now[0], now[1], wr(0, "c", 128, 128, 13))  # a chunk elsewhere: sent whole
-    assert _compact(dataclasses.replace(rep, results=moved), layouts[0]).results == moved
-    assert _compact(dataclasses.replace(rep, results=now[:2]), layouts[0]).checksums is None  # fewer chunks
+    assert compact(dataclasses.replace(rep, results=moved), layouts[0]).results == moved
+    assert compact(dataclasses.replace(rep, results=now[:2]), layouts[0]).checksums is None  # fewer chunks
     # A pickled value (no dtype) of another length where the layout kept its room: compact, with the length.
     pickled = [WriteResult(index=MetadataIndex("v", None), size_in_bytes=40,
                            storage_data=ShardRef(3, 0, 40, 5, "crc32c", None, None))]
-    layouts3 = _rank_layouts({w.index: w.storage_data for w in pickled})
-    longer = _RankReport(rank=3, node_id="n3", slot=0, nbytes=512, results=(
+    layouts3 = rank_layouts({w.index: w.storage_data for w in pickled})
+    longer = RankReport(rank=3, node_id="n3", slot=0, nbytes=512, results=(
         WriteResult(index=MetadataIndex("v", None), size_in_bytes=55, storage_data=ShardRef(3, 0, 55, 6, "crc32c", None, None)),))
-    sent3 = _compact(longer, layouts3[3])
+    sent3 = compact(longer, layouts3[3])
     assert sent3.results == () and sent3.checksums == (6,) and sent3.moved == ((0, 0, 55),)
-    assert _expand(sent3, layouts3) == longer
+    assert expand(sent3, layouts3) == longer
     elsewhere = dataclasses.replace(longer, results=(WriteResult(index=MetadataIndex("v", None), size_in_bytes=90,
                                                                  storage_data=ShardRef(3, 4096, 90, 7, "crc32c", None, None)),))
-    sent4 = _compact(elsewhere, layouts3[3])  # outgrew its room: moved to the end of the slot
-    assert sent4.moved == ((0, 4096, 90),) and _expand(sent4, layouts3) == elsewhere
-    empty = _RankReport(rank=2, node_id="n2", slot=0, nbytes=0, results=())
-    assert _expand(_compact(empty, layouts.get(2, [])), layouts) == empty  # a rank that wrote nothing
-    assert _expand(None, layouts) is None
+    sent4 = compact(elsewhere, layouts3[3])  # outgrew its room: moved to the end of the slot
+    assert sent4.moved == ((0, 4096, 90),) and expand(sent4, layouts3) == elsewhere
+    empty = RankReport(rank=2, node_id="n2", slot=0, nbytes=0, results=())
+    assert expand(compact(empty, layouts.get(2, [])), layouts) == empty  # a rank that wrote nothing
+    assert expand(None, layouts) is None
 
 
 def test_single_process_replay(tmp_path: Any) -> None:
@@ -420,7 +420,7 @@ def test_byte_memo_serialize_many_reuses_only_the_same_immutable_values() -> Non
 
 
 def test_replayed_saves_keep_every_non_tensor_value_exact(tmp_path: Any) -> None:
-    from gemini_dcp.dcp.copy_program import direct_lookup
+    from gemini_dcp.save.copy_program import direct_lookup
     from gemini_dcp.snapshot.replay import RecordingSavePlanner
 
     planner = RecordingSavePlanner()

@@ -1,9 +1,11 @@
-"""The split of ``local/records.py`` (types / codec / caches): records written under the old
-module paths keep decoding, and the re-exports are the very objects of the new modules."""
+"""Step records at their real module (``local/record_types.py``): pickled under that path, and
+records written by earlier releases under their old module paths still decode (the versioned
+name map of :mod:`gemini_dcp.core.safe_pickle`)."""
 
 from __future__ import annotations
 
-import pickle
+import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,15 +16,10 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
 )
 
-from gemini_dcp.core.safe_pickle import ALLOWED_GLOBALS
-from gemini_dcp.local import record_caches, record_codec, record_types, records
-from gemini_dcp.local.records import (
-    RankSlot,
-    ShardRef,
-    StepRecord,
-    decode_record,
-    encode_record,
-)
+from gemini_dcp.core.safe_pickle import ALLOWED_GLOBALS, MODULES_OF_EARLIER_RELEASES
+from gemini_dcp.local import record_types
+from gemini_dcp.local.record_codec import decode_record, encode_record
+from gemini_dcp.local.record_types import RankSlot, ShardRef, StepRecord
 
 _PICKLED = ("ShardRef", "RankSlot", "StepRecord", "PackedLayout", "_rebuild_record", "_rebuild_overlay")
 
@@ -39,11 +36,15 @@ def _pickled_under(module: str) -> Iterator[None]:
     """Pickle the record types as if they still lived in ``module`` (as records written before the split)."""
     objs = [getattr(record_types, n) for n in _PICKLED]
     saved = [o.__module__ for o in objs]
+    old = types.ModuleType(module)  # pickle checks the class is found at the path it writes
     for o in objs:
         o.__module__ = module
+        setattr(old, o.__name__, o)
+    sys.modules[module] = old
     try:
         yield
     finally:
+        del sys.modules[module]
         for o, m in zip(objs, saved):
             o.__module__ = m
 
@@ -65,9 +66,11 @@ def test_records_written_under_old_module_paths_still_decode(old: str) -> None:
     assert decode_record(blob) == _record(3)
 
 
-def test_records_reexports_are_the_objects_of_the_split_modules() -> None:
-    assert records.StepRecord is record_types.StepRecord
-    assert records.decode_record is record_codec.decode_record and records.read_record is record_codec.read_record
-    assert records._digests is record_caches._digests and records._layouts_by_blob is record_caches._layouts_by_blob
-    assert records._HEADER is record_codec._HEADER and records._STEP_FIELDS is record_types._STEP_FIELDS
-    assert pickle.loads(pickle.dumps(_record())) == _record()
+def test_the_earlier_releases_name_map_lists_only_pickled_classes() -> None:
+    moved = {old: new for names in MODULES_OF_EARLIER_RELEASES.values() for old, new in names.items()}
+    assert {m for m, _ in moved} == {
+        "gemini_dcp.records", "gemini_dcp.local.records", "gemini_dcp.persistent"
+    }
+    assert set(moved.values()) == {"gemini_dcp.local.record_types", "gemini_dcp.persistent.side_files"}
+    for (_, name), new in moved.items():
+        assert (new, name) in ALLOWED_GLOBALS or new.endswith("side_files"), name

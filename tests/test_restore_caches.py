@@ -12,8 +12,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from gemini_dcp.local.record_types import PackedLayout
-from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record
+from gemini_dcp.local.record_codec import decode_record, encode_record
+from gemini_dcp.local.record_types import PackedLayout, RankSlot, ShardRef, StepRecord
 
 
 def _record(step: int = 1, sums: tuple[int, ...] = (11, 12, 13, 14), n: int = 4) -> StepRecord:

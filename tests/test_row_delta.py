@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gemini_dcp.core.checksum import checksum
-from gemini_dcp.dcp.row_delta import copy_changed_rows, is_row_item, row_geometry
 from gemini_dcp.peer.delta import packed_rows
+from gemini_dcp.save.row_delta import copy_changed_rows, is_row_item, row_geometry
 
 JOB = "rows"
 
@@ -174,7 +174,7 @@ def _rec_phase(rank: int, world: int, root: str, steps: list[int], load_first: b
         now = _local(sd)
         dcp.save(sd, storage_writer=w, checkpoint_id=step)
         out["stats"].append(w.last_save)
-        out["repl"].append(dict(w.last_replication))
+        out["repl"].append(dict(w.commit.last_replication))
         # the rows of this rank's big tables that differ from what the slot held (keep + 1 saves ago)
         if len(history) >= keep + 1:
             old = history[-(keep + 1)]
@@ -411,7 +411,7 @@ def _corrupt_base_phase(rank: int, world: int, root: str) -> dict[str, Any]:
         out["peer_error"] = isinstance(err, PeerError)
     _step(model, rank, 5)
     dcp.save(_state(model), storage_writer=w, checkpoint_id=5)  # no base any more: the whole slot is sent
-    out["after"] = dict(w.last_replication)
+    out["after"] = dict(w.commit.last_replication)
     out["verify_ok"] = verify(root, JOB, 5).ok
     return out
 

@@ -117,7 +117,7 @@ def _saves(rank: int, world: int, root: str, cached: bool) -> dict[str, Any]:
         before = dict(counts)
         dcp.save(sd, storage_writer=writer, checkpoint_id=step, planner=planner)
         per_save.append({k: counts[k] - before[k] for k in counts})
-        global_steps.append(writer.global_step)
+        global_steps.append(writer.commit.global_step)
     protocol.min_all_reduce = real_reduce  # type: ignore[assignment]
     dist.all_gather = real_gather  # type: ignore[assignment]
     # A report too large for the first round's frame takes a second one, with the same values on every rank.

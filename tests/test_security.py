@@ -31,9 +31,10 @@ from cli.main import app
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
 from gemini_dcp.core.safe_pickle import restricted_loads
 from gemini_dcp.errors import IncompatibleCheckpointError, TierFullError, TierRootError, UntrustedDataError
-from gemini_dcp.local import job_dir as layout_mod, records
+from gemini_dcp.local import job_dir as layout_mod, record_codec, record_types
 from gemini_dcp.local.job_dir import JobLayout, atomic_write_bytes, check_root, ensure_private_dir, remove_stale_tmp
-from gemini_dcp.local.records import RankSlot, ShardRef, StepRecord, decode_record, encode_record, read_record
+from gemini_dcp.local.record_codec import decode_record, encode_record, read_record
+from gemini_dcp.local.record_types import RankSlot, ShardRef, StepRecord
 from gemini_dcp.local.slots import ReadOnlySlot, SlotFile
 from gemini_dcp.local.tier import LocalTier
 
@@ -70,17 +71,17 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _framed(payload: bytes, magic: bytes = records.RECORD_MAGIC, torch_version: str = torch.__version__) -> bytes:
+def _framed(payload: bytes, magic: bytes = record_codec.RECORD_MAGIC, torch_version: str = torch.__version__) -> bytes:
     """``payload`` behind a valid record header (the checksum is unkeyed: anyone can compute it)."""
-    if magic == records.RECORD_MAGIC_V1:
+    if magic == record_codec.RECORD_MAGIC_V1:
         body = payload
     else:
         v = torch_version.encode()
-        body = records._VERSIONS.pack(records.RECORD_FORMAT, len(v)) + v + payload
-    return records._HEADER.pack(magic, len(body), xxhash.xxh3_64_intdigest(body)) + body
+        body = record_codec._VERSIONS.pack(record_codec.RECORD_FORMAT, len(v)) + v + payload
+    return record_codec._HEADER.pack(magic, len(body), xxhash.xxh3_64_intdigest(body)) + body
 
 
-def _plant_record(root: Path, job: str, step: int, marker: Path, magic: bytes = records.RECORD_MAGIC) -> Path:
+def _plant_record(root: Path, job: str, step: int, marker: Path, magic: bytes = record_codec.RECORD_MAGIC) -> Path:
     steps = ensure_private_dir(root / job / "steps")
     path = steps / f"step-{step:012d}.rec"
     path.write_bytes(_framed(pickle.dumps(_RunsCode(marker)), magic))
@@ -93,7 +94,7 @@ def _save(root: Path, job: str, step: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-@pytest.mark.parametrize("magic", [records.RECORD_MAGIC, records.RECORD_MAGIC_V1], ids=["gemrec02", "gemrec01"])
+@pytest.mark.parametrize("magic", [record_codec.RECORD_MAGIC, record_codec.RECORD_MAGIC_V1], ids=["gemrec02", "gemrec01"])
 def test_planted_record_does_not_run_code_on_dcp_load(
     root: Path, tmp_path: Path, magic: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -168,12 +169,12 @@ def _record(step: int, **kw: object) -> StepRecord:
 
 def test_old_gemrec01_records_still_decode() -> None:
     rec = _record(3)
-    old = _framed(pickle.dumps(rec, protocol=pickle.HIGHEST_PROTOCOL), records.RECORD_MAGIC_V1)
+    old = _framed(pickle.dumps(rec, protocol=pickle.HIGHEST_PROTOCOL), record_codec.RECORD_MAGIC_V1)
     assert decode_record(old, source="old") == rec
     # a record of the version before launch_id existed: its pickle has 13 fields
     import copyreg
 
-    state = [getattr(rec, f.name) for f in records._STEP_FIELDS][:13]
+    state = [getattr(rec, f.name) for f in record_types._STEP_FIELDS][:13]
 
     class Old(pickle.Pickler):
         def reducer_override(self, obj: object) -> object:
@@ -185,7 +186,7 @@ def test_old_gemrec01_records_still_decode() -> None:
 
     buf = io.BytesIO()
     Old(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(rec)
-    got = decode_record(_framed(buf.getvalue(), records.RECORD_MAGIC_V1), source="older")
+    got = decode_record(_framed(buf.getvalue(), record_codec.RECORD_MAGIC_V1), source="older")
     assert got == rec and got.launch_id == "" and got.launch_description == ""
 
 

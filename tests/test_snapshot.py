@@ -11,6 +11,7 @@ proves the test can see the hazard the guard removes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -26,12 +27,7 @@ import torch.distributed.checkpoint as dcp
 from mp_utils import run_ranks
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, TierFullError, find_gemini_error
-from gemini_dcp.snapshot.checkpointer import (
-    AsyncCheckpointer,
-    AsyncCheckpointError,
-    AsyncGeminiStorageWriter,
-    snapshot_structure,
-)
+from gemini_dcp.snapshot import AsyncCheckpointer, AsyncCheckpointError, AsyncGeminiStorageWriter, snapshot_structure
 
 
 @pytest.fixture
@@ -86,9 +82,9 @@ def test_snapshot_structure_copies_containers_not_tensors() -> None:
     w = torch.ones(4)
     bn = torch.nn.BatchNorm1d(3)
     sd = {"m": {"w": w, "rm": bn.running_mean, "l": [w, {"x": 1}]}, "opt": {"param_groups": [{"lr": 0.1}]}}
-    from gemini_dcp.snapshot.checkpointer import _buffer_storages
+    from gemini_dcp.snapshot.structure import buffer_storages
 
-    snap = snapshot_structure(sd, _buffer_storages(bn))
+    snap = snapshot_structure(sd, buffer_storages(bn))
     assert snap["m"]["w"] is w and snap["m"]["l"][0] is w  # zero copy
     assert snap["m"] is not sd["m"] and snap["m"]["l"] is not sd["m"]["l"]
     assert snap["m"]["rm"] is not bn.running_mean and torch.equal(snap["m"]["rm"], bn.running_mean)  # buffer cloned
@@ -243,7 +239,7 @@ def _train_async(rank: int, world: int, root: str, *, steps: int, out: str) -> d
             else:
                 if fut is not None:
                     fut.result()
-                writer.pace = SlowPacer(SlowCheckpointer.delay, wait_backward=True)
+                writer.hooks = dataclasses.replace(writer.hooks, pace=SlowPacer(SlowCheckpointer.delay, wait_backward=True))
                 fut = writer.track(dcp.async_save(sd, storage_writer=writer, checkpoint_id=step, process_group=writer.checkpoint_group))
         replayed = None
         if ck is not None:
@@ -351,7 +347,7 @@ def test_the_async_api_is_exported_from_the_package(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.staging import AsyncStager
 
     import gemini_dcp
-    from gemini_dcp.snapshot import checkpointer as snapshot
+    from gemini_dcp import snapshot
 
     for name in ("AsyncCheckpointer", "AsyncGeminiStorageWriter", "InterleaveOptions"):
         assert getattr(gemini_dcp, name) is getattr(snapshot, name) and name in gemini_dcp.__all__

@@ -200,13 +200,13 @@ def test_structure_key_sees_moved_shard_boundaries() -> None:
 
 
 def test_snapshot_clone_keeps_the_shard_layout() -> None:
-    from gemini_dcp.snapshot.checkpointer import _clone, _storage_key, snapshot_structure
+    from gemini_dcp.snapshot.structure import clone_tensor, snapshot_structure, storage_key
 
     t = _local("two", 1, 3)
-    c = _clone(t)
+    c = clone_tensor(t)
     assert c.data_ptr() != t.data_ptr() and torch.equal(c, t)
     assert checkpointable_fields(c) == checkpointable_fields(t) is not None
-    sd = snapshot_structure({"m": {"buf": t}}, {_storage_key(t)})  # a model buffer: cloned at save()
+    sd = snapshot_structure({"m": {"buf": t}}, {storage_key(t)})  # a model buffer: cloned at save()
     assert checkpointable_fields(sd["m"]["buf"]) == checkpointable_fields(t)
 
 

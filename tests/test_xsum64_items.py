@@ -1,5 +1,5 @@
 """Items checksummed with ``xsum64`` (what a CUDA tensor's save records: the checksum is computed on
-the GPU, gemini_dcp.dcp.device_copy) are verified on the CPU by every reader: the local tier, a peer's
+the GPU, gemini_dcp.save.device_copy) are verified on the CPU by every reader: the local tier, a peer's
 replica after a node loss, the drain to the persistent tier (stock ``dcp.load`` reads the result) and
 a restore from it. On the CPU the same records come from ``checksum="xsum64"``.
 """

@@ -50,7 +50,7 @@ Glossary:
   message); receivers post matching receives.
 - *leader*: the lowest rank of a node; it writes the node's record and evicts.
 
-Size: ~500 lines: the protocol is one sequence of collectives whose order every rank must
+The protocol is one sequence of collectives whose order every rank must
 follow (write, gather, protect by replicas or parity, record, commit, evict); each step's
 mechanics are in agreement.py, reports.py, slot_pool.py and the tiers.
 """
@@ -69,18 +69,12 @@ import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..core.config import TierOptions
 from ..core.faults import fault_point
 from ..core.safe_pickle import restricted_loads
 from ..errors import InvalidStepError, PeerError, TierRootError
-from ..local.records import (
-    ChecksumOverlay,
-    RankSlot,
-    ShardRef,
-    StepRecord,
-    metadata_shell_blob,
-)
+from ..local.record_types import ChecksumOverlay, RankSlot, ShardRef, StepRecord, metadata_shell_blob
 from ..local.tier import LocalTier
+from ..options.tree import GeminiOptions
 from . import reports as rp
 from .agreement import Agreement, min_all_reduce, prewrite_values
 from .exchange import GatherGroup, gather_objects
@@ -135,7 +129,7 @@ class LocalWrite:
     # save to save within its room in the slot, or it moves to a larger room (the results then differ
     # from the layout's in that offset and length).
     byte_spans: tuple[tuple[int, int, int], ...] = ()
-    # Incremental saves (dcp/carry.py): (item bytes copied, bytes the slot already held), None: all copied;
+    # Incremental saves (save/carry.py): (item bytes copied, bytes the slot already held), None: all copied;
     # delta replication (peer/delta.py): this save's offer, and the replica bases this node holds.
     save_bytes: tuple[int, int] | None = None
     delta_offer: Any = None
@@ -221,10 +215,10 @@ class CommitProtocol:
     """One writer's side of the commit protocol, and what it remembers from save to save.
 
     ``tier``: this node's local tier; ``node``: this rank's node; ``options``: keep,
-    replicas, placement (the writer's :class:`~gemini_dcp.core.config.TierOptions`).
+    replicas, placement (the writer's :class:`~gemini_dcp.options.GeminiOptions`).
     """
 
-    def __init__(self, tier: LocalTier, node: NodeIdentity, options: TierOptions) -> None:
+    def __init__(self, tier: LocalTier, node: NodeIdentity, options: GeminiOptions) -> None:
         self.tier = tier
         self.node = node
         self.options = options
@@ -371,9 +365,9 @@ class CommitProtocol:
         meta = spec.known if spec.known is not None else self.gather_metadata(comm, planned, planned_blob, reports)
         self.planned_metadata = meta
         # ---- step 4: replicate
-        if self.options.replicas > 1:
+        if self.options.peer.replicas > 1:
             self._warn_replicas_capped(len({rep.node_id for rep in reports}))
-        if self.options.replicas > 1 and comm.distributed and replicate is not None:
+        if self.options.peer.replicas > 1 and comm.distributed and replicate is not None:
             expand = (lambda rep: rp.expand(rep, layouts)) if overlay is not None else None  # type: ignore[arg-type]
             replica_slots, self.last_replication = replicate(step, reports, expand)
             # Only the replica slots are new: every rank already has every report.
@@ -385,7 +379,7 @@ class CommitProtocol:
         # ---- step 5: build the record (after the replicas: holders name them)
         record = build_record(
             job_id=self.tier.job_id, step=step, world_size=comm.world_size, reports=reports, meta=meta,
-            overlay=overlay, replicas=self.options.replicas, placement=self.options.placement,
+            overlay=overlay, replicas=self.options.peer.replicas, placement=self.options.peer.placement,
             launch=(self.node.launch_id, self.node.launch_description),
         )
         if protect is not None and comm.distributed and parity is not None:
@@ -406,7 +400,7 @@ class CommitProtocol:
     def wire_chunk(self, comm: Collectives, hooks: SaveHooks) -> int:
         """Message size of this rank's paced replication (0: one message, unpaced)."""
         pace = hooks.replication_pace
-        if pace is None or (self.options.replicas <= 1 and not self.parity) or not comm.distributed:
+        if pace is None or (self.options.peer.replicas <= 1 and not self.parity) or not comm.distributed:
             return 0
         return max(1, block_bytes(pace))
 
@@ -460,7 +454,7 @@ class CommitProtocol:
                 raise
             fault_point("commit.after_record")
             g = protected_step(record.step, reports, node_id, self.global_step)
-            evicted = self.tier.retain(self.options.keep, record.step, g, self.node.launch_id)
+            evicted = self.tier.retain(self.options.local.keep, record.step, g, self.node.launch_id)
             fault_point("commit.after_evict")
             if evicted:
                 log.debug("node %s evicted steps %s", node_id, evicted)
@@ -482,12 +476,12 @@ class CommitProtocol:
                 )
 
     def _warn_replicas_capped(self, nodes: int) -> None:
-        if self.options.replicas > nodes and not self._warned_replicas:
+        if self.options.peer.replicas > nodes and not self._warned_replicas:
             self._warned_replicas = True
             log.warning(
                 "replicas=%s but the job runs on %s node(s): each node's shards get at most %s cop%s (the node's "
                 "own included). Lower replicas, or run on more nodes (ranks sharing a tier root are one node).",
-                self.options.replicas, nodes, nodes, "y" if nodes == 1 else "ies",
+                self.options.peer.replicas, nodes, nodes, "y" if nodes == 1 else "ies",
             )
 
     def _remember_basis(self, step: int, overlay: ChecksumOverlay | None, storage_data: Layout) -> None:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import ConfigError, UntrustedDataError
-from ..local.records import ChecksumOverlay, RankSlot, ShardRef
+from ..local.record_types import ChecksumOverlay, RankSlot, ShardRef
 
 #: A layout split per rank: each rank's (index, chunk location) pairs, in its write order.
 RankLayouts = dict[int, list[tuple[MetadataIndex, ShardRef]]]

@@ -1,11 +1,10 @@
 """Checksums of shard bytes, fused with the copy into / out of a tier where possible.
 
-Two algorithms: ``xxh3`` (xxh3-64 via the ``xxhash`` package, 14–20 GB/s on
-one core here) and ``crc32c`` (C++ extension when built, else the ``crc32c``
+Two algorithms: ``xxh3`` (xxh3-64 via the ``xxhash`` package) and ``crc32c`` (C++ extension when built, else the ``crc32c``
 package). ``"auto"`` (the writer's default, :func:`resolve_algo`) picks
 ``crc32c`` when the extension loads — its copy+CRC runs in one multi-threaded
-pass with the GIL released, 1.6× faster per save here than the block-by-block
-copy+xxh3 of Python (benchmarks/bench_local.py) — and ``xxh3`` otherwise. The
+pass with the GIL released, faster than the block-by-block copy+xxh3 of
+Python (figures: docs/benchmarks.md) — and ``xxh3`` otherwise. The
 record stores which one was used, so a checkpoint written with either can be
 verified anywhere.
 

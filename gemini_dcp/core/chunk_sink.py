@@ -213,7 +213,7 @@ def land(
     beforehand (used once, then dropped); otherwise the planner resolves it here. A
     destination of another shape is refused (IncompatibleCheckpointError) before anything
     is copied into it. ``copy(dest, src)`` replaces ``dest.copy_(src)`` (the restore's CUDA
-    landing: :class:`gemini_dcp.dcp.device_land.DeviceLander`).
+    landing: :class:`gemini_dcp.restore.device_land.DeviceLander`).
     """
     for item in items:
         if item.type == LoadItemType.BYTE_IO:

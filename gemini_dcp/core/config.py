@@ -1,7 +1,7 @@
 """Resolving a writer's or reader's identity (root, job, node) and its step numbers.
 
-The option dataclasses live in :mod:`gemini_dcp.options` (``TierOptions`` is re-exported here
-for old imports); the ``GEMINI_DCP_*`` variables are read there only.
+The option dataclasses live in :mod:`gemini_dcp.options`; the ``GEMINI_DCP_*`` variables are
+read there only.
 """
 
 from __future__ import annotations
@@ -13,19 +13,13 @@ import socket
 from pathlib import Path
 
 from ..errors import ConfigError, InvalidStepError
-from ..options.checks import check_timeout
 from ..options.local import (
-    DEFAULT_KEEP,
     DEFAULT_ROOT,
-    ENV_NODE_ID,
     ENV_ROOT,
-    ChecksumAlgo,
     job_id_from_env,
     node_id_from_env,
     root_from_env,
 )
-from ..options.peer import OnPeerFailure, PlacementStrategy
-from ..options.tier import TierOptions
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +137,5 @@ def parse_step(checkpoint_id: object) -> int:
 
 
 __all__ = [
-    "DEFAULT_JOB_IDS", "DEFAULT_KEEP", "DEFAULT_ROOT", "ENV_NODE_ID", "ENV_ROOT", "MAX_STEP", "ChecksumAlgo",
-    "OnPeerFailure", "PlacementStrategy", "TierOptions", "check_timeout", "parse_step", "resolve_job_id",
-    "resolve_node_id", "resolve_root",
+    "DEFAULT_JOB_IDS", "MAX_STEP", "parse_step", "resolve_job_id", "resolve_node_id", "resolve_root",
 ]

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 
-from .._aliases import new_module_name
 from ..errors import GeminiError, IncompatibleCheckpointError, UntrustedDataError
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
@@ -48,14 +47,6 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("gemini_dcp.local.record_types", "_rebuild_record"),
         ("gemini_dcp.local.record_types", "_rebuild_overlay"),
         ("gemini_dcp.local.parity_record", "_rebuild_parity"),  # a step's XOR parity layout (peer/parity)
-        # ... and where records written before the split of records.py name them (the same
-        # objects, re-exported there; the flat ``gemini_dcp.records`` maps here, see _aliases)
-        ("gemini_dcp.local.records", "ShardRef"),
-        ("gemini_dcp.local.records", "RankSlot"),
-        ("gemini_dcp.local.records", "StepRecord"),
-        ("gemini_dcp.local.records", "PackedLayout"),
-        ("gemini_dcp.local.records", "_rebuild_record"),
-        ("gemini_dcp.local.records", "_rebuild_overlay"),
         # DCP metadata (torch.distributed.checkpoint.metadata)
         (_DCP_META, "Metadata"),
         (_DCP_META, "MetadataIndex"),
@@ -80,6 +71,28 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("pathlib._local", "PosixPath"),
     }
 )
+
+_RECORD_NAMES = ("ShardRef", "RankSlot", "StepRecord", "PackedLayout", "_rebuild_record", "_rebuild_overlay")
+_SIDE_FILE_NAMES = ("StepIndex", "PartMarker")
+
+#: Where files written by earlier releases name gemini_dcp's classes, by release:
+#: (the module a pickle names, the name) -> the module that holds it now. Only the classes
+#: those releases pickled are listed; nothing else of an old module tree is resolved, and what
+#: a name maps to must still be on the allow-list of the load.
+MODULES_OF_EARLIER_RELEASES: dict[str, dict[tuple[str, str], str]] = {
+    # 0.1.0 as a flat package: step records in ``gemini_dcp/records.py``, the persistent
+    # store's side files in ``gemini_dcp/persistent.py``
+    "0.1.0-flat": {
+        **{("gemini_dcp.records", n): "gemini_dcp.local.record_types" for n in _RECORD_NAMES},
+        **{("gemini_dcp.persistent", n): "gemini_dcp.persistent.side_files" for n in _SIDE_FILE_NAMES},
+    },
+    # 0.1.0 in subpackages, before the record types left ``local/records.py`` (side files are
+    # still pickled under ``gemini_dcp.persistent.store``, see persistent/side_files.py)
+    "0.1.0-subpackages": {("gemini_dcp.local.records", n): "gemini_dcp.local.record_types" for n in _RECORD_NAMES},
+}
+_MOVED: dict[tuple[str, str], str] = {
+    old: new for names in MODULES_OF_EARLIER_RELEASES.values() for old, new in names.items()
+}
 
 _extra: set[tuple[str, str]] = set()
 _extra_lock = threading.Lock()
@@ -165,7 +178,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._allowed = allowed
 
     def find_class(self, module: str, name: str) -> Any:
-        module = new_module_name(module)  # records written before the move into subpackages
+        module = _MOVED.get((module, name), module)  # a file written by an earlier release
         key = (module, name)
         if key in self._allowed:
             substitute = _SUBSTITUTES.get(key)

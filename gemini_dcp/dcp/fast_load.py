@@ -7,7 +7,7 @@ holds every chunk it needs, none of it is needed:
 
 1. the reader's collective restore decision (``GeminiStorageReader.read_metadata``: the same step
    and copy ``dcp.load`` would restore);
-2. each rank maps its state dict onto the record (:mod:`gemini_dcp.dcp.fast_plan`, cached per
+2. each rank maps its state dict onto the record (:mod:`gemini_dcp.restore.fast_plan`, cached per
    structure), and one small all-reduce decides whether *every* rank can take the fast path; small
    chunks only another node holds (DCP stores a replicated value in one rank's slot) are routed to
    a rank whose node holds them (one all-gather), which verifies and sends them in step 3;
@@ -40,9 +40,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..core.chunk_sink import failed_spans, land_same_dtype
 from ..errors import ConfigError
 from ..local.slots import ReadOnlySlot
+from ..restore.fast_plan import FastEntry, FastPlan, build_plan, cached_plan, remember, walk
+from ..restore.parity_restore import tier_bytes
 from ..transport.comm import Comm, get_comm
-from .fast_plan import FastEntry, FastPlan, build_plan, cached_plan, remember, walk
-from .parity_restore import tier_bytes
 from .reader import TIERS, GeminiStorageReader
 
 __all__ = ["FastLoadResult", "fast_load"]

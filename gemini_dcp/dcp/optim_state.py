@@ -3,8 +3,8 @@
 A resume needs tensors to load the optimizer's state into. torch's ``get_state_dict`` /
 ``get_optimizer_state_dict`` get them for an optimizer without state (``_init_optim_state``) by
 running ``optimizer.step()`` over zero gradients with lr 0. Through DTensor (FSDP2) that first step
-is DTensor's first sharding propagation of every foreach op: 0.30 s for a 12.9 M-parameter model on
-2 CPU ranks, three times the tier read of the whole checkpoint. It also runs the optimizer's step
+is DTensor's first sharding propagation of every foreach op, which can cost more than the tier read
+of the whole checkpoint (docs/benchmarks.md). It also runs the optimizer's step
 hooks and leaves Adam's step counters at 1.
 
 :func:`init_optimizer_state` creates instead, for every parameter that requires a gradient, the
@@ -19,7 +19,7 @@ initialization would have created).
 
 The conventions are not written down here but read from the optimizer itself: for each distinct
 (class, param-group settings, parameter dtype, device) a probe optimizer of the same class over one
-plain 2×3 tensor runs one step with a zero gradient and lr 0 (microseconds, no DTensor, cached), and
+plain 2×3 tensor runs one step with a zero gradient and lr 0 (no DTensor, cached), and
 its state is the template: a tensor shaped like the probe's parameter becomes a tensor like the
 parameter (its local shard for a DTensor) of the template's dtype; a 0-dim tensor becomes a 0-dim
 tensor of the template's dtype and device.

@@ -21,14 +21,14 @@ Call order (driven by ``dcp.load``; **all ranks must call dcp.load together**):
    them. A load that fails leaves the caller's tensors exactly as they were.
 
 This module is the adapter: the DCP calls, the collective decision and the order of a
-restore. The mechanics live beside it: :mod:`gemini_dcp.dcp.restore_stage` holds a load's
+restore. The mechanics live beside it: :mod:`gemini_dcp.restore.restore_stage` holds a load's
 verified chunks and the tier memory they are viewed through, :mod:`gemini_dcp.core.chunk_sink`
-verifies and lands each chunk, :mod:`gemini_dcp.dcp.state_dict_check` is the key/shape check,
+verifies and lands each chunk, :mod:`gemini_dcp.restore.state_dict_check` is the key/shape check,
 and :mod:`gemini_dcp.peer` moves chunks between nodes.
 
-Size: ~530 lines because the order of a restore (decide, stage local / peer / parity /
-persistent, agree, land) is one sequence of collectives that every rank must run in the same
-order; each stage's mechanics are already elsewhere.
+The order of a restore (decide, stage local / peer / parity / persistent, agree, land) is one
+sequence of collectives that every rank must run in the same order (all ranks call every
+method); each stage's mechanics live in :mod:`gemini_dcp.restore` and the tiers.
 """
 
 from __future__ import annotations
@@ -52,22 +52,22 @@ from torch.futures import Future
 
 from ..core.chunk_sink import describe_item
 from ..core.compat import failed_metadata, raise_if_failed
-from ..core.config import parse_step, resolve_node_id
+from ..core.config import parse_step
 from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
 from ..ext import loader as ext_loader
-from ..local.records import ShardRef, StepRecord
-from ..local.tier import LocalTier
+from ..local.record_types import ShardRef, StepRecord
+from ..node import open_tiers
 from ..options import GeminiOptions, resolve_options
 from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
+from ..restore.parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier, tier_bytes
+from ..restore.restore_stage import RestoreStage
+from ..restore.state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
-from .parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier, tier_bytes
-from .restore_stage import RestoreStage
-from .state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 
 log = logging.getLogger(__name__)
 
@@ -129,24 +129,18 @@ class GeminiStorageReader(StorageReader):
             root_logger.addFilter(_DCP_FALLBACK_FILTER)
         # Validated before any directory is touched: ``options`` merged with the keywords
         # (a keyword and an options field set to different values is a ConfigError).
-        self.gemini_options: GeminiOptions = resolve_options(
+        self.options: GeminiOptions = resolve_options(
             options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s
         )
-        cfg = self.gemini_options
-        self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
+        cfg = self.options
+        tiers = open_tiers(cfg, writable=False)
+        self.tier = tiers.tier
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
-        self.node_id = cfg.local.node_id or resolve_node_id(self.root)
+        self.node_id = tiers.node_id
         self.timeout_s = cfg.timeout_s
         self.process_group = process_group
-        self.persistent = None
-        if cfg.persistent.url is not None:
-            from ..persistent.store import PersistentTier  # noqa: PLC0415
-
-            self.persistent = PersistentTier(  # every store call bounded
-                str(cfg.persistent.url), self.job_id, timeout_s=cfg.persistent_timeout_s,
-                storage_options=dict(cfg.persistent.storage_options) if cfg.persistent.storage_options is not None else None,
-            )
+        self.persistent = tiers.persistent
         self._requested: int | None = None
         self._metadata_error: Exception | None = None
         self._decision: RestoreDecision | None = None
@@ -520,7 +514,7 @@ class GeminiStorageReader(StorageReader):
     def _rank_ok(self, ok: bool) -> None:
         self._staging.rank_ok = ok
 
-    # ---- the key/shape check (gemini_dcp.dcp.state_dict_check) ----------------------------------
+    # ---- the key/shape check (gemini_dcp.restore.state_dict_check) ----------------------------------
     def _resolve_destinations(self, plan: LoadPlan, planner: LoadPlanner) -> CheckpointMismatchError | None:
         """Resolve every tensor item's destination once (kept for the landing) and check that the
         state dict matches the checkpoint; the error (not raised: see ``read_data``) or None."""

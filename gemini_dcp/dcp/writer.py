@@ -24,9 +24,8 @@ newest restorable one; records are renamed into place, never edited.
 The slot files live in a :class:`~gemini_dcp.commit.slot_pool.SlotPool`; the async path's
 pacers in one :class:`~gemini_dcp.commit.hooks.SaveHooks` value (``writer.hooks``).
 
-Size: ~550 lines: the DCP calls plus the constructor's validation of every option that
-shapes a save (replicas, parity_group, incremental / full_every), which must fail before
-any directory is created; the mechanisms live in commit/, peer/ and dcp/local_write.py.
+Every option that shapes a save is validated before any directory is created; the
+mechanisms live in :mod:`gemini_dcp.commit`, :mod:`gemini_dcp.save` and the tiers.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -49,56 +48,29 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..commit import reports as _reports
 from ..commit.agreement import AgreedValues, PlannedValues, combine_planned, take_agreed
-from ..commit.hooks import NO_HOOKS, Pacer, SaveHooks
+from ..commit.hooks import NO_HOOKS, SaveHooks
 from ..commit.protocol import CommitProtocol, LocalWrite, NodeIdentity, SaveSpec
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import resolve_algo
-from ..core.config import parse_step, resolve_node_id
+from ..core.config import parse_step
 from ..core.launch import current_launch, launch_known
 from ..errors import ConfigError, InvalidStepError
 from ..ext import loader as ext_loader
 from ..local.launch_lock import hold_launch_lock
-from ..local.records import ShardRef, StepRecord
+from ..local.record_types import ShardRef, StepRecord
 from ..local.slots import SlotFile
-from ..local.tier import LocalTier
+from ..node import open_tiers
 from ..options import GeminiOptions, resolve_options
 from ..peer.delta import ReplicaMemory
 from ..peer.parity import ParitySlots, encode_parity
 from ..peer.push import replicate
+from ..save.carry import CarryTracker, SaveStats
+from ..save.local_write import LocalWriter
 from ..transport.comm import Comm, get_comm
 from ..transport.p2p import transport_for
-from .carry import CarryTracker, IncrementalOptions, SaveStats
-from .local_write import LocalWriter
-
-# The names this module had before the commit package (tests and benchmarks import them).
-INLINE_METADATA_PADDING = _reports.INLINE_METADATA_PADDING
-_RankReport = _reports.RankReport
-_SplitLayout = _reports.SplitLayout
-_check_node_identities = _reports.check_node_identities
-_compact = _reports.compact
-_expand = _reports.expand
-_overlay = _reports.overlay
-_rank_layouts = _reports.rank_layouts
 
 log = logging.getLogger(__name__)
-
-V = TypeVar("V")
-
-
-class _Remembered(Generic[V]):
-    """An attribute of the writer that is the commit protocol's state (read and written there)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> V:
-        return getattr(obj.commit, self._name)
-
-    def __set__(self, obj: Any, value: V) -> None:
-        setattr(obj.commit, self._name, value)
-
 
 class GeminiStorageWriter(StorageWriter):
     """Write DCP checkpoints into the CPU memory of this node (and of peers).
@@ -135,7 +107,7 @@ class GeminiStorageWriter(StorageWriter):
         full_every: with ``incremental``, copy everything every K-th save (bounds what a missed
             change can cost); None: only when the structure changes or after a restart.
 
-    ``writer.last_save`` (a :class:`gemini_dcp.dcp.carry.SaveStats`, this rank, the last
+    ``writer.last_save`` (a :class:`gemini_dcp.save.carry.SaveStats`, this rank, the last
     committed save): ``bytes_written`` copied into the tier, ``bytes_carried`` already held.
 
     Steps: each ``checkpoint_id`` is an int step in ``[0, 2**63)``. A step is evicted from
@@ -184,23 +156,21 @@ class GeminiStorageWriter(StorageWriter):
         # Every option is validated before anything is created (tier or persistent directories):
         # ``options`` merged with the keywords (a keyword and an options field set to different
         # values is a ConfigError), the drain settings from the environment when no options are given.
-        self.gemini_options: GeminiOptions = resolve_options(
+        self.options: GeminiOptions = resolve_options(
             options, root=root, job_id=job_id, keep=keep, replicas=replicas, placement=placement, checksum=checksum,
             capacity_bytes=capacity_bytes, timeout_s=timeout_s, on_peer_failure=on_peer_failure,
             persistent=persistent, persist_every=persist_every, persist_keep=persist_keep,
             persist_keep_every=persist_keep_every, parity_group=parity_group, incremental=incremental,
             full_every=full_every,
         )
-        cfg = self.gemini_options
+        cfg = self.options
         ext_loader.preload()  # the extension mapped now, not inside a timed save or restore
-        self.options = cfg.tier_options()
-        self.incremental: IncrementalOptions = cfg.incremental
-        self.parity_group = cfg.peer.parity_group  # validated with replicas (PeerOptions), before any directory exists
-        self._algo = resolve_algo(self.options.checksum)
-        self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
+        self._algo = resolve_algo(self.options.local.checksum)
+        tiers = open_tiers(cfg, writable=True)
+        self.tier = tiers.tier
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
-        self.node_id = cfg.local.node_id or resolve_node_id(self.root)
+        self.node_id = tiers.node_id
         self.launch = current_launch()
         # JobConflictError if another live launch uses the job. The ranks agree on the launch's
         # identity over the default group's store; a writer built before the group exists holds the
@@ -214,14 +184,14 @@ class GeminiStorageWriter(StorageWriter):
             launch_id=self.launch.launch_id, launch_description=self.launch.description,
         )
         self.commit = CommitProtocol(self.tier, node, self.options)
-        self.commit.parity = self.parity_group is not None
+        self.commit.parity = cfg.peer.parity_group is not None
         self.parity_slots = ParitySlots(self.tier.layout.rank_dir)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
-        self.slot_pool = SlotPool(self.tier, keep=self.options.keep, capacity_bytes=self.options.capacity_bytes)
-        carry = CarryTracker(self.incremental, history=self.options.keep + 2) if self.incremental.enabled else None
+        self.slot_pool = SlotPool(self.tier, keep=self.options.local.keep, capacity_bytes=self.options.local.capacity_bytes)
+        carry = CarryTracker(cfg.incremental, history=cfg.local.keep + 2) if cfg.incremental.enabled else None
         # Delta replication of incremental saves (peer/delta.py): this writer's name and save count as a
         # sender, and what this node's replica slots hold as a receiver.
-        self._replica_memory = ReplicaMemory() if carry is not None and self.options.replicas > 1 else None
+        self._replica_memory = ReplicaMemory() if carry is not None and self.options.peer.replicas > 1 else None
         self._delta_token = os.urandom(8).hex()
         self._save_seq = 0
         self.local_writer = LocalWriter(self.slot_pool, carry)  # step 2, with its per-plan programs
@@ -234,66 +204,16 @@ class GeminiStorageWriter(StorageWriter):
         self._step: int | None = None
         self._is_coordinator = True
         self._rank = 0
-        self.persistent = None
+        self.persistent = tiers.persistent
         pcfg = cfg.persistent
-        if pcfg.url is not None:
-            from ..persistent.store import PersistentTier  # noqa: PLC0415 - optional tier
-
-            self.persistent = PersistentTier(
-                str(pcfg.url),
-                self.job_id,
-                keep=pcfg.keep,
-                keep_every=pcfg.keep_every,
-                writable=True,
-                storage_options=dict(pcfg.storage_options) if pcfg.storage_options is not None else None,
-                timeout_s=cfg.persistent_timeout_s,  # bounds every store call (probe, drain uploads)
-            )
         self.persist_every = pcfg.every
         self._drainer = None
         if self.persistent is not None:
             from ..persistent.drain.client import Drainer  # noqa: PLC0415 - optional tier
 
-            self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain, keep=self.options.keep)
+            self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain, keep=self.options.local.keep)
             self._drainer.resume()  # drains left pending by a previous worker generation
             self._drainer.start_early()  # the first due step finds its drain running (torch imported)
-
-    # What the commit protocol remembers from save to save, readable (as before) on the writer.
-    global_step: _Remembered[int | None] = _Remembered()  # newest step known committed on every node
-    last_committed_step: _Remembered[int | None] = _Remembered()
-    last_save_seconds: _Remembered[float | None] = _Remembered()
-    last_replication: _Remembered[dict[str, Any]] = _Remembered()
-    planned_metadata: _Remembered[Metadata | None] = _Remembered()  # the global metadata of the last save
-    last_metadata_transfer: _Remembered[str] = _Remembered()  # how the last save's metadata reached this rank
-    committed_layout: _Remembered[Mapping[MetadataIndex, ShardRef] | None] = _Remembered()
-    last_commit_compact: _Remembered[bool] = _Remembered()  # the last commit gather sent checksums only
-
-    # ---- the async path's hooks (one value; the single names kept readable and settable) --------
-    @property
-    def pace(self) -> Pacer | None:
-        """Paces the local copy: called with each block's size (``pace.block_bytes`` sets it)."""
-        return self.hooks.pace
-
-    @pace.setter
-    def pace(self, value: Pacer | None) -> None:
-        self.hooks = dataclasses.replace(self.hooks, pace=value)
-
-    @property
-    def replication_pace(self) -> Pacer | None:
-        """Paces the peer replication: called with each message's size before it is sent."""
-        return self.hooks.replication_pace
-
-    @replication_pace.setter
-    def replication_pace(self, value: Pacer | None) -> None:
-        self.hooks = dataclasses.replace(self.hooks, replication_pace=value)
-
-    @property
-    def on_local_copy_done(self) -> Callable[[int], None] | None:
-        """Called with the step once this rank's bytes are in the tier (before the commit collectives)."""
-        return self.hooks.on_local_copy_done
-
-    @on_local_copy_done.setter
-    def on_local_copy_done(self, value: Callable[[int], None] | None) -> None:
-        self.hooks = dataclasses.replace(self.hooks, on_local_copy_done=value)
 
     # ---- StorageWriter API -------------------------------------------------------------
     @property
@@ -415,7 +335,7 @@ class GeminiStorageWriter(StorageWriter):
             check_space=check_space, hooks=self.hooks,
             replicate=lambda step, reports, expand: self._replicate(comm, step, reports, expand),
             after_commit=self._after_commit,
-            protect=(lambda step, reports: self._protect(comm, step, reports)) if self.parity_group else None,
+            protect=(lambda step, reports: self._protect(comm, step, reports)) if self.options.peer.parity_group else None,
         )
         self.last_save = self._pending_save
         return results
@@ -440,7 +360,7 @@ class GeminiStorageWriter(StorageWriter):
                     self._drainer.restage(final)
                 except OSError as exc:  # the in-memory commit stands; the drain still finds it in the tier
                     log.warning("step %s: could not restage the completed record for the drain: %s", step, exc)
-        self.last_committed_step = step
+        self.commit.last_committed_step = step
 
     def _after_commit(self, record: StepRecord, rank: int) -> None:
         """Hook run on every rank once ``record`` is committed on this node (end of write_data).
@@ -507,11 +427,12 @@ class GeminiStorageWriter(StorageWriter):
 
     def _protect(self, comm: Comm, step: int, reports: Any) -> tuple[Any, dict[str, Any]]:
         """Step 4 with ``parity_group``: the XOR parity of every lane (gemini_dcp.peer.parity); collective."""
-        assert self.parity_group is not None
+        group = self.options.peer.parity_group
+        assert group is not None
         done = encode_parity(
-            comm, transport_for(comm), step, reports, group=self.parity_group, tier=self.tier,
+            comm, transport_for(comm), step, reports, group=group, tier=self.tier,
             data_slot=self.slot_pool.slot, parity_slots=self.parity_slots, budget_check=self.slot_pool.budget_check,
-            algo=self._algo, on_peer_failure=self.options.on_peer_failure, previous_order=self._node_order,
+            algo=self._algo, on_peer_failure=self.options.peer.on_peer_failure, previous_order=self._node_order,
             pace=self.hooks.replication_pace,
         )
         self._node_order = done.node_order
@@ -535,14 +456,14 @@ class GeminiStorageWriter(StorageWriter):
     def _write_local(self, plan: SavePlan, planner: SavePlanner, step: int, rank: int) -> LocalWrite:
         """Step 2 of the commit protocol: resolve this rank's DCP items and copy them, checksummed,
         into a slot of the node's tier (paced by ``hooks.pace`` when set; see
-        :mod:`gemini_dcp.dcp.local_write`). Local work."""
+        :mod:`gemini_dcp.save.local_write`). Local work."""
         done = self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
         self.slot_pool.check_linked(rank, done.slot)  # before the gather: a removed slot fails the save everywhere
         self._pending_save = _save_stats(step, done, self.local_writer)
         memory = self._replica_memory
         if memory is not None:
             offer = self.local_writer.delta_offer(rank, self._delta_token, self._next_seq())
-            keep = self.options.keep
+            keep = self.options.local.keep
             bases = memory.bases(lambda src: self.tier.choose_slot(src, keep))
             done = dataclasses.replace(done, delta_offer=offer, replica_bases=bases)
         return done

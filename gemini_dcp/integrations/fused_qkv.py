@@ -4,7 +4,7 @@ torchtitan's ``FusedQKVLinear`` keeps one ``wqkv`` projection and saves it in th
 (``wq``/``wk``/``wv``) through a state-dict post hook that first redistributes the FSDP-sharded
 ``wqkv`` to ``Replicate`` (an all-gather per layer and parameter), then splits it into three fresh
 replicated tensors. On a per-step checkpoint that hook is most of the training thread's cost of a save
-(~15 ms of a ~0.5 s debugmodel step on 2 CPU ranks), and it saves every split tensor whole on every rank.
+(docs/benchmarks.md), and it saves every split tensor whole on every rank.
 
 The rows of ``wqkv`` are ``n_kv`` groups of ``r_dim = heads_per_kv + 2`` heads of ``head_dim`` rows
 (``heads_per_kv`` query heads, one key head, one value head). When ``wqkv`` is ``Shard(0)`` on a 1-D

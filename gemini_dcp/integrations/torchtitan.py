@@ -6,7 +6,7 @@ for a third-party storage writer, so gemini_dcp comes in as a subclass, :class:`
 
 - every ``gemini_every`` steps (default: every step) the full training state torchtitan saves
   (model, optimizer, lr schedulers, dataloader, train state) goes into gemini_dcp's tiers through
-  ``AsyncCheckpointer`` (default ``gemini_async=True``: the save returns in ~1 ms, the copy overlaps the
+  ``AsyncCheckpointer`` (default ``gemini_async=True``: the save returns at once, the copy overlaps the
   next step's forward and backward, only the next ``optimizer.step()`` waits for it; plan replay, no
   DCP planning per step; docs/async.md), or, with ``gemini_async=False``, a blocking
   ``dcp.save(..., storage_writer=GeminiStorageWriter, checkpoint_id=step)``. The state dict is

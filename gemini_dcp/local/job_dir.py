@@ -21,9 +21,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.config import DEFAULT_ROOT, ENV_ROOT
 from ..core.regular_file import NotRegularFileError, open_regular
 from ..errors import TierFullError, TierRootError, UntrustedDataError
+from ..options.local import DEFAULT_ROOT, ENV_ROOT
 
 _STEP_RE = re.compile(r"^step-([0-9]{12,})\.rec$")  # record_path pads to 12 digits; larger steps are longer
 _SLOT_RE = re.compile(r"^slot-([0-9]+)\.bin$")

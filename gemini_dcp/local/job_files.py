@@ -15,10 +15,12 @@ import os
 import stat
 from pathlib import Path
 
-from ..core.config import DEFAULT_ROOT, ENV_ROOT, resolve_job_id, resolve_root
+from ..core.config import resolve_job_id, resolve_root
 from ..errors import CheckpointNotFoundError, TierRootError
+from ..options.local import DEFAULT_ROOT, ENV_ROOT
 from .job_dir import JobLayout, check_private_dir_stat, list_jobs
-from .records import StepRecord, read_record
+from .record_codec import read_record
+from .record_types import StepRecord
 
 
 def open_root(root: str | os.PathLike[str] | None) -> Path:

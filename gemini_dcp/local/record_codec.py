@@ -24,8 +24,7 @@ from ..errors import (
     UntrustedDataError,
 )
 from .job_dir import atomic_write_bytes, read_private_bytes
-from .record_caches import _decoding, _reading_torch
-from .record_types import StepRecord
+from .record_types import StepRecord, decoding_context, reading_torch
 
 RECORD_MAGIC_V1 = b"GEMREC01"  # header, then the pickled StepRecord (still decoded)
 RECORD_MAGIC = b"GEMREC02"  # header, versions, then the pickled StepRecord
@@ -86,12 +85,12 @@ def decode_record(data: bytes, *, source: str = "<bytes>") -> StepRecord:
             f"step record {source} is corrupt (bad magic, length or checksum); another copy will be used if one exists."
         )
     payload, writer_torch = _split_body(magic, body, source)
-    previous = _reading_torch()
-    _decoding.torch_version = writer_torch
+    previous = reading_torch()
+    decoding_context.torch_version = writer_torch
     try:
         record = restricted_loads(payload, source=f"step record {source}", writer_torch=writer_torch)
     finally:
-        _decoding.torch_version = previous
+        decoding_context.torch_version = previous
     if not isinstance(record, StepRecord):
         raise UntrustedDataError(
             f"step record {source} holds a {type(record).__name__}, not a StepRecord; it was not used. "

@@ -1,7 +1,7 @@
 """Preallocated, pre-faulted slot files: the memory of the local tier.
 
-Writing fresh tmpfs pages costs a page fault per 4 KiB (0.7-1.9 GB/s here),
-rewriting pages already present runs at memcpy speed (8-14 GB/s). So each rank
+Writing fresh tmpfs pages costs a page fault per 4 KiB, while rewriting pages
+already present runs at memcpy speed (docs/architecture.md). So each rank
 keeps a ring of ``keep + 1`` slot files per job, maps them once with
 ``MAP_POPULATE`` and reuses them step after step: ``keep`` slots hold the
 retained committed steps, one receives the step being saved.
@@ -99,7 +99,7 @@ class SlotFile:
         self._mm: mmap.mmap | None = None
         self.tensor = torch.empty(0, dtype=torch.uint8)
         # Called with the mapping's tensor just before it is unmapped (a page-locked mapping is
-        # unregistered there: dcp/device_copy), set by whoever registered it.
+        # unregistered there: save/device_copy), set by whoever registered it.
         self.before_unmap: Callable[[torch.Tensor], None] | None = None
         self._fd = _open_slot(path)
         self.capacity = os.fstat(self._fd).st_size

@@ -27,7 +27,8 @@ from .job_dir import (
     read_private_bytes,
     remove_quietly,
 )
-from .records import StepRecord, read_record, write_record
+from .record_codec import read_record, write_record
+from .record_types import StepRecord
 from .slot_holds import drop_hold, held_slots
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..core.config import DEFAULT_KEEP, ENV_ROOT, resolve_root
+from ..core.config import resolve_root
 from ..core.torch_support import installed_torch_version, torch_requirement, torchrec_pairing, torchrec_support
 from ..errors import ConfigError
-from ..options.local import root_from_env
+from ..options.local import DEFAULT_KEEP, ENV_ROOT, root_from_env
 
 GIB = float(1 << 30)
 MEMORY_FSTYPES = ("tmpfs", "ramfs", "hugetlbfs")

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..core.config import DEFAULT_KEEP
 from ..errors import ConfigError, JobConflictError, TierRootError
 from ..local.job_dir import remove_quietly
 from ..local.job_files import job_usage_bytes, open_job, read_record_or_reason
 from ..local.launch_lock import live_launches
-from ..local.records import StepRecord
+from ..local.record_types import StepRecord
+from ..options.local import DEFAULT_KEEP
 
 
 def processes_using(path: Path, *, exclude: Iterable[int] = ()) -> dict[int, str]:

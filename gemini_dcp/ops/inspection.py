@@ -41,7 +41,7 @@ from ..local.job_files import (
     read_record_or_reason,
     slot_size,
 )
-from ..local.records import StepRecord
+from ..local.record_types import StepRecord
 from ..persistent.drain.status import drain_summary, step_states
 from .doctor import (
     Check,

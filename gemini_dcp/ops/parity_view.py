@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..core.checksum import checksum
 from ..local.job_dir import JobLayout
 from ..local.parity_record import parity_path
-from ..local.records import StepRecord
+from ..local.record_types import StepRecord
 from ..local.slots import ReadOnlySlot
 
 __all__ = ["parity_checks", "parity_info"]

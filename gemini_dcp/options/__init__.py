@@ -5,9 +5,9 @@
   kw-only dataclass per tier (the drain's :class:`DrainOptions` with the persistent tier), each
   validated in ``__post_init__`` with a message that says what to give instead.
 - :mod:`~gemini_dcp.options.tree` — :class:`GeminiOptions` (the whole tree, ``from_env()``) and
-  :func:`resolve_options` (the writer's and reader's ``options=`` merged with their keywords).
+  :func:`resolve_options` (the writer's and reader's ``options=`` merged with their keywords: the
+  keywords are shorthand that build the tree; ``writer.options`` / ``reader.options`` is the tree).
 - :mod:`~gemini_dcp.options.incremental` — :class:`IncrementalOptions` (``incremental``, ``full_every``).
-- :mod:`~gemini_dcp.options.tier` — the flat :class:`TierOptions` (``writer.options``).
 - :mod:`~gemini_dcp.options.faults` — the fault-injection test hooks.
 
 The extension's variables (``GEMINI_DCP_EXT*``, ``GEMINI_DCP_CUDA_EXT``) are read by
@@ -19,10 +19,9 @@ from .incremental import IncrementalOptions
 from .local import DEFAULT_KEEP, DEFAULT_ROOT, LocalOptions
 from .peer import PeerOptions
 from .persistent import DrainOptions, PersistentOptions
-from .tier import TierOptions
 from .tree import GeminiOptions, resolve_options
 
 __all__ = [
     "DEFAULT_KEEP", "DEFAULT_ROOT", "DEFAULT_TIMEOUT_S", "DrainOptions", "GeminiOptions", "IncrementalOptions", "LocalOptions",
-    "PeerOptions", "PersistentOptions", "TierOptions", "check_timeout", "resolve_options",
+    "PeerOptions", "PersistentOptions", "check_timeout", "resolve_options",
 ]

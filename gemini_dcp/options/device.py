@@ -1,14 +1,14 @@
-"""Options of the GPU paths (issue 20): the only reader of ``GEMINI_DCP_D2H_CHECKSUM`` and
+"""Options of the GPU paths: the only reader of ``GEMINI_DCP_D2H_CHECKSUM`` and
 ``GEMINI_DCP_H2D_REGISTER``.
 
 ``GEMINI_DCP_D2H_CHECKSUM``
     how a CUDA tensor's bytes are checksummed when a save copies them into the tier
-    (:mod:`gemini_dcp.dcp.device_copy`): ``auto`` (default: ``gpu`` where the extension's CUDA ops
+    (:mod:`gemini_dcp.save.device_copy`): ``auto`` (default: ``gpu`` where the extension's CUDA ops
     are loaded, else ``cpu``), ``gpu`` (``xsum64`` computed on the GPU; the CPU never reads the
     bytes) or ``cpu`` (the slot's crc32c/xxh3 over each landed piece).
 ``GEMINI_DCP_H2D_REGISTER``
     whether a restore onto CUDA tensors page-locks the slot mappings it copies from
-    (:mod:`gemini_dcp.dcp.device_land`): ``auto`` (default: a mapping of which at least 64 MiB and
+    (:mod:`gemini_dcp.restore.device_land`): ``auto`` (default: a mapping of which at least 64 MiB and
     half go to the GPU), ``1`` (always) or ``0`` (never: pageable copies).
 
 Torch-free: reading the options never imports torch.

@@ -20,7 +20,6 @@ from .incremental import IncrementalOptions
 from .local import LocalOptions
 from .peer import PeerOptions
 from .persistent import DrainOptions, PersistentOptions
-from .tier import TierOptions
 
 __all__ = ["KEYWORDS", "GeminiOptions", "resolve_options"]
 
@@ -89,14 +88,6 @@ class GeminiOptions:
             (top if section is None else sections.setdefault(section, {}))[name] = value
         new = {s: dataclasses.replace(getattr(self, s), **vals) for s, vals in sections.items()}
         return dataclasses.replace(self, **new, **top)
-
-    def tier_options(self) -> TierOptions:
-        """The flat :class:`TierOptions` of this tree (what ``writer.options`` holds)."""
-        return TierOptions(
-            keep=self.local.keep, replicas=self.peer.replicas, placement=self.peer.placement,
-            checksum=self.local.checksum, capacity_bytes=self.local.capacity_bytes, timeout_s=self.timeout_s,
-            on_peer_failure=self.peer.on_peer_failure,
-        )
 
     @property
     def persistent_timeout_s(self) -> float:

@@ -3,13 +3,7 @@
 Modules by concern: ``placement`` (which nodes hold which copies: pure), ``routes``
 (node positions, replication routes: pure), ``push`` (the save side: replicate and
 verify), ``fetch`` (the restore side: route, fetch, repair), ``arena`` (receive
-buffers). Bytes move only through :mod:`gemini_dcp.transport.p2p`; nothing here
-imports the DCP adapters (:mod:`gemini_dcp.dcp`), which call in with narrow values.
-
-Names of the former flat module ``gemini_dcp.peer`` (``gemini_dcp.peer.replicate`` and the
-like) resolve on first use, through :mod:`gemini_dcp.peer.replication`.
+buffers), ``delta`` (row deltas of a replica), ``parity``/``parity_groups`` (XOR parity).
+Bytes move only through :mod:`gemini_dcp.transport.p2p`; nothing here imports the DCP
+adapters (:mod:`gemini_dcp.dcp`), which call in with narrow values.
 """
-
-from .._aliases import forward_to
-
-__getattr__ = forward_to(__name__, "replication")

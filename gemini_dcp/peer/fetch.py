@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..core.chunk_sink import corrupt_error
 from ..core.restore_order import RestoreDecision
 from ..errors import GeminiError, ShardUnavailableError
-from ..local.records import ShardRef, StepRecord, refs_by_location
+from ..local.record_types import ShardRef, StepRecord, refs_by_location
 from ..transport.comm import Comm
 from ..transport.p2p import Pending, Transport
 from .arena import ReceiveArena

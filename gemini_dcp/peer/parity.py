@@ -45,12 +45,12 @@ from ..core.checksum import checksum
 from ..core.chunk_sink import verify_chunk
 from ..errors import GeminiError, PeerError
 from ..local.parity_record import ParityLayout, parity_path, rebuilt_path
-from ..local.records import StepRecord, refs_by_location
+from ..local.record_types import StepRecord, refs_by_location
 from ..local.slots import ReadOnlySlot, SlotFile
 from ..transport.comm import Comm
 from ..transport.p2p import Pending, Transport
 from .parity_groups import Transfer, encode_transfers, parity_groups, parity_lanes, parity_length, rebuild_transfers
-from .push import ReplicaTier, _agree, node_order
+from .push import ReplicaTier, agree_on_errors, node_order
 from .routes import SlotReport
 
 __all__ = ["Encoded", "ParitySlots", "Rebuilt", "encode_parity", "rebuild_lost", "rebuild_servers"]
@@ -166,7 +166,7 @@ def encode_parity(
         error = str(exc)
     except (OSError, GeminiError) as exc:  # a full tier (TierFullError) or an unwritable parity file
         error = f"rank {me}: {exc}"
-    errors = _agree(comm, step, error, transport_failed)
+    errors = agree_on_errors(comm, step, error, transport_failed)
     dt = time.perf_counter() - t0
     stats = {"sent_bytes": sent, "received_bytes": received, "parity_bytes": plen, "seconds": dt,
              "degraded": bool(errors), "scheme": f"parity g={group}"}

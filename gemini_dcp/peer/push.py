@@ -24,13 +24,14 @@ import torch
 from ..core.chunk_sink import verify_chunk
 from ..core.faults import fault_point
 from ..errors import PeerError
-from ..local.records import RankSlot, ShardRef, StepRecord
+from ..local.record_types import RankSlot, ShardRef, StepRecord
+from ..options.tree import GeminiOptions
 from ..transport.comm import Comm, restart_required
 from ..transport.p2p import Pending, Transport
 from .delta import ReplicaMemory, merge_runs, packed_rows, pair_runs, row_view, touches
 from .routes import SlotReport, choose_order, replication_routes
 
-__all__ = ["ReplicaTier", "Replicated", "ReplicationOptions", "SlotBuffer", "node_order", "replicate"]
+__all__ = ["ReplicaTier", "Replicated", "SlotBuffer", "agree_on_errors", "node_order", "replicate"]
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +54,6 @@ class ReplicaTier(Protocol):
     def steps(self) -> list[int]: ...
 
     def record(self, step: int) -> StepRecord | None: ...
-
-
-class ReplicationOptions(Protocol):
-    """The writer options replication reads (``gemini_dcp.core.config.TierOptions``)."""
-
-    @property
-    def replicas(self) -> int: ...
-
-    @property
-    def placement(self) -> str: ...
-
-    @property
-    def keep(self) -> int: ...
-
-    @property
-    def on_peer_failure(self) -> str: ...
 
 
 class Replicated(NamedTuple):
@@ -101,7 +86,7 @@ def replicate(
     step: int,
     reports: Sequence[SlotReport],
     *,
-    options: ReplicationOptions,
+    options: GeminiOptions,
     tier: ReplicaTier,
     slot: Callable[[int, int], SlotBuffer],
     budget_check: Callable[[int], None],
@@ -136,7 +121,7 @@ def replicate(
     """
     t0 = time.perf_counter()
     order = node_order(comm, reports, previous_order, tier)
-    routes = replication_routes(order, reports, options.replicas, options.placement)
+    routes = replication_routes(order, reports, options.peer.replicas, options.peer.placement)
     me = comm.rank
     works: list[Pending] = []
     received: list[tuple[int, int, SlotBuffer, Any]] = []  # (src, slot index, slot, delta runs or None)
@@ -155,7 +140,7 @@ def replicate(
             if dst != me or nbytes == 0:
                 continue
             plan = _pair(reports, src, me) if memory is not None else None
-            idx = plan[0] if plan is not None else tier.choose_slot(src, options.keep)
+            idx = plan[0] if plan is not None else tier.choose_slot(src, options.local.keep)
             into = slot(src, idx)
             into.ensure_capacity(nbytes, budget_check=budget_check)
             what = f"peer transfer (receive of rank {src}'s slot{' delta' if plan is not None else ''})"
@@ -230,14 +215,14 @@ def replicate(
             replica_slots.append(RankSlot(src, idx, reports[src].nbytes))
             if memory is not None:
                 memory.note(src, idx, getattr(reports[src], "delta_offer", None))
-    errors = _agree(comm, step, error, transport_failed)
+    errors = agree_on_errors(comm, step, error, transport_failed)
     if errors:
         msg = (
-            f"step {step}: could not place {options.replicas} replicas in peer memory: {errors[0]}"
+            f"step {step}: could not place {options.peer.replicas} replicas in peer memory: {errors[0]}"
             f"{f' (+{len(errors) - 1} more)' if len(errors) > 1 else ''}. "
             "Check that every node is alive and reachable, or pass on_peer_failure='degrade' to commit with fewer copies."
         )
-        if options.on_peer_failure == "raise":
+        if options.peer.on_peer_failure == "raise":
             raise PeerError(msg)
         log.warning("%s Committing with fewer replicas.", msg)
     dt = time.perf_counter() - t0
@@ -292,7 +277,7 @@ def _at(buf: SlotBuffer, base: int) -> Callable[[int, int], torch.Tensor]:
     return lambda off, n: buf.view(base + off, n)
 
 
-def _agree(comm: Comm, step: int, error: str | None, transport_failed: bool) -> list[str]:
+def agree_on_errors(comm: Comm, step: int, error: str | None, transport_failed: bool) -> list[str]:
     """Collective: every rank's replication error (empty: none anywhere), the same on every rank.
 
     After a transport failure anywhere, every rank replaces the control group (``Comm.rebuild``).

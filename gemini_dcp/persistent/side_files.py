@@ -41,13 +41,13 @@ INDEX = "index.pkl"
 
 #: Globals a side file of the persistent tier may name, beyond safe_pickle's DCP metadata classes.
 #: The marker and index classes are pickled as ``gemini_dcp.persistent.store``'s (see the end of
-#: this module); stores written before the package moved into subpackages name the flat module
-#: ``gemini_dcp.persistent``, and this module's own path is accepted too.
+#: this module), and this module's own path is accepted too; stores written before the package
+#: moved into subpackages name the flat ``gemini_dcp.persistent`` (resolved through the versioned
+#: name map of :mod:`gemini_dcp.core.safe_pickle`).
 SIDE_FILE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
-        *((module, name) for module in (
-            "gemini_dcp.persistent.side_files", "gemini_dcp.persistent.store", "gemini_dcp.persistent",
-        ) for name in ("StepIndex", "PartMarker")),
+        *((module, name) for module in ("gemini_dcp.persistent.side_files", "gemini_dcp.persistent.store")
+          for name in ("StepIndex", "PartMarker")),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     }
 )
@@ -115,7 +115,8 @@ class StepIndex:
     job_id: str
 
 
-# Pickled under the module path the stores written since the move into subpackages name
-# (``gemini_dcp.persistent.store`` re-exports both): a side file written here is byte-for-byte
-# what that release wrote, so either release reads the other's stores.
+# Pickled under the module path the stores written since the move into subpackages name (an
+# on-disk name: ``gemini_dcp.persistent.store`` imports both, which pickle checks when it writes),
+# so a side file written here is byte-for-byte what that release wrote, and either release reads
+# the other's stores.
 PartMarker.__module__ = StepIndex.__module__ = "gemini_dcp.persistent.store"

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..core.config import check_timeout
 from ..errors import PersistentTierError
+from ..options.checks import check_timeout
 from .side_files import (
     INDEX,
     METADATA,

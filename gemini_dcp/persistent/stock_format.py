@@ -51,18 +51,13 @@ from ..errors import (
     StepNotFoundError,
     TierRootError,
 )
-from ..local.records import ShardRef, StepRecord
+from ..local.record_types import ShardRef, StepRecord
 from ..local.slots import ReadOnlySlot
 from ..local.tier import LocalTier
-from .store import (
-    PartMarker,
-    PersistentTier,
-    PersistentTimeoutError,
-    StepDir,
-    StepIndex,
-    data_file,
-    node_tag,
-)
+from .side_files import PartMarker, StepIndex, data_file, node_tag
+from .step_dir import StepDir
+from .store import PersistentTier
+from .store_calls import PersistentTimeoutError
 
 log = logging.getLogger(__name__)
 

@@ -9,19 +9,31 @@ FileSystemReader / FsspecReader)::
     <url>/<job_id>/step-<N>/.gemini/index.pkl     # checksums of every item (written before .metadata)
     <url>/<job_id>/step-<N>/.metadata             # written LAST: its presence is the commit
 
-This module is the store itself: one job's steps in a store (paths, the access probe,
-listing, the committed steps, their ``.metadata`` and index, retention). Its parts, each a
-module of its own, and re-exported here (the drain, the CLI and the tests import them from
-``gemini_dcp.persistent.store``):
+This module is the store: one job's steps in a store (paths, the access probe, listing, the
+committed steps, their ``.metadata`` and index, retention) and the reading of their items
+back, verified. Its parts with a reason of their own to change:
 
 * :mod:`~gemini_dcp.persistent.step_dir` — a step directory being written (data files go
   first, ``.metadata`` last: its presence is the commit).
-* :mod:`~gemini_dcp.persistent.store_reads` — items read back, each verified by the chunk
-  sink (:mod:`gemini_dcp.core.chunk_sink`) before it is handed on.
 * :mod:`~gemini_dcp.persistent.side_files` — the marker and index records and their decoding
   (**side files are untrusted input**: decoded without running code).
 * :mod:`~gemini_dcp.persistent.store_calls` — every store call under a deadline
   (:class:`PersistentTimeoutError` instead of a hang), opening a URL, explaining a failure.
+* :mod:`~gemini_dcp.persistent.item_payload` — where a tensor's bytes sit in a stored item.
+
+Reading items back: Every item is checked through the chunk sink (:mod:`gemini_dcp.core.chunk_sink`) against the
+checksum recorded when it was saved — the in-memory ShardRef when the planner's metadata comes
+from a memory record (a mixed restore of the same step), else the step's ``index.pkl`` — before
+it is handed on. A stock checkpoint written without gemini_dcp has no index: its items are read
+unverified (the tier logs that once per step). A corrupt item raises
+:class:`PersistentChecksumError` (a ``PersistentTierError`` and a ``ChecksumMismatchError``)
+with the sink's one message.
+
+A tensor item is read straight into a fresh tensor of its saved dtype, its checksum taken block
+by block as the bytes arrive (:mod:`.item_payload`: the payload range of its torch.save zip),
+``torch.load`` of the whole item being the fallback for any other layout; the items of local
+files are read by a few threads at once. Nothing is staged or landed unless every item of the
+call was read and verified.
 
 Errors reaching the store (unknown protocol, missing package, missing
 credentials, no permission, no such bucket) are raised as
@@ -31,32 +43,38 @@ writable tier writes and deletes a tiny object under ``<url>/<job_id>/``.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterable, TypeVar
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..core.chunk_sink import StagedChunks
-from ..core.config import check_timeout, resolve_job_id
-from ..errors import ConfigError, PersistentTierError, StepNotFoundError
-from . import store_reads
-from .item_payload import MappedFile
+from ..core.checksum import checksum
+from ..core.chunk_sink import StagedChunks, check_chunk, corrupt_message
+from ..core.config import resolve_job_id
+from ..core.regular_file import open_regular
+from ..errors import ChecksumMismatchError, ConfigError, PersistentTierError, StepNotFoundError
+from ..local.record_types import ShardRef
+from ..options.checks import check_timeout
+from .item_payload import ItemWindow, MappedFile, ReadAt, flat_bytes, payload_layout, read_exact, read_hashing
 from .side_files import (
     INDEX,
     METADATA,
     SIDE_DIR,
-    SIDE_FILE_GLOBALS,
     PartMarker,
     StepIndex,
-    UntrustedSideFileError,
-    data_file,
     decode_side_file,
     node_tag,
 )
@@ -65,7 +83,6 @@ from .store_calls import (
     DEFAULT_TIMEOUT_S,
     INLINE_PROTOCOLS,
     LOCAL_PROTOCOLS,
-    WRITE_BUFFER,
     PersistentTimeoutError,
     bounded_call,
     explain,
@@ -74,26 +91,18 @@ from .store_calls import (
     rm_quiet,
     url_to_fs,
 )
-from .store_reads import PersistentChecksumError
 
-__all__ = [  # the names the drain, the CLI and the tests import from here
-    "DEFAULT_TIMEOUT_S",
-    "INDEX",
-    "METADATA",
-    "SIDE_DIR",
-    "SIDE_FILE_GLOBALS",
-    "WRITE_BUFFER",
-    "PartMarker",
+__all__ = [
+    "MAX_READ_THREADS",
     "PersistentChecksumError",
     "PersistentTier",
-    "PersistentTimeoutError",
-    "StepDir",
-    "StepIndex",
-    "UntrustedSideFileError",
-    "bounded_call",
-    "data_file",
-    "decode_side_file",
-    "node_tag",
+    "expected_checksum",
+    "load_item",
+    "read_item_bytes",
+    "read_items",
+    "read_stored",
+    "read_workers",
+    "verify_item",
 ]
 
 log = logging.getLogger(__name__)
@@ -304,19 +313,19 @@ class PersistentTier:
         stage: StagedChunks | None = None,
         keep: Callable[[MappedFile], None] | None = None,
     ) -> int:
-        """Read ``plan``'s items of ``step``, verified; bytes read (:func:`.store_reads.read_items`).
+        """Read ``plan``'s items of ``step``, verified; bytes read (:func:`read_items`).
 
         ``keep`` is handed every local data file mapped for the staged views, so the caller
         decides where the mapping is undone (off the restore's critical path)."""
-        return store_reads.read_items(self, step, plan, planner, stage=stage, keep=keep)
+        return read_items(self, step, plan, planner, stage=stage, keep=keep)
 
     def read_item_bytes(self, step: int, idx: MetadataIndex) -> tuple[bytes, bool]:
         """Raw stored bytes of one item (torch.save bytes for a tensor) and whether it is a BYTE_IO item."""
-        return store_reads.read_item_bytes(self, step, idx)
+        return read_item_bytes(self, step, idx)
 
     def load_item(self, step: int, idx: MetadataIndex, expect: tuple[str, int] | None = None) -> torch.Tensor:
         """One stored item as a tensor (uint8 for bytes items), verified against ``expect`` or the index."""
-        return store_reads.load_item(self, step, idx, expect)
+        return load_item(self, step, idx, expect)
 
     # ---- writing (used by the drain and stock.materialize_step) -----------------------------------
     def step_dir(self, step: int) -> StepDir:
@@ -375,3 +384,268 @@ class PersistentTier:
 
     def __repr__(self) -> str:
         return f"PersistentTier({self.url!r}, job_id={self.job_id!r}, keep={self.keep}, keep_every={self.keep_every})"
+
+
+# ---- reading a step's items back, verified ---------------------------------------------------
+
+MAX_READ_THREADS = 4  # past the cores (a 2-core host reads with 2) the copies contend for memory bandwidth
+
+
+class PersistentChecksumError(PersistentTierError, ChecksumMismatchError):
+    """An item read from the persistent tier does not match the checksum recorded when it was saved."""
+
+
+def expected_checksum(planner_ref: Any, index: StepIndex | None, idx: MetadataIndex) -> tuple[str, int] | None:
+    """``(algo, value)`` an item must match: its ShardRef's if the planner has one, else the index's."""
+    if isinstance(planner_ref, ShardRef):
+        return (planner_ref.algo, planner_ref.checksum)
+    if index is not None:
+        return index.checksums.get(idx)
+    return None
+
+
+def verify_item(data: torch.Tensor | bytes, expect: tuple[str, int] | None, what: str, source: str) -> None:
+    """Check one item read from the store (its tensor, or a bytes item's raw bytes) against ``expect``."""
+    if expect is not None:
+        check_chunk(data, expect[0], expect[1], what=what, sources=source, error=PersistentChecksumError)
+
+
+def _torch_load(raw: bytes | bytearray, what: str) -> torch.Tensor:
+    try:
+        t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise PersistentTierError(f"{what} is not a readable torch.save tensor: {exc}") from exc
+    if not isinstance(t, torch.Tensor):
+        raise PersistentTierError(f"{what} holds a {type(t).__name__}, not a tensor.")
+    return t
+
+
+def read_workers(n_items: int) -> int:
+    """Threads reading one load's items from local files: sized to the host, at least 2 (one
+    waits on the disk while another hashes), at most :data:`MAX_READ_THREADS`."""
+    return max(1, min(n_items, MAX_READ_THREADS, max(2, os.cpu_count() or 1)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Task:
+    """One stored item to read: where it is, what it serves, what it must hash to."""
+
+    index: MetadataIndex
+    info: _StorageInfo
+    is_bytes: bool
+    expect: tuple[str, int] | None
+    what: str     # the item, as messages name it
+    shown: str    # its data file, as messages name it
+
+
+def read_stored(read_at: ReadAt, task: _Task) -> torch.Tensor | bytearray:
+    """One item read through ``read_at`` and verified: the tensor as saved, or a bytes item's bytes.
+
+    A tensor whose torch.save payload is its own bytes is read straight into a fresh tensor,
+    hashed block by block as it arrives (:mod:`.item_payload`); any other item is read whole
+    and given to ``torch.load``. Raises PersistentTierError (truncated, unreadable),
+    PersistentChecksumError (bytes that differ from those saved: nothing is returned).
+    """
+    info, expect = task.info, task.expect
+    sources = f"persistent store {task.shown}"
+    if not task.is_bytes:
+        layout = payload_layout(ItemWindow(read_at, info.offset, info.length))
+        if layout is not None:
+            out = torch.empty(layout.shape, dtype=layout.dtype)
+            got, value = read_hashing(read_at, flat_bytes(out), info.offset + layout.offset, expect[0] if expect else None)
+            if got != layout.nbytes:
+                raise PersistentTierError(f"{task.shown} is truncated: item {task.index.fqn!r} needs bytes {info.offset}+{info.length}.")
+            if expect is not None and value != expect[1]:
+                raise PersistentChecksumError(corrupt_message(task.what, expect[0], sources))
+            return out
+    raw = bytearray(info.length)
+    if read_exact(read_at, memoryview(raw), info.offset) != info.length:
+        raise PersistentTierError(f"{task.shown} is truncated: item {task.index.fqn!r} needs bytes {info.offset}+{info.length}.")
+    stored: torch.Tensor | bytearray = raw if task.is_bytes else _torch_load(raw, f"{task.what} in {task.shown}")
+    verify_item(stored, expect, task.what, sources)  # type: ignore[arg-type]
+    return stored
+
+
+def read_items(
+    tier: PersistentTier,
+    step: int,
+    plan: LoadPlan,
+    planner: LoadPlanner,
+    *,
+    stage: StagedChunks | None = None,
+    keep: Callable[[MappedFile], None] | None = None,
+) -> int:
+    """Read ``plan``'s items of ``step``, verified; returns the stored bytes read.
+
+    ``stage``: each verified item is held there (the tensor in its saved dtype, or a bytes
+    item's raw bytes) for the caller to land once everything is verified (the reader's
+    all-or-nothing load); nothing is added to it unless every item was read and verified.
+    Without it, the items land in the planner's tensors / ``load_bytes`` once every one of
+    them is verified. Items of local files are read by a few threads (:func:`read_workers`).
+    Raises PersistentTierError (PersistentChecksumError for bad bytes).
+    """
+    md, index = tier.read_metadata(step), tier.read_index(step)
+    planner_sd = getattr(getattr(planner, "metadata", None), "storage_data", None) or {}
+    by_index: dict[MetadataIndex, list[ReadItem]] = {}
+    for item in plan.items:
+        by_index.setdefault(item.storage_index, []).append(item)
+    per_file: dict[str, list[_Task]] = {}
+    for idx, items in by_index.items():
+        info = md.storage_data.get(idx)
+        if not isinstance(info, _StorageInfo):
+            raise PersistentTierError(
+                f"step {step} in {tier.url}: no item {idx.fqn!r} (offset {tuple(idx.offset or ())}) in its .metadata."
+            )
+        path = f"{tier.step_path(step)}/{info.relative_path}"
+        per_file.setdefault(path, []).append(
+            _Task(
+                index=idx, info=info, is_bytes=items[0].type == LoadItemType.BYTE_IO,
+                expect=expected_checksum(planner_sd.get(idx), index, idx),
+                what=f"item {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step}", shown=tier.shown(path),
+            )
+        )
+    for tasks in per_file.values():
+        tasks.sort(key=lambda t: t.info.offset)
+    if tier.is_local:
+        files = {path: _map(path, tier) for path in per_file}
+        for path, tasks in per_file.items():
+            if keep is not None:
+                keep(files[path])
+            for task in tasks:
+                files[path].prefetch(task.info.offset, task.info.length)
+        jobs: list[tuple[Callable[[], torch.Tensor | bytearray], _Task]] = [
+            (partial(_guarded, partial(stage_mapped, files[path], task), task), task)
+            for path, tasks in per_file.items() for task in tasks
+        ]
+    else:
+        jobs = [
+            (partial(_guarded, partial(_read_fetched, tier, path, task), task), task)
+            for path, tasks in per_file.items() for task in tasks
+        ]
+    results = _run([job for job, _ in jobs], parallel=tier.is_local)
+    held = stage if stage is not None else StagedChunks()
+    for (_, task), stored in zip(jobs, results):
+        held.add(by_index[task.index], stored)  # type: ignore[arg-type]  # the saved dtype: converted as it lands
+    if stage is None:
+        held.land_all(planner)
+    return sum(task.info.length for _, task in jobs)
+
+
+def stage_mapped(mapped: MappedFile, task: _Task) -> torch.Tensor | bytearray:
+    """One item of a mapped local file, verified, staged in place: a read-only view of the page
+    cache (no copy until it lands), or a bytes item's bytes. Errors as :func:`read_stored`."""
+    info, expect = task.info, task.expect
+    if not task.is_bytes:
+        layout = payload_layout(ItemWindow(mapped.read_at, info.offset, info.length))
+        if layout is not None and info.offset + layout.offset + layout.nbytes <= mapped.size:
+            start = info.offset + layout.offset
+            mapped.populate(start, layout.nbytes)
+            view = mapped.typed_view(start, layout.dtype, layout.shape)
+            if expect is not None and layout.nbytes:
+                raw = mapped.typed_view(start, torch.uint8, (layout.nbytes,))
+                if checksum(raw, expect[0]) != expect[1]:
+                    raise PersistentChecksumError(corrupt_message(task.what, expect[0], f"persistent store {task.shown}"))
+            elif expect is not None:
+                verify_item(view, expect, task.what, f"persistent store {task.shown}")
+            return view
+    return read_stored(mapped.read_at, task)
+
+
+def _read_fetched(tier: PersistentTier, path: str, task: _Task) -> torch.Tensor | bytearray:
+    return read_stored(_fetched_reader(tier, path, task.info), task)
+
+
+def _map(path: str, tier: PersistentTier) -> MappedFile:
+    try:
+        return MappedFile(path)
+    except Exception as exc:  # noqa: BLE001
+        raise PersistentTierError(f"cannot read {tier.shown(path)}: {type(exc).__name__}: {exc}") from exc
+
+
+def _run(jobs: list[Callable[[], _T]], *, parallel: bool) -> list[_T]:
+    """Every job's result, in order; the first failure is raised once the jobs in flight end."""
+    workers = read_workers(len(jobs)) if parallel else 1
+    if workers <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gemini-dcp-pread") as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise  # the pool's exit joins the reads still running: no thread outlives the load
+
+
+def _guarded(read: Callable[[], _T], task: _Task) -> _T:
+    """``read()``, any error but ours turned into a PersistentTierError naming ``task``'s file."""
+    try:
+        return read()
+    except (PersistentTierError, ChecksumMismatchError):
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise PersistentTierError(f"cannot read {task.shown}: {type(exc).__name__}: {exc}") from exc
+
+
+def _pread(fd: int, buf: memoryview, offset: int) -> int:
+    return os.preadv(fd, [buf], offset)
+
+
+def _fetched_reader(tier: PersistentTier, path: str, info: _StorageInfo) -> ReadAt:
+    """``read_at`` over one item of a remote (or ``memory://``) data file: its bytes fetched in
+    one bounded call (``tier.call``), the reads served from them."""
+    end = info.offset + info.length
+    try:
+        raw = tier.call(f"read of {info.length} bytes at {info.offset} of", path, tier.fs.cat_file, path, start=info.offset, end=end)
+    except (PersistentTierError, ChecksumMismatchError):
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise PersistentTierError(f"cannot read {tier.shown(path)}: {type(exc).__name__}: {exc}") from exc
+    data = memoryview(raw)
+
+    def read_at(buf: memoryview, off: int) -> int:
+        lo = off - info.offset
+        if lo < 0 or lo >= len(data):
+            return 0
+        n = min(len(buf), len(data) - lo)
+        buf[:n] = data[lo : lo + n]
+        return n
+
+    return read_at
+
+
+def read_item_bytes(tier: PersistentTier, step: int, idx: MetadataIndex) -> tuple[bytes, bool]:
+    """Raw stored bytes of one item (torch.save bytes for a tensor) and whether it is a bytes item."""
+    md = tier.read_metadata(step)
+    info = md.storage_data[idx]
+    path = f"{tier.step_path(step)}/{info.relative_path}"
+    raw = tier.call("read of", path, tier.fs.cat_file, path, start=info.offset, end=info.offset + info.length)
+    return raw, isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata)
+
+
+def load_item(tier: PersistentTier, step: int, idx: MetadataIndex, expect: tuple[str, int] | None = None) -> torch.Tensor:
+    """One stored item as a private tensor (uint8 for bytes items), verified against ``expect``
+    (``(algo, checksum)``), else against the step's index."""
+    md = tier.read_metadata(step)
+    info = md.storage_data.get(idx)
+    if not isinstance(info, _StorageInfo):
+        raise PersistentTierError(f"step {step} in {tier.url}: no item {idx.fqn!r} (offset {tuple(idx.offset or ())}) in its .metadata.")
+    path = f"{tier.step_path(step)}/{info.relative_path}"
+    task = _Task(
+        index=idx, info=info, is_bytes=isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata),
+        expect=expect if expect is not None else expected_checksum(None, tier.read_index(step), idx),
+        what=f"item {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step}", shown=tier.shown(path),
+    )
+    if tier.is_local:
+        with ExitStack() as files:
+            try:
+                fd = open_regular(path)
+            except Exception as exc:  # noqa: BLE001
+                raise PersistentTierError(f"cannot read {task.shown}: {type(exc).__name__}: {exc}") from exc
+            files.callback(os.close, fd)
+            stored = _guarded(partial(read_stored, partial(_pread, fd), task), task)
+    else:
+        stored = _guarded(partial(_read_fetched, tier, path, task), task)
+    if isinstance(stored, torch.Tensor):
+        return stored
+    return torch.frombuffer(stored, dtype=torch.uint8) if stored else torch.empty(0, dtype=torch.uint8)

@@ -10,15 +10,10 @@
 ==========================  ======================================================================
 """
 
-from .checkpointer import (
-    AsyncCheckpointer,
-    AsyncCheckpointError,
-    AsyncGeminiStorageWriter,
-    InterleaveOptions,
-    SnapshotHandle,
-    checkpoint_group,
-    snapshot_structure,
-)
+from .async_writer import AsyncGeminiStorageWriter
+from .checkpointer import AsyncCheckpointer, InterleaveOptions
+from .handles import AsyncCheckpointError, SnapshotHandle, checkpoint_group
+from .structure import snapshot_structure
 
 __all__ = [
     "AsyncCheckpointer",

@@ -11,7 +11,7 @@ rank's bytes are in the tier. That is what :class:`AsyncCheckpointer` does::
         loss = model(batch).sum(); loss.backward()
         opt.step()                # waits (only) for the previous snapshot's local copy
         opt.zero_grad()
-        ckpt.save(get_state_dict_for(model, opt), step)   # returns in well under 5 ms
+        ckpt.save(get_state_dict_for(model, opt), step)   # returns once the structure is snapshotted
     ckpt.close()                  # waits for the last commit, raises any error
 
 ``save()`` records the request and returns; a background thread runs
@@ -73,8 +73,7 @@ from ..commit.hooks import NO_HOOKS, SaveHooks
 from ..core.config import parse_step
 from ..dcp.writer import GeminiStorageWriter
 from ..errors import ConfigError
-from .async_writer import AsyncGeminiStorageWriter
-from .handles import AsyncCheckpointError, SnapshotHandle, checkpoint_group
+from .handles import AsyncCheckpointError, SnapshotHandle
 from .interleave import (
     DEFAULT_ALPHA,
     DEFAULT_MAX_CHUNK,
@@ -86,24 +85,11 @@ from .interleave import (
     choose_chunk_bytes,
 )
 from .replay import PlanReplay
-from .structure import StructureCache, buffer_storages, clone_tensor, snapshot_structure, storage_key
+from .structure import StructureCache, buffer_storages
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "AsyncCheckpointer",
-    "AsyncCheckpointError",
-    "AsyncGeminiStorageWriter",
-    "InterleaveOptions",
-    "SnapshotHandle",
-    "checkpoint_group",
-    "snapshot_structure",
-]
-
-# The names the structural snapshot had here before it moved to .structure (tests import them).
-_storage_key = storage_key
-_clone = clone_tensor
-_buffer_storages = buffer_storages
+__all__ = ["AsyncCheckpointer", "InterleaveOptions"]
 
 DEFAULT_BANDWIDTH = 4e9  # bytes/s; replaced by the measured copy rate after the first chunks
 DEFAULT_NET_BANDWIDTH = 1e9  # bytes/s of the peer replication; replaced by its measured rate likewise
@@ -395,7 +381,7 @@ class AsyncCheckpointer:
         """The pacer of the peer replication: only with replicas and a profile (else one message,
         unpaced). Its gaps are the same; its rate is the network's; it uses the gaps of one
         iteration only, since no guard bounds the replication."""
-        if (self.writer.options.replicas <= 1 and not getattr(self.writer, "parity_group", None)) or self._no_dist:
+        if (self.writer.options.peer.replicas <= 1 and self.writer.options.peer.parity_group is None) or self._no_dist:
             return None
         return self._gap_pacer(self._net_bandwidth, one_iteration=True)
 

@@ -86,7 +86,7 @@ from .gaps import (
     timeline_cv,
 )
 from .pacer import LiveTimeline, Pacer, PacerStats
-from .profiler import _PATCHED, CollectiveProfiler, ddp_allreduce_hook  # noqa: F401 - _PATCHED: kept importable
+from .profiler import CollectiveProfiler, ddp_allreduce_hook
 
 __all__ = [
     "CollectiveProfiler",

@@ -6,9 +6,9 @@ gathers the plans, deduplicates replicated items and scatters the final plans,
 and after the write the results are gathered and the metadata broadcast — four
 pickled-object collectives through one coordinator, on top of the writer's own
 commit gather. A job that checkpoints every step saves the same structure every
-step, so the plan does not change; on this project's 2-core CPU host the
-planning was ~60% of the background CPU of a per-step snapshot, taken from
-training (docs/async.md), and on a large job every plan goes through rank 0.
+step, so the plan does not change; the planning is most of the background CPU
+of a per-step snapshot, taken from training (figures: docs/async.md), and on a
+large job every plan goes through rank 0.
 
 :class:`PlanReplay` runs the first save (and any save whose structure changed)
 through ``dcp.save`` with a planner that records the plans, then replays:
@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.compat import HAS_CHECKPOINTABLE_TENSOR, checkpointable_fields
 from ..dcp.writer import GeminiStorageWriter
-from ..local.records import ShardRef
+from ..local.record_types import ShardRef
 from ..transport.comm import Comm
 from ..transport.p2p import Transport, transport_for
 from .replay_check import FastCheck
@@ -373,7 +373,7 @@ class PlanReplay:
             process_group=self.group, no_dist=self.no_dist,
         )
         self.planned += 1
-        global_meta = self.writer.planned_metadata
+        global_meta = self.writer.commit.planned_metadata
         if planner.local_plan is not None and planner.final_plan is not None and isinstance(global_meta, Metadata):
             # The step names the recorded save: one collective save per step, so ranks that
             # recorded the same step recorded the same save (a counter would drift apart for
@@ -382,7 +382,7 @@ class PlanReplay:
             fast = FastCheck.of(generation, planner.state_dict, planner.mappings) if key is not None else None
             self._recorded = _Recorded(
                 step, planner.local_plan, planner.final_plan, global_meta, key, _meshes(planner.state_dict),
-                self.writer.committed_layout, fast,
+                self.writer.commit.committed_layout, fast,
             )
         return meta
 

@@ -106,7 +106,7 @@ def check_usable() -> None:
         raise RestartRequiredError(f"The checkpoint control group broke earlier in this process ({reason}). {RESTART_HINT}")
 
 
-def _transport_errors() -> tuple[type[BaseException], ...]:
+def transport_errors() -> tuple[type[BaseException], ...]:
     """What torch raises for a gloo timeout / lost peer (DistBackendError derives from RuntimeError)."""
     return (RuntimeError, ConnectionError, TimeoutError)
 
@@ -153,7 +153,7 @@ class Comm:
         t0 = time.monotonic()
         try:
             return fn(*args, **kwargs)
-        except _transport_errors() as exc:
+        except transport_errors() as exc:
             raise restart_required(self.failure(what, exc, time.monotonic() - t0, peer=peer)) from exc
 
     def all_gather_object(self, obj: T) -> list[T]:
@@ -195,7 +195,7 @@ class Comm:
 
         try:
             return self._gather_objects(obj, run), ""
-        except _transport_errors() as exc:
+        except transport_errors() as exc:
             return None, self.failure("all_gather_object", exc, time.monotonic() - t0)
 
     def _gather_objects(self, obj: Any, run: Callable[..., Any]) -> list[Any]:
@@ -347,7 +347,7 @@ class Comm:
             # store host beyond the timeout it is given: the rank gives up after 2 x timeout_s.
             fresh = _bounded("creating the replacement gloo group", lambda: _new_group(self.ranks, timeout),
                              AGREE_DEADLINE_FACTOR * timeout)
-        except _transport_errors() as exc:
+        except transport_errors() as exc:
             why = self.failure(f"replacing the control group after: {reason};", exc, time.monotonic() - t0)
             raise restart_required(why) from exc
         with _LOCK:

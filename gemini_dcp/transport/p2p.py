@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerError
-from .comm import Comm, _transport_errors, get_comm, restart_required
+from .comm import Comm, get_comm, restart_required, transport_errors
 
 __all__ = [
     "GlooTransport",
@@ -166,7 +166,7 @@ class GlooTransport:
         t0 = time.monotonic()
         try:
             work = post()
-        except _transport_errors() as exc:
+        except transport_errors() as exc:
             raise PeerError(self.comm.failure(what, exc, time.monotonic() - t0, peer=peer)) from exc
         return Pending(work=work, what=what, peer=peer, posted=t0)
 
@@ -209,7 +209,7 @@ class GlooTransport:
                 pending.work.wait()
             else:
                 pending.work.wait(timedelta(seconds=deadline_s))
-        except _transport_errors() as exc:  # gloo timeout / peer gone
+        except transport_errors() as exc:  # gloo timeout / peer gone
             reason = self.comm.failure(pending.what, exc, time.monotonic() - pending.posted, peer=pending.peer)
             if fatal:
                 raise restart_required(reason) from exc

@@ -31,7 +31,7 @@ CONTROL_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("gemini_dcp.core.restore_order", "NodeView"),  # the reader's restore decision: each node's view
         ("gemini_dcp.core.restore_order", "StepView"),
         ("gemini_dcp.peer.fetch", "Tally"),  # the restore's agreement rounds
-        ("gemini_dcp.dcp.fast_plan", "FastEntry"),  # fast_load's routing of chunks another node holds
+        ("gemini_dcp.restore.fast_plan", "FastEntry"),  # fast_load's routing of chunks another node holds
     }
 )
 

@@ -2,7 +2,7 @@
 
 How a step gets from CPU memory to the store (per node, no funnel through rank 0):
 
-1. **Request** (training path, ~1 ms): once a step is committed in memory, the
+1. **Request** (training path, a file write): once a step is committed in memory, the
    node's leader rank (its lowest rank) *holds* the step's slots of the saving ranks that
    ran on this node (:mod:`gemini_dcp.local.slot_holds`: the writer's slot choice leaves
    them alone), writes ``persist/requests/step-N.json`` (a :class:`~.request.DrainRequest`
@@ -55,9 +55,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "server_command": ("client", "server_command"),
     "serve": ("server", "serve"),
     "main": ("server", "main"),
-    "_classify": ("server", "classify"),
     "adoption_marker_id": ("upload", "adoption_marker_id"),
-    "_load_progress": ("upload", "load_legacy_progress"),
     "load_progress": ("upload", "load_progress"),
     "SPLIT_BYTES": ("upload", "SPLIT_BYTES"),
 }
@@ -73,5 +71,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DrainConfig", "DrainRequest", "Paths", "Progress", "SlotRef", "StoreTarget", "drain_status", "drain_summary",
-    "read_config", "server_pid", "wait_idle", *(n for n in _LAZY if not n.startswith("_")),
+    "read_config", "server_pid", "wait_idle", *_LAZY,
 ]

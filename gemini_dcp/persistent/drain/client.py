@@ -1,7 +1,7 @@
 """The trainer's side of the drain: requesting a step's upload, making sure a server runs, waiting for durability.
 
 :class:`Drainer` (held by the writer) writes a :class:`~.request.DrainRequest` for every
-``persist_every``-th committed step from the node leader (~1 ms, nothing else on the
+``persist_every``-th committed step from the node leader (a file write, nothing else on the
 training path), and starts a server (:func:`ensure_server`): a detached process
 ``python -m gemini_dcp.persistent.drain.server`` in its own session (a kill of the worker
 group does not reach it), or a thread for ``memory://`` stores. The server gets the
@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import PersistentTierError
-from ...local.records import StepRecord, write_record
+from ...local.record_codec import write_record
+from ...local.record_types import StepRecord
 from ...local.slot_holds import take_holds
 from ...options.persistent import DrainOptions
 from ..store_calls import PersistentTimeoutError

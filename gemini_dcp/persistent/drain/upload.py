@@ -32,11 +32,14 @@ from ...core.safe_pickle import restricted_loads
 from ...errors import UntrustedDataError
 from ...ext import loader as ext_loader
 from ...local.job_dir import open_private
-from ...local.records import StepRecord, read_record
+from ...local.record_codec import read_record
+from ...local.record_types import StepRecord
 from ...local.slot_holds import holds_intact, release_holds
 from ...options.persistent import DrainOptions
+from ..side_files import SIDE_FILE_GLOBALS, PartMarker, node_tag
 from ..stock_format import items_of_record, try_finalize, write_rank_file
-from ..store import DEFAULT_TIMEOUT_S, SIDE_FILE_GLOBALS, PartMarker, PersistentTier, node_tag
+from ..store import PersistentTier
+from ..store_calls import DEFAULT_TIMEOUT_S
 from .fused import FusedDest, fused_reader
 from .paths import Paths, write_atomic
 from .request import DrainRequest, FileResult, Progress, SlotRef, StoredItem

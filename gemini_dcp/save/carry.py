@@ -3,7 +3,7 @@
 Opt-in (``GeminiStorageWriter(incremental=True)``); docs/incremental.md has the design and
 what the change rule cannot see. The mechanism is **in-slot carry**: each rank writes a step
 into one slot of its ring of ``keep + 1`` slot files (:mod:`gemini_dcp.commit.slot_pool`), at
-offsets fixed by the plan's program (:mod:`gemini_dcp.dcp.local_write`). That slot still holds
+offsets fixed by the plan's program (:mod:`gemini_dcp.save.local_write`). That slot still holds
 the bytes of the save that last wrote it. An item whose tensor is unchanged since *that* save,
 at the same offset, needs no copy: its bytes are already where this step's record will say
 they are, and its checksum is the one computed when they were written. The record stays
@@ -19,7 +19,7 @@ copied into this slot; and the slot, its program (layout, checksum algorithm) an
 file are the same objects. Anything else copies. A save in a new process (a torchrun restart)
 holds no history: it copies everything.
 
-**Row deltas** (:mod:`gemini_dcp.dcp.row_delta`): a sharded embedding table (``row_items``) is
+**Row deltas** (:mod:`gemini_dcp.save.row_delta`): a sharded embedding table (``row_items``) is
 never carried on the version rule (torchrec's fused optimizers update rows without bumping
 it); while the slot's memory is valid its rows are compared with the slot's and only those
 that differ are written (``CarryPlan.rows``), so what a save copies and sends is the rows
@@ -42,7 +42,7 @@ from ..options.incremental import IncrementalOptions
 from ..peer.delta import PACK_MAX_SHARE, Packed, Runs, merge_runs
 from .row_delta import RowDelta
 
-__all__ = ["CarryPlan", "CarryTracker", "IncrementalOptions", "SaveStats", "note_plain_write", "tensor_key"]
+__all__ = ["CarryPlan", "CarryTracker", "SaveStats", "note_plain_write", "tensor_key"]
 
 #: What identifies a tensor's bytes without reading them (see :func:`tensor_key`).
 Key = tuple[Any, ...]

@@ -1,7 +1,7 @@
 """The landing of a restore onto CUDA tensors: host-to-device from page-locked tier mappings.
 
-The restore side of issue 20's save path (:mod:`gemini_dcp.dcp.device_copy`). By the time a
-restore lands, every chunk it needs is verified where it lies (:mod:`gemini_dcp.dcp.restore_stage`);
+The restore side of the GPU save path (:mod:`gemini_dcp.save.device_copy`). By the time a
+restore lands, every chunk it needs is verified where it lies (:mod:`gemini_dcp.restore.restore_stage`);
 for a local-tier chunk that is a read-only mapping of the slot file. Copying such a chunk into a
 CUDA tensor with a plain ``copy_`` is a *pageable* host-to-device copy: the driver bounces it
 through its own small staging buffer, synchronously, at a fraction of the link's speed.
@@ -71,7 +71,7 @@ def unregister(t: torch.Tensor) -> None:
 
 class DeviceLander:
     """One restore's host-to-device landing (module docstring). Not thread-safe: one per
-    :class:`~gemini_dcp.dcp.restore_stage.RestoreStage`."""
+    :class:`~gemini_dcp.restore.restore_stage.RestoreStage`."""
 
     def __init__(self, *, register_fn: RegisterFn | None = None, unregister_fn: RegisterFn | None = None,
                  min_bytes: int = MIN_REGISTER_BYTES, mode: H2DRegister | None = None,

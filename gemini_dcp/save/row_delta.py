@@ -9,7 +9,7 @@ by block: it compares the live rows with the slot's rows (one vectorized ``!=`` 
 block while it is still in cache. The change source is therefore the bytes themselves: exact (no
 hash collision can hide a change) and blind to *how* a row changed — torchrec's fused TBE
 optimizers update rows inside the backward kernel without bumping ``tensor._version`` (measured
-on torchrec 1.8 CPU), which the version rule of :mod:`gemini_dcp.dcp.carry` cannot see.
+on torchrec 1.8 CPU), which the version rule of :mod:`gemini_dcp.save.carry` cannot see.
 
 :func:`is_row_item` says which state-dict values are tables. Pure local work, no collective.
 """

@@ -1,6 +1,6 @@
 """Step 2 for CUDA tensors: device-to-host copies into the slot, chunk by chunk, paced, checksummed warm.
 
-GEMINI's save path for GPU training (issue 20). A CUDA tensor of a save reaches its slot as
+GEMINI's save path for GPU training. A CUDA tensor of a save reaches its slot as
 ``chunk_bytes`` pieces copied by :func:`gemini_dcp.ext.copy_d2h_chunked` (the extension's
 cudaMemcpyAsync on a lowest-priority stream, ordered after the work already queued on the
 caller's stream; a pure-torch fallback of the same contract without the extension). Each piece
@@ -8,14 +8,13 @@ is released by the interleaving pacer first (``pace(n)``: the async path's sched
 the pieces into the idle gaps the profiler found), exactly as the CPU path's blocks are.
 
 The checksum (``GEMINI_DCP_D2H_CHECKSUM``): ``gpu`` (the default where the extension's CUDA ops
-are loaded) computes ``xsum64`` of the tensor on the GPU (one kernel over HBM, about 1.8 TB/s on an
-H100, and one 8-byte readback), so the CPU never touches the bytes; the item's record says
+are loaded) computes ``xsum64`` of the tensor on the GPU (one kernel over HBM and one 8-byte
+readback), so the CPU never touches the bytes; the item's record says
 ``xsum64`` and every reader verifies it with the CPU kernel of the same function
 (:mod:`gemini_dcp.core.checksum`), piece by piece. ``cpu`` keeps the slot's own algorithm
 (``crc32c``/``xxh3``), computed on the CPU over each piece right after it landed while the next
-piece is in flight, split over ``crc_threads`` threads. Measured on an H100 host (docs/async.md
-"GPU"): pinned D2H 54 GB/s, one core's crc32c of DMA-written memory 6.7 GB/s, four cores 24 GB/s:
-the CPU checksum, not the DMA, bounded the save, hence ``gpu``.
+piece is in flight, split over ``crc_threads`` threads. The CPU checksum, not the DMA, bounds
+such a save (figures: docs/async.md "GPU"), hence ``gpu``.
 
 Slot mappings are page-locked (``host_register``) once per mapping, the first time a CUDA tensor
 is copied into them, so each piece is a DMA with no staging buffer; the registration is undone

@@ -1,18 +1,16 @@
 """Copy a save's small items into the slot, checksummed, with as few Python-level calls as possible.
 
-:class:`gemini_dcp.dcp.local_write.LocalWriter` copies the small CPU items of a plan in groups
+:class:`gemini_dcp.save.local_write.LocalWriter` copies the small CPU items of a plan in groups
 of at most ``block`` bytes (one pacer call per group). This module does the copy of one
 group and the bookkeeping that makes it cheap at hundreds or thousands of items:
 
 * **fused** (``crc32c`` with the C++ extension loaded): each item is copied and CRC'd in one
-  pass by the extension's ``copy_with_crc32c`` (one thread, the GIL released) — at 738 items /
-  36 MiB 5.2 ms in a microbenchmark here, against 7.8 ms for ``torch._foreach_copy_`` followed by
-  one ``crc32c``-package call per item over the slot; inside a save on the loaded 2-core host the
-  gain was smaller (6.1–6.9 vs 6.4–7.4 ms, docs/benchmarks.md). The op takes flat ``uint8`` views of source
-  and destination; making a source view costs ~6 us (two view calls), more than copying a
-  50 KB item, so :class:`SourceViews` makes them once and keeps them while the sources stay
-  where they are (checked every save: their data pointers with one C-level map, ~0.1 ms at
-  738 items, and their contiguity). Views are kept only once the pointers were seen unchanged
+  pass by the extension's ``copy_with_crc32c`` (one thread, the GIL released), cheaper than
+  ``torch._foreach_copy_`` followed by one ``crc32c``-package call per item over the slot
+  (figures: docs/benchmarks.md). The op takes flat ``uint8`` views of source and destination;
+  making a source view costs more than copying a small item, so :class:`SourceViews` makes them
+  once and keeps them while the sources stay where they are (checked every save: their data
+  pointers with one C-level map, and their contiguity). Views are kept only once the pointers were seen unchanged
   by two saves in a row: a state dict made of fresh tensors at every save (a copy per step)
   takes the other way and holds nothing of them.
 * otherwise: one ``torch._foreach_copy_`` per group, then one checksum call per item over a

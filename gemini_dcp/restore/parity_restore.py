@@ -20,7 +20,7 @@ from pathlib import Path
 from ..core.restore_order import RestoreDecision
 from ..errors import ChecksumMismatchError, ShardUnavailableError
 from ..local.parity_record import rebuilt_path
-from ..local.records import StepRecord
+from ..local.record_types import StepRecord
 from ..local.tier import LocalTier
 from ..peer.parity import rebuild_lost, rebuild_servers
 from ..transport.comm import Comm

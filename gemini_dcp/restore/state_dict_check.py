@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..core.compat import global_shape
 from ..errors import CheckpointMismatchError
-from ..local.records import StepRecord
+from ..local.record_types import StepRecord
 
 __all__ = ["Mismatch", "find_mismatch", "planner_set_up_with", "resolve_destinations", "saved_by"]
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import (
 from ..core.chunk_sink import StagedChunks, describe_item, stored_view, verify_chunk
 from ..core.faults import fault_point
 from ..errors import GeminiError, IncompatibleCheckpointError
-from ..local.records import ShardRef
+from ..local.record_types import ShardRef
 from ..local.slots import ReadOnlySlot
 from .device_land import DeviceLander
 
@@ -123,7 +123,7 @@ class RestoreStage:
         """Copy every staged chunk into the state dict (dtype-converted as stock DCP converts).
 
         Chunks bound for CUDA tensors go host-to-device asynchronously, from page-locked slot
-        mappings where enough of a mapping goes to the GPU (:mod:`gemini_dcp.dcp.device_land`);
+        mappings where enough of a mapping goes to the GPU (:mod:`gemini_dcp.restore.device_land`);
         this returns once every copy is done.
         """
         self._drop_lander()

@@ -1,16 +1,15 @@
 """The copy program of a plan: what a save of the same items does, computed once, and the
 cheap per-save resolution of the items against it.
 
-:class:`gemini_dcp.dcp.local_write.LocalWriter` keeps one :class:`_Program` per rank (see that
+:class:`gemini_dcp.save.local_write.LocalWriter` keeps one :class:`Program` per rank (see that
 module for why): the items' offsets in the slot, the write results' templates, the typed
 destination views, the groups of small items. This module holds the program and what each save
 does with it before the copy:
 
-* :func:`_resolve_known` resolves the items of a plan the program already describes with a few
+* :func:`resolve_known` resolves the items of a plan the program already describes with a few
   C-level maps over its FQNs (the objects of the flattened state dict, the DTensors' local
   tensors and specs) and checks them against it (shapes, dtypes, devices, layouts), instead of
-  ``_resolve_tensor`` item by item; with the lazy results below, the local write's work besides
-  the copy went from 2.3–3.4 ms to 0.9–1.3 ms at 738 items (one process, docs/benchmarks.md);
+  ``resolve_tensor`` item by item;
 * :class:`WriteResults` builds the DCP write results only when read (a compact commit report
   never reads them).
 """
@@ -31,24 +30,29 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
-from ..local.records import ShardRef
+from ..local.record_types import ShardRef
 from ..local.slots import align
 from .batch_copy import SourceViews
 
-__all__ = ["WriteResults"]
+__all__ = [  # the program seam LocalWriter runs
+    "CPU_DEVICE", "Group", "Program", "WriteResults", "bytes_of", "direct_lookup", "direct_types", "fits_room",
+    "get_device", "get_dtype", "get_fqn", "get_index", "get_offset", "get_shape", "get_type", "getter_of",
+    "item_sizes", "layout_of", "relocated", "resolve_known", "resolve_tensor", "same_items", "same_items_sized",
+    "same_tensors",
+]
 
-_shape = operator.attrgetter("shape")
-_dtype = operator.attrgetter("dtype")
-_device = operator.attrgetter("device")
+get_shape = operator.attrgetter("shape")
+get_dtype = operator.attrgetter("dtype")
+get_device = operator.attrgetter("device")
 _layout = operator.attrgetter("layout")
-_index = operator.attrgetter("index")
-_type = operator.attrgetter("type")
-_fqn = operator.attrgetter("index.fqn")
-_offset = operator.attrgetter("index.offset")
+get_index = operator.attrgetter("index")
+get_type = operator.attrgetter("type")
+get_fqn = operator.attrgetter("index.fqn")
+get_offset = operator.attrgetter("index.offset")
 _local_tensor = operator.attrgetter("_local_tensor")
 _spec = operator.attrgetter("_spec")
 _PLAIN = {torch.Tensor}
-_CPU = torch.device("cpu")
+CPU_DEVICE = torch.device("cpu")
 Pacer = Callable[[int], None]
 
 
@@ -70,7 +74,7 @@ def direct_lookup(planner: SavePlanner) -> dict[str, Any] | None:
     return sd if isinstance(sd, dict) else None
 
 
-def _resolve_tensor(flat: dict[str, Any] | None, planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+def resolve_tensor(flat: dict[str, Any] | None, planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     """What ``planner.resolve_data(item)`` returns for a tensor item (DCP's lookup), cheaply where exact."""
     if flat is not None:
         obj = flat.get(item.index.fqn)
@@ -88,7 +92,7 @@ def _resolve_tensor(flat: dict[str, Any] | None, planner: SavePlanner, item: Wri
     return out.detach()
 
 
-def _bytes_of(planner: SavePlanner, item: WriteItem) -> bytes:
+def bytes_of(planner: SavePlanner, item: WriteItem) -> bytes:
     """A pickled (BYTE_IO) item's bytes, as ``planner.resolve_data`` gives them (immutable: copied
     into the slot by ``local_write._copy_bytes``)."""
     data = planner.resolve_data(item)
@@ -98,26 +102,26 @@ def _bytes_of(planner: SavePlanner, item: WriteItem) -> bytes:
 _MISSING = object()
 
 
-def _bytes_known(prog: _Program, plan: SavePlan, flat: dict[str, Any], planner: SavePlanner) -> list[bytes]:
+def _bytes_known(prog: Program, plan: SavePlan, flat: dict[str, Any], planner: SavePlanner) -> list[bytes]:
     """The pickled items' bytes, in ``prog.byte_pos`` order: through the planner's ``byte_memo``
     in one call when it has one (``snapshot.replay.ByteMemo``: what ``resolve_data`` returns for
-    a plain value, without DCP's per-item lookup and BytesIO), else / for the rest as ``_bytes_of``."""
+    a plain value, without DCP's per-item lookup and BytesIO), else / for the rest as ``bytes_of``."""
     items = plan.items
     memo = getattr(planner, "byte_memo", None)
     if memo is None or not getattr(type(planner), "direct_transform", False):
-        return [_bytes_of(planner, items[i]) for i in prog.byte_pos]
+        return [bytes_of(planner, items[i]) for i in prog.byte_pos]
     fqns = [prog.fqns[i] for i in prog.byte_pos] if prog.byte_fqns is None else prog.byte_fqns
     prog.byte_fqns = fqns
     objs = [flat.get(f, _MISSING) for f in fqns]
     out = memo.serialize_many(fqns, objs, _MISSING)
     for k, data in enumerate(out):
         if data is None:  # not a plain value, or missing (DCP raises its own error)
-            out[k] = _bytes_of(planner, items[prog.byte_pos[k]])
+            out[k] = bytes_of(planner, items[prog.byte_pos[k]])
     return out
 
 
 @dataclasses.dataclass(slots=True, eq=False)
-class _Group:
+class Group:
     """Small tensor items copied by one ``_foreach_copy_`` call: their positions and typed slot views."""
 
     pos: list[int]
@@ -129,7 +133,7 @@ class _Group:
 
 
 @dataclasses.dataclass(slots=True, eq=False)
-class _Program:
+class Program:
     """What a save of ``plan`` does, computed once (module docstring); compared by identity."""
 
     plan: SavePlan  # held: the key is its identity
@@ -148,12 +152,12 @@ class _Program:
     shapes: list[Any]
     dtypes: list[Any]
     devices: list[Any]
-    groups: list[_Group]
+    groups: list[Group]
     single: list[int]  # tensor positions copied one by one (large, or not a plain CPU tensor)
     byte_pos: list[int]
     byte_fqns: list[str] | None = None  # the FQNs at byte_pos (built at the first replayed resolve)
     rooms: list[int] = dataclasses.field(default_factory=list)  # each item's room in the slot (>= its size)
-    # Resolving the items without DCP (``_resolve_known``): each tensor item's FQN and the type of
+    # Resolving the items without DCP (``resolve_known``): each tensor item's FQN and the type of
     # its object in the flattened state dict (None: some item needs ``planner.resolve_data``), the
     # positions among them of the DTensors, and the DTensor specs last seen without a Partial.
     tensor_fqns: list[str] = dataclasses.field(default_factory=list)
@@ -192,7 +196,7 @@ class _Program:
         return held[2]
 
 
-def _sizes(entries: list[Any]) -> list[int]:
+def item_sizes(entries: list[Any]) -> list[int]:
     return [len(t) if type(t) is bytes else t.numel() * t.element_size() for t in entries]
 
 
@@ -203,7 +207,7 @@ def byte_capacity(n: int) -> int:
     return n + max(256, n // 4)
 
 
-def _layout_of(sizes: list[int], byte_pos: Iterable[int] = ()) -> tuple[list[int], list[int], int]:
+def layout_of(sizes: list[int], byte_pos: Iterable[int] = ()) -> tuple[list[int], list[int], int]:
     """Each item's offset in the slot, its room there, and the slot's used size: tensors back to back
     (aligned), a pickled value (``byte_pos``) with :func:`byte_capacity` of room."""
     room = list(sizes)
@@ -217,13 +221,13 @@ def _layout_of(sizes: list[int], byte_pos: Iterable[int] = ()) -> tuple[list[int
     return offsets, room, total
 
 
-def fits_room(prog: _Program, sizes: list[int]) -> bool:
+def fits_room(prog: Program, sizes: list[int]) -> bool:
     """Every pickled value of this save fits the room the program's layout kept for it."""
     rooms = prog.rooms
     return all(sizes[i] <= rooms[i] for i in prog.byte_pos)
 
 
-def same_items_sized(prog: _Program, byte_pos: list[int], sizes: list[int]) -> bool:
+def same_items_sized(prog: Program, byte_pos: list[int], sizes: list[int]) -> bool:
     """``sizes`` are the program's items: pickled values at the same positions, every tensor of its size."""
     if len(sizes) != len(prog.sizes) or byte_pos != prog.byte_pos:
         return False
@@ -231,7 +235,7 @@ def same_items_sized(prog: _Program, byte_pos: list[int], sizes: list[int]) -> b
     return all(sizes[i] == old[i] for i in prog.tensor_pos)
 
 
-def relocated(prog: _Program, sizes: list[int]) -> tuple[list[int], list[int], int]:
+def relocated(prog: Program, sizes: list[int]) -> tuple[list[int], list[int], int]:
     """``prog``'s layout with every pickled value that outgrew its room moved to the end of the slot
     with twice its size of room; every other item stays where the recorded layout has it, so the
     commit report stays compact (the moved values' new places ride in it)."""
@@ -257,7 +261,7 @@ class WriteResults(Sequence[WriteResult]):
 
     __slots__ = ("_prog", "_sizes", "_sums", "_built")
 
-    def __init__(self, prog: _Program, sizes: list[int], sums: list[int]) -> None:
+    def __init__(self, prog: Program, sizes: list[int], sums: list[int]) -> None:
         self._prog, self._sizes, self._sums = prog, sizes, sums
         self._built: tuple[WriteResult, ...] | None = None
 
@@ -290,7 +294,7 @@ class WriteResults(Sequence[WriteResult]):
         return (tuple, (self._all(),))
 
 
-def _getter(pos: list[int]) -> Callable[[Sequence[Any]], Any] | None:
+def getter_of(pos: list[int]) -> Callable[[Sequence[Any]], Any] | None:
     """A C-level getter of the entries at ``pos`` (always a tuple); None for no positions."""
     if not pos:
         return None
@@ -304,7 +308,7 @@ def _getter(pos: list[int]) -> Callable[[Sequence[Any]], Any] | None:
     return operator.itemgetter(*pos)
 
 
-def _same_items(prog: _Program, plan: SavePlan) -> bool:
+def same_items(prog: Program, plan: SavePlan) -> bool:
     """``plan`` has the program's items (plain dcp.save plans anew every save)."""
     if prog.plan is plan:
         return True
@@ -312,29 +316,29 @@ def _same_items(prog: _Program, plan: SavePlan) -> bool:
     # MetadataIndex equality is (fqn, offset): compared as two C-level lists, not per item in Python.
     if (
         len(items) != len(prog.indexes)
-        or list(map(_fqn, items)) != prog.fqns
-        or list(map(_offset, items)) != prog.index_offsets
-        or list(map(_type, items)) != prog.types
+        or list(map(get_fqn, items)) != prog.fqns
+        or list(map(get_offset, items)) != prog.index_offsets
+        or list(map(get_type, items)) != prog.types
     ):
         return False
     prog.plan = plan
     return True
 
 
-def _same_tensors(prog: _Program, entries: Sequence[Any]) -> bool:
+def same_tensors(prog: Program, entries: Sequence[Any]) -> bool:
     """The resolved tensors have the program's shapes, dtypes, devices and (strided) layouts."""
     if prog.getter is None:
         return True
     ts = prog.getter(entries)
     return (
-        list(map(_shape, ts)) == prog.shapes
-        and list(map(_dtype, ts)) == prog.dtypes
-        and list(map(_device, ts)) == prog.devices  # grouped items are CPU tensors; CUDA ones copy alone
+        list(map(get_shape, ts)) == prog.shapes
+        and list(map(get_dtype, ts)) == prog.dtypes
+        and list(map(get_device, ts)) == prog.devices  # grouped items are CPU tensors; CUDA ones copy alone
         and not any(map(operator.is_not, map(_layout, ts), itertools.repeat(torch.strided)))  # C-level: all strided
     )
 
 
-def _direct_types(flat: dict[str, Any] | None, items: list[WriteItem], tensor_pos: list[int]) -> list[type] | None:
+def direct_types(flat: dict[str, Any] | None, items: list[WriteItem], tensor_pos: list[int]) -> list[type] | None:
     """The type of each tensor item's object in the flattened state dict when every one resolves
     without DCP (a DTensor with a plain local tensor, or a whole plain tensor / Parameter); else None."""
     if flat is None:
@@ -353,14 +357,14 @@ def _direct_types(flat: dict[str, Any] | None, items: list[WriteItem], tensor_po
     return out
 
 
-def _resolve_known(prog: _Program | None, plan: SavePlan, flat: dict[str, Any] | None, planner: SavePlanner,
+def resolve_known(prog: Program | None, plan: SavePlan, flat: dict[str, Any] | None, planner: SavePlanner,
                    algo: str, block: int) -> list[Any] | None:
-    """``plan``'s entries resolved the way ``_resolve_tensor`` / ``_bytes_of`` would, with a few
+    """``plan``'s entries resolved the way ``resolve_tensor`` / ``bytes_of`` would, with a few
     C-level maps over the program's FQNs, when they are the program's items with its tensor
     properties; else None (the caller resolves item by item and checks the program as before)."""
     if prog is None or flat is None or prog.obj_types is None or prog.algo != algo or prog.block != block:
         return None
-    if not _same_items(prog, plan):
+    if not same_items(prog, plan):
         return None
     objs = list(map(flat.get, prog.tensor_fqns))
     if list(map(type, objs)) != prog.obj_types:
@@ -383,4 +387,4 @@ def _resolve_known(prog: _Program | None, plan: SavePlan, flat: dict[str, Any] |
     if prog.byte_pos:
         for i, data in zip(prog.byte_pos, _bytes_known(prog, plan, flat, planner)):
             entries[i] = data
-    return entries if _same_tensors(prog, entries) else None
+    return entries if same_tensors(prog, entries) else None

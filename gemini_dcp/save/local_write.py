@@ -4,11 +4,10 @@
 it resolves the plan's items to tensors (and pickled bytes), lays them out in a slot of the
 node's tier (each item at a 64-byte aligned offset), copies them and checksums each one.
 
-Per item, the plain way costs ~100 us of Python and torch calls at 738 items (resolving,
-``as_bytes`` views, argument checks, a pacer call and a fused copy call per item, a
-``ShardRef`` and a ``WriteResult``): 75 ms of a 36 MiB save whose copy is ~4 ms. So the
-work that depends only on the plan is done once per (plan, slot) and kept in a
-:class:`~gemini_dcp.dcp.copy_program._Program`: the offsets, the write results' templates, the
+Per item, the plain way costs many Python and torch calls (resolving, ``as_bytes`` views,
+argument checks, a pacer call and a fused copy call per item, a ``ShardRef`` and a
+``WriteResult``), far more than the copy itself at hundreds of items. So the work that depends only on the plan is done once per (plan, slot) and kept in a
+:class:`~gemini_dcp.save.copy_program._Program`: the offsets, the write results' templates, the
 typed destination views in the slot, and the items grouped into blocks of at most ``block``
 bytes. A save then:
 
@@ -19,10 +18,10 @@ bytes. A save then:
    device, layout: any difference builds a new program); the offsets are the program's
    unless a pickled item changed size,
 3. copies each group (one pacer call per group) through
-   :func:`gemini_dcp.dcp.batch_copy.copy_group`: the extension's fused copy+CRC per item
+   :func:`gemini_dcp.save.batch_copy.copy_group`: the extension's fused copy+CRC per item
    when it can, else one ``torch._foreach_copy_`` call and one checksum call per item over a
    ``memoryview`` of the slot (the same values as :func:`gemini_dcp.core.checksum.checksum`),
-4. hands back the results as :class:`~gemini_dcp.dcp.copy_program.WriteResults`, built from
+4. hands back the results as :class:`~gemini_dcp.save.copy_program.WriteResults`, built from
    the templates only if read.
 
 Items of ``block`` bytes or more keep the fused copy+checksum (block by block, paced). Pickled
@@ -45,34 +44,34 @@ from ..commit.protocol import LocalWrite
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
-from ..local.records import ShardRef
+from ..local.record_types import ShardRef
 from .batch_copy import copy_group, fused_available
 from .carry import CarryPlan, CarryTracker, note_plain_write
 from .copy_program import (
-    _CPU,
+    CPU_DEVICE,
+    Group,
+    Program,
     WriteResults,
-    _bytes_of,
-    _device,
-    _direct_types,
-    _dtype,
-    _fqn,
-    _getter,
-    _Group,
-    _index,
-    _layout_of,
-    _offset,
-    _Program,
-    _resolve_known,
-    _resolve_tensor,
-    _same_items,
-    _same_tensors,
-    _shape,
-    _sizes,
-    _type,
+    bytes_of,
     direct_lookup,
+    direct_types,
     fits_room,
+    get_device,
+    get_dtype,
+    get_fqn,
+    get_index,
+    get_offset,
+    get_shape,
+    get_type,
+    getter_of,
+    item_sizes,
+    layout_of,
     relocated,
+    resolve_known,
+    resolve_tensor,
+    same_items,
     same_items_sized,
+    same_tensors,
 )
 from .device_copy import DeviceCopier
 from .row_delta import RowDelta, copy_changed_rows, is_row_item, row_geometry
@@ -86,9 +85,9 @@ class LocalWriter:
 
     def __init__(self, slot_pool: SlotPool, carry: CarryTracker | None = None) -> None:
         self.slot_pool = slot_pool
-        self._programs: dict[int, _Program] = {}  # rank -> the program of its last plan
+        self._programs: dict[int, Program] = {}  # rank -> the program of its last plan
         self.programs_built = 0
-        self.carry = carry  # incremental saves: what each slot already holds (dcp/carry.py)
+        self.carry = carry  # incremental saves: what each slot already holds (save/carry.py)
         # (the last write's carry plan, item sizes, the row deltas of its tables by item position)
         self.last_carry: tuple[CarryPlan, list[int], dict[int, RowDelta]] | None = None
         self.device_copier = DeviceCopier()  # CUDA tensors: chunked D2H into the page-locked slot
@@ -100,13 +99,13 @@ class LocalWriter:
         block = block_bytes(pace)
         prog = self._programs.get(rank)
         # The items of the last program, resolved and checked against it in a few C-level maps.
-        known = _resolve_known(prog, plan, flat, planner, algo, block) if prog is not None else None
+        known = resolve_known(prog, plan, flat, planner, algo, block) if prog is not None else None
         if known is None:
             entries: list[Any] = [
-                _bytes_of(planner, it) if it.type == WriteItemType.BYTE_IO else _resolve_tensor(flat, planner, it)
+                bytes_of(planner, it) if it.type == WriteItemType.BYTE_IO else resolve_tensor(flat, planner, it)
                 for it in items
             ]
-            sizes = _sizes(entries)
+            sizes = item_sizes(entries)
         else:
             assert prog is not None
             entries = known
@@ -124,7 +123,7 @@ class LocalWriter:
                 # The layout already recorded (compact reports match it); a pickled value that outgrew its room moves.
                 offsets, rooms, total = relocated(prog, sizes)
             else:
-                offsets, rooms, total = _layout_of(sizes, byte_pos)
+                offsets, rooms, total = layout_of(sizes, byte_pos)
         slot_idx = self.slot_pool.choose(rank)
         slot = self.slot_pool.slot(rank, slot_idx)
         with slot.lock:
@@ -176,29 +175,29 @@ class LocalWriter:
 
     # ---- the program ------------------------------------------------------------------------
     @staticmethod
-    def _fits(prog: _Program, plan: SavePlan, algo: str, block: int, entries: list[torch.Tensor], offsets: list[int]) -> bool:
+    def _fits(prog: Program, plan: SavePlan, algo: str, block: int, entries: list[torch.Tensor], offsets: list[int]) -> bool:
         if prog.algo != algo or prog.block != block or prog.offsets != offsets:
             return False
-        return _same_items(prog, plan) and _same_tensors(prog, entries)
+        return same_items(prog, plan) and same_tensors(prog, entries)
 
     def _build(self, plan: SavePlan, items: list[WriteItem], entries: list[torch.Tensor], sizes: list[int],
                offsets: list[int], total: int, rank: int, algo: str, block: int,
-               flat: dict[str, Any] | None = None) -> _Program:
+               flat: dict[str, Any] | None = None) -> Program:
         self.programs_built += 1
         templates: list[ShardRef] = []
         tensor_pos: list[int] = []
         byte_pos: list[int] = []
         single: list[int] = []
-        groups: list[_Group] = []
+        groups: list[Group] = []
         cur: list[int] = []
         cur_bytes = 0
 
         def close() -> None:
             nonlocal cur, cur_bytes
             if cur:
-                getter = _getter(cur)
+                getter = getter_of(cur)
                 assert getter is not None
-                groups.append(_Group(cur, getter, [(offsets[i], sizes[i]) for i in cur], [entries[i].dtype for i in cur],
+                groups.append(Group(cur, getter, [(offsets[i], sizes[i]) for i in cur], [entries[i].dtype for i in cur],
                                      [entries[i].shape for i in cur], cur_bytes))
             cur, cur_bytes = [], 0
 
@@ -210,7 +209,7 @@ class LocalWriter:
             item_algo = self.device_copier.item_algo(algo) if t.is_cuda else algo  # CUDA: checksummed on the GPU
             templates.append(ShardRef(rank, offsets[i], n, 0, item_algo, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
             tensor_pos.append(i)
-            plain = t.device == _CPU and t.layout is torch.strided and not t.is_quantized and n > 0
+            plain = t.device == CPU_DEVICE and t.layout is torch.strided and not t.is_quantized and n > 0
             if not plain or n >= block:
                 single.append(i)
                 continue
@@ -220,34 +219,34 @@ class LocalWriter:
             cur_bytes += n
         close()
         ts = [entries[i] for i in tensor_pos]
-        getter = _getter(tensor_pos)
-        fqns = list(map(_fqn, items))
+        getter = getter_of(tensor_pos)
+        fqns = list(map(get_fqn, items))
         tensor_fqns = [fqns[i] for i in tensor_pos]
-        obj_types = _direct_types(flat, items, tensor_pos)
+        obj_types = direct_types(flat, items, tensor_pos)
         dt_pos = [k for k, t in enumerate(obj_types or ()) if t is DTensor]
         grouped = [i for g in groups for i in g.pos]
         ranges, start = [], 0
         for g in groups:
             ranges.append((start, start + len(g.pos)))
             start += len(g.pos)
-        return _Program(
-            tensor_fqns=tensor_fqns, obj_types=obj_types, dt_getter=_getter(dt_pos), dt_pos=dt_pos,
-            grouped=_getter(grouped) if fused_available(algo) else None, ranges=ranges,
+        return Program(
+            tensor_fqns=tensor_fqns, obj_types=obj_types, dt_getter=getter_of(dt_pos), dt_pos=dt_pos,
+            grouped=getter_of(grouped) if fused_available(algo) else None, ranges=ranges,
             plan=plan, algo=algo, block=block, offsets=offsets, sizes=sizes, total=total,
-            templates=templates, indexes=list(map(_index, items)), types=list(map(_type, items)),
-            fqns=fqns, index_offsets=list(map(_offset, items)), tensor_pos=tensor_pos, getter=getter,
-            shapes=list(map(_shape, ts)), dtypes=list(map(_dtype, ts)), devices=list(map(_device, ts)), groups=groups, single=single, byte_pos=byte_pos,
+            templates=templates, indexes=list(map(get_index, items)), types=list(map(get_type, items)),
+            fqns=fqns, index_offsets=list(map(get_offset, items)), tensor_pos=tensor_pos, getter=getter,
+            shapes=list(map(get_shape, ts)), dtypes=list(map(get_dtype, ts)), devices=list(map(get_device, ts)), groups=groups, single=single, byte_pos=byte_pos,
         )
 
     # ---- the copy ---------------------------------------------------------------------------
     @staticmethod
-    def _copy(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
+    def _copy(prog: Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
               algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None,
               rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None,
               slot_idx: int | None = None) -> list[int]:
         """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves);
         of the tables ``rows`` marks, only the rows that differ from the slot's (their deltas into ``deltas``).
-        The groups go through :func:`gemini_dcp.dcp.batch_copy.copy_group` (fused per item when it can)."""
+        The groups go through :func:`gemini_dcp.save.batch_copy.copy_group` (fused per item when it can)."""
         if skip is not None:
             return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier, rows, deltas)
         sums = [0] * len(entries)
@@ -286,7 +285,7 @@ class LocalWriter:
         return sums
 
 
-def _row_items(prog: _Program, flat: dict[str, Any] | None, entries: list[torch.Tensor]) -> list[int] | None:
+def _row_items(prog: Program, flat: dict[str, Any] | None, entries: list[torch.Tensor]) -> list[int] | None:
     """Per item: 0, or a sharded embedding table (``row_delta.is_row_item``: a ``ShardedTensor`` or a
     DTensor over torchrec's ``LocalShardsWrapper``), never carried on its version counter: 2 when it
     is written as a row delta (a plain CPU tensor copied alone: ``block`` bytes or more), 1 when it
@@ -301,7 +300,7 @@ def _row_items(prog: _Program, flat: dict[str, Any] | None, entries: list[torch.
     return out if any(out) else None
 
 
-def _copy_changed(prog: _Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int],
+def _copy_changed(prog: Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int],
                   slot: Any, algo: str, pace: Pacer | None, skip: list[bool], device_copier: DeviceCopier,
                   rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None) -> list[int]:
     """``LocalWriter._copy`` of the items ``skip`` does not mark (their checksums; 0 for the skipped);
