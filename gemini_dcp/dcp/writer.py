@@ -215,6 +215,17 @@ class GeminiStorageWriter(StorageWriter):
             self._drainer.resume()  # drains left pending by a previous worker generation
             self._drainer.start_early()  # the first due step finds its drain running (torch imported)
 
+    # ---- what the last save did (read-only; the commit protocol keeps it) ----------------
+    @property
+    def last_replication(self) -> dict[str, Any]:
+        """The last save's peer protection, this rank: scheme, bytes sent, seconds, ``degraded``..."""
+        return self.commit.last_replication
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The newest step this writer saw committed on every rank."""
+        return self.commit.last_committed_step
+
     # ---- StorageWriter API -------------------------------------------------------------
     @property
     def checkpoint_id(self) -> int | None:
