@@ -43,6 +43,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -626,6 +627,114 @@ int64_t copy_with_crc32c(at::Tensor dst, const at::Tensor& src, int64_t num_thre
   return seed ? crc32c_combine(seed, crc, n) : crc;
 }
 
+// ------------------------------------------------------------------ non-finite counts
+
+// Non-finite values (NaN, +-Inf) of a floating-point item, counted in the save's own pass
+// (gemini_dcp/health/count.py): a value is non-finite when its exponent bits are all ones.
+// `kind`: 0 none (not counted), 1 float32, 2 float64, 3 float16, 4 bfloat16 (complex items
+// count their real and imaginary parts as floats of their component type).
+template <typename U>
+uint64_t count_exp_ones(const uint8_t* p, size_t n, U mask) {
+  const size_t m = n / sizeof(U);
+  uint64_t c = 0;
+  for (size_t i = 0; i < m; ++i) {  // vectorized by the compiler (a load, an and, a compare)
+    U v;
+    std::memcpy(&v, p + i * sizeof(U), sizeof(U));
+    c += (v & mask) == mask;
+  }
+  return c;
+}
+
+uint64_t count_nonfinite_raw(int64_t kind, const uint8_t* p, size_t n) {
+  switch (kind) {
+    case 1: return count_exp_ones<uint32_t>(p, n, 0x7F800000u);
+    case 2: return count_exp_ones<uint64_t>(p, n, 0x7FF0000000000000ull);
+    case 3: return count_exp_ones<uint16_t>(p, n, 0x7C00u);
+    case 4: return count_exp_ones<uint16_t>(p, n, 0x7F80u);
+    default: return 0;
+  }
+}
+
+// Blocks small enough to stay in L2: each is counted from src (which brings it into the cache),
+// then copied and checksummed from there, so src is read from memory once.
+constexpr size_t kCountBlock = size_t(64) << 10;
+
+uint32_t copy_crc_count_piece(uint8_t* d, const uint8_t* s, size_t n, int64_t kind, uint64_t* count) {
+  uint64_t c = 0;
+#if defined(GEMINI_X86)
+  if (n >= kPclmulMin && cpu_has_pclmul() && g_crc_override.load() != 1 && !g_fused_blocks) {
+    uint32_t raw = 0xFFFFFFFFu;
+    const bool stream = n >= kStreamMin && (reinterpret_cast<uintptr_t>(d) & 15) == 0;
+    for (size_t off = 0; off < n; off += kCountBlock) {
+      const size_t len = std::min(kCountBlock, n - off);
+      c += count_nonfinite_raw(kind, s + off, len);
+      if (len >= 64) {
+        raw = copy_crc_raw_pclmul(raw, d + off, s + off, len, stream);
+      } else {
+        std::memcpy(d + off, s + off, len);
+        raw = crc_raw_hw(raw, d + off, len);
+      }
+    }
+    if (stream) _mm_sfence();
+    *count = c;
+    return ~raw;
+  }
+#endif
+  uint32_t crc = 0;
+  for (size_t off = 0; off < n; off += kFusedBlock) {
+    const size_t len = std::min(kFusedBlock, n - off);
+    c += count_nonfinite_raw(kind, s + off, len);
+    std::memcpy(d + off, s + off, len);
+    crc = crc32c_update(crc, d + off, len);
+  }
+  *count = c;
+  return crc;
+}
+
+// copy_with_crc32c that also counts src's non-finite values of type `kind`: (crc, count).
+std::tuple<int64_t, int64_t> copy_crc32c_count(at::Tensor dst, const at::Tensor& src, int64_t kind,
+                                               int64_t num_threads, int64_t value) {
+  check_pair(dst, src, "gemini_dcp::copy_crc32c_count");
+  TORCH_CHECK(value >= 0 && value <= 0xFFFFFFFFLL, "gemini_dcp::copy_crc32c_count: value must be a uint32");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "gemini_dcp::copy_crc32c_count: kind must be 0..4, got ", kind);
+  const auto seed = static_cast<uint32_t>(value);
+  const size_t n = static_cast<size_t>(src.numel());
+  if (n == 0) return {static_cast<int64_t>(seed), 0};
+  auto* d = static_cast<uint8_t*>(dst.data_ptr());
+  const auto* s = static_cast<const uint8_t*>(src.data_ptr());
+  if (d == s) return {static_cast<int64_t>(crc32c_update(seed, s, n)), static_cast<int64_t>(count_nonfinite_raw(kind, s, n))};
+  const int threads = pick_threads(num_threads, n);
+  std::vector<uint32_t> crcs(threads, 0);
+  std::vector<uint64_t> counts(threads, 0);
+  std::vector<size_t> lens(threads, 0);
+  run_split(n, threads, [&](int i, size_t b, size_t e) {  // pieces start at multiples of 64: whole values
+    lens[i] = e > b ? e - b : 0;
+    crcs[i] = lens[i] ? copy_crc_count_piece(d + b, s + b, lens[i], kind, &counts[i]) : 0;
+  });
+  uint32_t crc = crcs[0];
+  uint64_t total = counts[0];
+  for (int i = 1; i < threads; ++i) {
+    total += counts[i];
+    if (lens[i]) crc = crc32c_combine(crc, crcs[i], lens[i]);
+  }
+  return {static_cast<int64_t>(seed ? crc32c_combine(seed, crc, n) : crc), static_cast<int64_t>(total)};
+}
+
+int64_t count_nonfinite(const at::Tensor& buf, int64_t kind, int64_t num_threads) {
+  check_bytes(buf, "gemini_dcp::count_nonfinite", "buf");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "gemini_dcp::count_nonfinite: kind must be 0..4, got ", kind);
+  const auto* p = static_cast<const uint8_t*>(buf.data_ptr());
+  const size_t n = static_cast<size_t>(buf.numel());
+  const int threads = num_threads == 1 ? 1 : pick_threads(num_threads, n);
+  std::vector<uint64_t> counts(threads, 0);
+  run_split(n, threads, [&](int i, size_t b, size_t e) {
+    if (e > b) counts[i] = count_nonfinite_raw(kind, p + b, e - b);
+  });
+  uint64_t total = 0;
+  for (uint64_t v : counts) total += v;
+  return static_cast<int64_t>(total);
+}
+
 // ------------------------------------------------------------------ xsum64
 
 // xsum64: the checksum computed on the GPU by gpu_checksum (see cuda/gemini_cuda.cu
@@ -732,6 +841,8 @@ TORCH_LIBRARY(gemini_dcp, m) {
   m.def("copy_bytes(Tensor(a!) dst, Tensor src, int num_threads=0) -> ()");
   m.def("crc32c(Tensor buf, int value=0, int num_threads=1) -> int");
   m.def("copy_with_crc32c(Tensor(a!) dst, Tensor src, int num_threads=0, int value=0) -> int");
+  m.def("copy_crc32c_count(Tensor(a!) dst, Tensor src, int kind, int num_threads=0, int value=0) -> (int, int)");
+  m.def("count_nonfinite(Tensor buf, int kind, int num_threads=1) -> int");
   m.def("xsum64(Tensor t) -> int");
   m.def("xsum64_sum(Tensor t, int word_offset=0, int num_threads=1) -> int");
   m.def("build_info() -> str", &build_info);
@@ -742,6 +853,8 @@ TORCH_LIBRARY_IMPL(gemini_dcp, CPU, m) {
   m.impl("copy_bytes", &copy_bytes);
   m.impl("crc32c", &crc32c);
   m.impl("copy_with_crc32c", &copy_with_crc32c);
+  m.impl("copy_crc32c_count", &copy_crc32c_count);
+  m.impl("count_nonfinite", &count_nonfinite);
   m.impl("xsum64", &xsum64_cpu);
   m.impl("xsum64_sum", &xsum64_sum);
 }
