@@ -195,3 +195,17 @@ def test_two_nodes_poisoned_shard_rollback_and_wiped_node() -> None:
         assert got == [(4, True), (4, True)], got
     finally:
         cleanup()
+
+
+def test_the_newest_healthy_step_is_never_evicted_for_unhealthy_ones(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    w = GeminiStorageWriter(root=root, job_id="k1", keep=1)  # a ring of 2 slots
+    dcp.save(_state(1), storage_writer=w, checkpoint_id=1)
+    dcp.save(_state(2, poison=True), storage_writer=w, checkpoint_id=2)
+    with pytest.raises(BaseException) as info:
+        dcp.save(_state(3, poison=True), storage_writer=w, checkpoint_id=3)
+    from gemini_dcp.errors import TierFullError, find_gemini_error
+
+    assert isinstance(find_gemini_error(info.value), TierFullError)
+    assert LocalTier(root, "k1").steps() == [1, 2]
+    del w

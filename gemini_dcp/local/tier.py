@@ -168,8 +168,8 @@ class LocalTier:
         if step is None:  # no save context: the newest ``keep`` steps, as before
             protected = set(sorted(records)[-keep:])
         healthy = newest_healthy(records, step)
-        if healthy is not None:  # never overwritten for unhealthy steps after it (gemini_dcp.health)
-            protected.add(healthy)
+        if healthy is not None and any(s > healthy and records[s].healthy is False for s in below):
+            protected.add(healthy)  # never overwritten for the unhealthy steps after it (gemini_dcp.health)
         holding: dict[int, list[int]] = {}
         for s, rec in records.items():
             slot = rec.slot_of(rank)
