@@ -209,3 +209,22 @@ def test_the_newest_healthy_step_is_never_evicted_for_unhealthy_ones(tmp_path: P
     assert isinstance(find_gemini_error(info.value), TierFullError)
     assert LocalTier(root, "k1").steps() == [1, 2]
     del w
+
+
+def test_the_persistent_tier_keeps_the_health_and_restores_the_newest_healthy_step(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    store = tmp_path / "store"
+    w = GeminiStorageWriter(root=root, job_id="p", persistent=str(store), persist_every=1, persist_keep=2)
+    for step in range(1, 5):  # NaN from step 3 on
+        dcp.save(_state(step, poison=step >= 3), storage_writer=w, checkpoint_id=step)
+        w.wait_persisted(step, timeout_s=60)
+    assert (store / "p" / "step-4").exists() or any(store.rglob("health.json"))
+    del w
+    fresh = tmp_path / "replacement"  # the node is gone: a new one, with only the store left
+    fresh.mkdir(mode=0o700)
+    out = _state(0)
+    reader = GeminiStorageReader(root=fresh, job_id="p", persistent=str(store))
+    dcp.load(out, storage_reader=reader)
+    assert reader.restored_step == 2 and reader.skipped_unhealthy == (4, 3)
+    for k, v in _state(2).items():
+        assert torch.equal(out[k], v), k

@@ -35,6 +35,7 @@ from ...local.job_dir import open_private
 from ...local.records import StepRecord, read_record
 from ...local.slot_holds import holds_intact, release_holds
 from ...options.persistent import DrainOptions
+from ..health_file import write_health
 from ..stock_format import items_of_record, try_finalize, write_rank_file
 from ..store import DEFAULT_TIMEOUT_S, SIDE_FILE_GLOBALS, PartMarker, PersistentTier, node_tag
 from .fused import FusedDest, fused_reader
@@ -209,6 +210,7 @@ class Uploader:
                 return False
             record = fresh
         ptier = self._tier(req)
+        write_health(ptier.step_dir(step), record)  # beside the stock layout, before .metadata (the commit)
         ok, _missing = try_finalize(
             ptier.step_dir(step), step, record.metadata, req.fingerprint, list(record.metadata.storage_data),
             req.store.job_id, prefer_node=dict(enumerate(record.rank_nodes)),
