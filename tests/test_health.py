@@ -98,6 +98,28 @@ def test_poisoned_steps_are_marked_skipped_and_kept_out_of_eviction(tmp_path: Pa
         dcp.load(asked, storage_reader=GeminiStorageReader(root=root, job_id="h"), checkpoint_id=6)
     assert torch.isnan(asked["w"][2, 3]) and "as asked" in caplog.text
     del w
+    # The CLI: inspect shows each step's health and the items behind an unhealthy one; verify counts NaN/Inf.
+    import json
+
+    from typer.testing import CliRunner
+
+    from gemini_dcp_cli.main import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["inspect", "--root", str(root), "--job", "h", "--json"])
+    assert res.exit_code == 0, res.output
+    job = json.loads(res.output)["jobs"][0]
+    health = {s["step"]: s["health"] for s in job["steps"]}
+    assert health[2] == "healthy" and health[6] == "unhealthy" and job["newest_healthy"] == 2
+    assert [0, "w", 1] in next(s for s in job["steps"] if s["step"] == 6)["nonfinite"]
+    res = runner.invoke(app, ["inspect", "--root", str(root), "--job", "h"], terminal_width=200)
+    assert "unhealthy" in res.output and "NaN/Inf in" in res.output, res.output
+    res = runner.invoke(app, ["verify", "--root", str(root), "--job", "h", "--json"])
+    assert res.exit_code == 0, res.output
+    counts = json.loads(res.output)["nonfinite"]
+    assert counts["6"] == {"w": 1, "mask": 3, "big": 1} and counts["2"] == {"mask": 3}
+    res = runner.invoke(app, ["verify", "6", "--root", str(root), "--job", "h"], terminal_width=200)
+    assert "non-finite values" in res.output, res.output
 
 
 def test_refuse_commits_nothing_and_ignore_counts_nothing(tmp_path: Path) -> None:

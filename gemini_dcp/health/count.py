@@ -25,7 +25,8 @@ import torch
 from ..core.checksum import copy_and_checksum
 from ..ext import loader as ext_loader
 
-__all__ = ["KINDS", "count_bytes", "count_nonfinite", "copy_checksum_count", "copy_group_counted", "kind_of"]
+__all__ = ["KINDS", "count_bytes", "count_nonfinite", "copy_checksum_count", "copy_group_counted", "kind_of",
+           "kind_of_name"]
 
 #: dtype -> kind of the extension's counting ops: 1 float32, 2 float64, 3 float16, 4 bfloat16
 #: (complex items count their real and imaginary parts).
@@ -40,6 +41,12 @@ _ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2}
 def kind_of(dtype: torch.dtype) -> int:
     """The counting kind of ``dtype`` (0: not counted)."""
     return KINDS.get(dtype, 0)
+
+
+def kind_of_name(name: str | None) -> int:
+    """The counting kind of a recorded dtype name (``ShardRef.dtype``: ``"float32"``; 0: not counted)."""
+    dtype = getattr(torch, name, None) if name else None
+    return KINDS.get(dtype, 0) if isinstance(dtype, torch.dtype) else 0
 
 
 def _torch_count(t: torch.Tensor) -> int:
