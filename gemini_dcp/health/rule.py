@@ -36,7 +36,7 @@ class StepHealth:
         parts = []
         for fqn, n, base in self.worse[:limit]:
             ranks = sorted({r for r, f, c in self.counts if f == fqn and c})
-            parts.append(f"{fqn!r}: {n} non-finite (newest healthy step: {base}) on ranks {ranks}")
+            parts.append(f"{fqn!r}: {n} non-finite (the newest healthy step held {base}) on ranks {ranks}")
         more = len(self.worse) - limit
         return "; ".join(parts) + (f"; and {more} more items" if more > 0 else "")
 
