@@ -139,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inject-nan-at", type=int, default=None,
                    help="a bad batch puts NaN into the last rank's weights at this step (first attempt); the loop "
                         "notices the non-finite loss, rolls back in-process to the newest healthy step and skips it")
+    p.add_argument("--on-nan", choices=("rollback", "exit"), default="rollback",
+                   help="on a non-finite loss: roll back in-process (default), or exit so that torchrun restarts the "
+                        "job from the newest restorable step (benchmarks/bench_recovery.py scenario nan compares them)")
     return p.parse_args(argv)
 
 
@@ -220,6 +223,10 @@ def run_with_rollback(args: argparse.Namespace, ctx: common.Ctx, app: common.Tra
         t0 = time.perf_counter()
         loss = float(train_step(step))
         if not math.isfinite(loss):
+            ctx.events.emit("nan", step=step)
+            if args.on_nan == "exit":
+                ctx.log(f"step {step}: loss {loss}: exiting; torchrun restarts the job from the newest restorable step")
+                raise SystemExit(3)
             rollbacks += 1
             if rollbacks > 3:
                 raise SystemExit(f"step {step}: loss {loss} after {rollbacks - 1} rollbacks: giving up")

@@ -40,6 +40,17 @@ def test_counts_every_float_dtype_with_and_without_the_extension(monkeypatch: py
                                                              torch.bfloat16: 4}[dtype], 1 << 12, None)
             assert n == 5 and torch.equal(dst, src) and value == checksum(src, algo)
     assert count_nonfinite(torch.full((4,), complex(float("nan"), float("inf")), dtype=torch.complex64)) == 8
+    if ext_loader.load():  # large pieces (streaming stores, several threads), values at the edges and in the tail
+        for dtype, kind in ((torch.float32, 1), (torch.float64, 2), (torch.float16, 3), (torch.bfloat16, 4)):
+            t = torch.zeros((3 << 20) // dtype.itemsize + 5, dtype=dtype)
+            for i in (0, 1, 4097, t.numel() // 2, t.numel() - 1):
+                t[i] = float("nan") if i % 2 else float("-inf")
+            src = t.view(torch.uint8)
+            dst = torch.empty_like(src)
+            for threads in (1, 3):
+                crc, n = torch.ops.gemini_dcp.copy_crc32c_count(dst, src, kind, threads, 0)
+                assert n == 5 and torch.equal(dst, src) and crc == checksum(src, "crc32c"), (dtype, threads)
+            assert torch.ops.gemini_dcp.copy_crc32c_count(dst, torch.zeros_like(src), kind, 2, 0)[1] == 0
     assert count_nonfinite(torch.arange(10)) == 0
     monkeypatch.setattr(ext_loader, "load", lambda *a, **k: False)  # the GEMINI_DCP_EXT=0 path
     t = torch.zeros(100)

@@ -45,7 +45,7 @@ from ..commit.protocol import LocalWrite
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
-from ..health.count import copy_checksum_count, copy_group_counted, count_bytes, count_nonfinite, kind_of
+from ..health.count import copy_checksum_count, copy_group_counted, count_bytes, count_nonfinite, kind_of, kinds_of
 from ..local.records import ShardRef
 from .batch_copy import copy_group, fused_available
 from .carry import CarryPlan, CarryTracker, note_plain_write
@@ -275,7 +275,7 @@ class LocalWriter:
                     pace(g.nbytes)
                 if counts is not None:
                     got, got_counts = copy_group_counted(
-                        g_dsts, g.getter(entries), [kind_of(dt) for dt in g.dtypes],
+                        g_dsts, g.getter(entries), kinds_of(g.dtypes),
                         dst_bytes=None if dst_bytes is None else dst_bytes[a:b],
                         src_bytes=None if src_bytes is None else src_bytes[a:b], slot_view=view, spans=g.spans,
                         hasher=hasher,

@@ -26,7 +26,7 @@ from ..core.checksum import copy_and_checksum
 from ..ext import loader as ext_loader
 
 __all__ = ["KINDS", "count_bytes", "count_nonfinite", "copy_checksum_count", "copy_group_counted", "kind_of",
-           "kind_of_name"]
+           "kind_of_name", "kinds_of"]
 
 #: dtype -> kind of the extension's counting ops: 1 float32, 2 float64, 3 float16, 4 bfloat16
 #: (complex items count their real and imaginary parts).
@@ -41,6 +41,21 @@ _ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2}
 def kind_of(dtype: torch.dtype) -> int:
     """The counting kind of ``dtype`` (0: not counted)."""
     return KINDS.get(dtype, 0)
+
+
+_GROUP_KINDS: dict[int, tuple[list[torch.dtype], list[int]]] = {}
+
+
+def kinds_of(dtypes: list[torch.dtype]) -> list[int]:
+    """The kinds of a copy group's ``dtypes`` (the same list object save after save: computed once)."""
+    hit = _GROUP_KINDS.get(id(dtypes))
+    if hit is not None and hit[0] is dtypes:
+        return hit[1]
+    kinds = [KINDS.get(dt, 0) for dt in dtypes]
+    if len(_GROUP_KINDS) >= 4096:
+        _GROUP_KINDS.clear()
+    _GROUP_KINDS[id(dtypes)] = (dtypes, kinds)  # holds the list: its id stays its own
+    return kinds
 
 
 def kind_of_name(name: str | None) -> int:
@@ -97,6 +112,10 @@ def copy_checksum_count(
     return value, count_bytes(dst, kind)
 
 
+_ONES = [1] * 4096
+_ZEROS = [0] * 4096
+
+
 def copy_group_counted(
     dsts: list[torch.Tensor],
     srcs: Sequence[torch.Tensor],
@@ -113,8 +132,10 @@ def copy_group_counted(
     and the extension loads; else one ``torch._foreach_copy_``, ``hasher`` and a count per item."""
     if dst_bytes is not None and src_bytes is not None and ext_loader.load():
         op = torch.ops.gemini_dcp.copy_crc32c_count
-        pairs = [op(d, s, k, 1, 0) for d, s, k in zip(dst_bytes, src_bytes, kinds, strict=True)]
-        return [int(c) for c, _ in pairs], [int(n) for _, n in pairs]
+        pairs = list(map(op, dst_bytes, src_bytes, kinds, _ONES[: len(kinds)] if len(kinds) <= 4096 else [1] * len(kinds),
+                         _ZEROS[: len(kinds)] if len(kinds) <= 4096 else [0] * len(kinds)))
+        got_sums, got_counts = zip(*pairs) if pairs else ((), ())
+        return list(got_sums), list(got_counts)
     torch._foreach_copy_(dsts, list(srcs))
     sums = [hasher(slot_view[o : o + n]) for o, n in spans]
     counts = [0] * len(dsts)
