@@ -439,6 +439,7 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_count_raw_pclmul(uint
     x2 = _mm_xor_si128(fold(x2, k512), a2);
     x3 = _mm_xor_si128(fold(x3, k512), a3);
     acc = screen_vec<K>(screen_vec<K>(screen_vec<K>(screen_vec<K>(acc, a0), a1), a2), a3);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);  // more loads in flight (the screen's ops)
     p += 64;
     d += 64;
     n -= 64;
