@@ -218,6 +218,7 @@ def run_with_rollback(args: argparse.Namespace, ctx: common.Ctx, app: common.Tra
     the newest healthy step (the default choice of every gemini restore), skips the batch that came
     right after it (the bad one) and trains on. Saves after the rollback start a new timeline."""
     common.resume(ckpt, app, ctx, args)
+    ctx.events.emit("ready", step=app.step)
     step, rollbacks = app.step + 1, 0
     while step <= args.steps:
         t0 = time.perf_counter()

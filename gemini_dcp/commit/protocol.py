@@ -18,6 +18,10 @@ A save is collective over the checkpoint control group: **every rank calls**
    different bases, and one ``broadcast_object`` of rank 0's planned metadata only when it is
    too large to ride inline and some rank does not hold it yet). A rank whose write failed
    raises its own error; every other rank raises PeerError: nothing is committed.
+   Each report carries its rank's NaN/Inf counts; every rank then judges the step's health
+   alike (local, pure: :meth:`CommitProtocol.judge_health`, :mod:`gemini_dcp.health.rule`):
+   with ``nonfinite="refuse"`` an unhealthy step raises UnhealthyStateError on every rank here,
+   nothing committed; with ``"mark"`` the record says so.
 4. **replicate** (*all ranks*, when ``replicas > 1`` over several processes: the peer
    transfers, then one ``all_gather_object`` of the replica slots; with ``parity_group``, XOR parity instead).
 5. **build record** (local, pure: :func:`build_record`): the same global part on every
