@@ -177,55 +177,63 @@ def test_rollback_inside_the_running_job(tmp_path: Path) -> None:
     del w
 
 
-# ---- two ranks on two nodes (one spawn): NaN in one rank's shard, peer copies, rollback, wiped node ----
+# ---- three nodes, one rank each (one spawn to save, one to restore): peer replicas and XOR parity ----
+JOBS = {"hp": {"replicas": 2}, "hq": {"parity_group": 3}}
 
 
-def _two_nodes(rank: int, world_size: int, root: str, *, job: str, other: str) -> dict[str, object]:
+def _shard(rank: int, step: int, poison: bool = False) -> dict[str, torch.Tensor]:
+    w = torch.arange(256, dtype=torch.float32) + step * 10 + rank
+    if poison and rank == 1:
+        w[5] = float("nan")
+    return {f"w{rank}": w, "mask": torch.tensor([0.0, float("-inf")])}  # one shard per rank (DCP dedups equal keys)
+
+
+def _poison_then_roll_back(rank: int, world_size: int, root: str) -> dict[str, object]:
     from gemini_dcp import fast_load
 
-    def state(step: int, poison: bool = False) -> dict[str, torch.Tensor]:
-        w = torch.arange(32, dtype=torch.float32) + step * 10 + rank
-        if poison and rank == 1:
-            w[5] = float("nan")
-        return {f"w{rank}": w, "mask": torch.tensor([0.0, float("-inf")])}  # one shard per rank (DCP dedups equal keys)
-
     out: dict[str, object] = {}
-    w = GeminiStorageWriter(root=root, job_id=job, keep=2, replicas=2)
-    for step in range(1, 7):  # K = 3: steps 3..6 poisoned on rank 1
-        dcp.save(state(step, poison=step >= 3), storage_writer=w, checkpoint_id=step)
-    got = state(0)
-    reader = GeminiStorageReader(root=root, job_id=job)
-    dcp.load(got, storage_reader=reader)
-    out["fresh"] = (reader.restored_step, reader.skipped_unhealthy, torch.equal(got[f"w{rank}"], state(2)[f"w{rank}"]))
-    got = state(0)
-    fl = fast_load(got, storage_reader=GeminiStorageReader(root=root, job_id=job), step=2)  # in-process rollback
-    out["fast"] = (fl.step, torch.equal(got[f"w{rank}"], state(2)[f"w{rank}"]))
-    for step in (3, 4):  # the new timeline
-        dcp.save(state(step + 1000), storage_writer=w, checkpoint_id=step)
-    out["steps"] = LocalTier(root, job).steps()
+    for job, kw in JOBS.items():
+        w = GeminiStorageWriter(root=root, job_id=job, keep=2, **kw)
+        for step in range(1, 7):  # K = 3: steps 3..6 poisoned on rank 1
+            dcp.save(_shard(rank, step, poison=step >= 3), storage_writer=w, checkpoint_id=step)
+        got = _shard(rank, 0)
+        reader = GeminiStorageReader(root=root, job_id=job)
+        dcp.load(got, storage_reader=reader)
+        fresh = (reader.restored_step, reader.skipped_unhealthy, torch.equal(got[f"w{rank}"], _shard(rank, 2)[f"w{rank}"]))
+        got = _shard(rank, 0)
+        fl = fast_load(got, storage_reader=GeminiStorageReader(root=root, job_id=job), step=2)  # in-process rollback
+        fast = (fl.step, torch.equal(got[f"w{rank}"], _shard(rank, 2)[f"w{rank}"]))
+        for step in (3, 4):  # the new timeline
+            dcp.save(_shard(rank, step + 1000), storage_writer=w, checkpoint_id=step)
+        out[job] = {"fresh": fresh, "fast": fast, "steps": LocalTier(root, job).steps()}
     return out
 
 
-def _restore_after_wipe(rank: int, world_size: int, root: str, *, job: str) -> tuple[int | None, bool]:
-    w = torch.zeros(32)
-    sd = {f"w{rank}": w, "mask": torch.zeros(2)}
-    reader = GeminiStorageReader(root=root, job_id=job)
-    dcp.load(sd, storage_reader=reader)
-    return reader.restored_step, torch.equal(w, torch.arange(32, dtype=torch.float32) + 1004 * 10 + rank)
+def _restore_after_wipe(rank: int, world_size: int, root: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for job in JOBS:
+        sd = _shard(rank, 0)
+        reader = GeminiStorageReader(root=root, job_id=job)
+        dcp.load(sd, storage_reader=reader)
+        out[job] = (reader.restored_step, torch.equal(sd[f"w{rank}"], _shard(rank, 1004)[f"w{rank}"]),
+                    {t: n for t, n in reader.restored_from.items() if n})
+    return out
 
 
-def test_two_nodes_poisoned_shard_rollback_and_wiped_node() -> None:
+def test_three_nodes_poisoned_shard_rollback_and_a_wiped_node_from_peer_and_parity() -> None:
     make, cleanup = node_root_factory("gemini-health")
     try:
-        roots = make(2)
-        res = run_ranks(_two_nodes, 2, roots, job="hn", other="")
-        for r in res:
-            assert r["fresh"] == (2, (6, 5), True), r
-            assert r["fast"] == (2, True), r
-            assert max(r["steps"]) == 4, r
-        wipe(roots[1])
-        got = run_ranks(_restore_after_wipe, 2, roots, job="hn")
-        assert got == [(4, True), (4, True)], got
+        roots = make(3)
+        for r in run_ranks(_poison_then_roll_back, 3, roots):
+            for job in JOBS:
+                assert r[job]["fresh"] == (2, (6, 5), True), (job, r)
+                assert r[job]["fast"] == (2, True), (job, r)
+                assert max(r[job]["steps"]) == 4, (job, r)
+        wipe(roots[1])  # node 1 replaced: its shards come from a peer's replica, or are rebuilt from parity
+        got = run_ranks(_restore_after_wipe, 3, roots)
+        for r in got:
+            assert r["hp"][:2] == (4, True) and "peer" in r["hp"][2], got
+            assert r["hq"][:2] == (4, True) and "parity" in r["hq"][2], got
     finally:
         cleanup()
 
