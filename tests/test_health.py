@@ -58,7 +58,23 @@ def test_counts_every_float_dtype_with_and_without_the_extension(monkeypatch: py
     assert count_bytes(t.view(torch.uint8), 1) == 1
 
 
-def test_the_rule_and_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_restore_decision_passes_over_unhealthy_and_superseded_steps() -> None:
+    from gemini_dcp.core.restore_order import NodeView, StepView, decide
+
+    def view(rank: int, steps: dict[int, tuple[bool, bool]]) -> NodeView:
+        return NodeView(rank, f"n{rank}", tuple(StepView(s, f"fp{s}", 2, (rank,), float(s), True, unhealthy=u, superseded=x)
+                                                for s, (u, x) in steps.items()))
+
+    views = [view(r, {2: (False, False), 3: (True, False), 4: (True, False), 5: (False, True)}) for r in (0, 1)]
+    got = decide(views, None, "j")
+    assert got.step == 2 and got.skipped_unhealthy == (4, 3)
+    assert decide(views, 4, "j").step == 4  # asked for: loaded, healthy or not
+    assert decide(views, None, "j", [2, 6], persistent_unhealthy=[6]).step == 2
+    only_bad = [view(r, {3: (True, False)}) for r in (0, 1)]
+    assert decide(only_bad, None, "j").step == 3  # nothing healthy is restorable: the newest restorable one
+
+
+def test_the_rule_and_the_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert judge([(0, [("mask", 8)])], None).healthy  # the first step sets the baseline
     assert judge([(0, [("mask", 8)]), (1, [("mask", 8)])], {"mask": 16}).healthy
     bad = judge([(0, [("mask", 8)]), (1, [("w", 1)])], {"mask": 8})
@@ -68,6 +84,16 @@ def test_the_rule_and_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
         GeminiOptions(nonfinite="drop")  # type: ignore[arg-type]
     monkeypatch.setenv("GEMINI_DCP_NONFINITE", "ignore")
     assert GeminiOptions.from_env().nonfinite == "ignore"
+    monkeypatch.setenv("GEMINI_DCP_NONFINITE", "refuse")  # the writer's keyword left at its default: the environment's
+    w = GeminiStorageWriter(root=_root(tmp_path), job_id="env")
+    assert w.gemini_options.nonfinite == "refuse" and w.commit.nonfinite == "refuse"
+    del w
+    w = GeminiStorageWriter(root=_root(tmp_path), job_id="kw", nonfinite="ignore")
+    assert w.gemini_options.nonfinite == "ignore" and not w.local_writer.count_nonfinite
+    del w
+    monkeypatch.setenv("GEMINI_DCP_NONFINITE", "sometimes")
+    with pytest.raises(ConfigError, match="GEMINI_DCP_NONFINITE"):
+        GeminiOptions.from_env()
 
 
 def _state(step: int, poison: bool = False) -> dict[str, torch.Tensor]:
