@@ -125,7 +125,7 @@ def test_poisoned_steps_are_marked_skipped_and_kept_out_of_eviction(tmp_path: Pa
     reader = GeminiStorageReader(root=root, job_id="h")
     with caplog.at_level(logging.WARNING, logger="gemini_dcp"):
         dcp.load(out, storage_reader=reader)
-    assert reader.restored_step == 2 and reader.skipped_unhealthy == (6, 5)
+    assert reader.restored_step == 2 and reader.skipped_unhealthy == [6, 5]
     assert "passed over unhealthy steps" in caplog.text
     for k, v in _state(2).items():
         assert torch.equal(out[k], v), k
@@ -225,7 +225,7 @@ def _poison_then_roll_back(rank: int, world_size: int, root: str) -> dict[str, o
         got = _shard(rank, 0)
         reader = GeminiStorageReader(root=root, job_id=job)
         dcp.load(got, storage_reader=reader)
-        fresh = (reader.restored_step, reader.skipped_unhealthy, torch.equal(got[f"w{rank}"], _shard(rank, 2)[f"w{rank}"]))
+        fresh = (reader.restored_step, tuple(reader.skipped_unhealthy), torch.equal(got[f"w{rank}"], _shard(rank, 2)[f"w{rank}"]))
         got = _shard(rank, 0)
         fl = fast_load(got, storage_reader=GeminiStorageReader(root=root, job_id=job), step=2)  # in-process rollback
         fast = (fl.step, torch.equal(got[f"w{rank}"], _shard(rank, 2)[f"w{rank}"]))
@@ -292,6 +292,6 @@ def test_the_persistent_tier_keeps_the_health_and_restores_the_newest_healthy_st
     out = _state(0)
     reader = GeminiStorageReader(root=fresh, job_id="p", persistent=str(store))
     dcp.load(out, storage_reader=reader)
-    assert reader.restored_step == 2 and reader.skipped_unhealthy == (4, 3)
+    assert reader.restored_step == 2 and reader.skipped_unhealthy == [4, 3]
     for k, v in _state(2).items():
         assert torch.equal(out[k], v), k

@@ -144,7 +144,7 @@ class GeminiStorageReader(StorageReader):
         self.rank_restored_from: dict[str, int] = tier_bytes(dict.fromkeys(TIERS, 0))
         self.restore_seconds: float | None = None
         # Newer steps this restore passed over because they are unhealthy (gemini_dcp.health), newest first.
-        self.skipped_unhealthy: tuple[int, ...] = ()
+        self.skipped_unhealthy: list[int] = []
 
     # ---- StorageReader API -------------------------------------------------------------
     @property
@@ -249,7 +249,7 @@ class GeminiStorageReader(StorageReader):
                 raise
             raise unrestorable_error(self.job_id, problems, bool(persisted), self._describe(comm, problems)) from None
         self._local = {}
-        self.skipped_unhealthy = decision.skipped_unhealthy
+        self.skipped_unhealthy = list(decision.skipped_unhealthy)
         warn_health(decision, views, unhealthy, self._requested, self.job_id, comm.rank)
         self.tier.record_restore(decision.step)  # steps newer here are abandoned: this launch's next save drops them
         if decision.fingerprint is None:
