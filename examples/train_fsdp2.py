@@ -228,6 +228,9 @@ def run_with_rollback(args: argparse.Namespace, ctx: common.Ctx, app: common.Tra
             if args.on_nan == "exit":
                 ctx.log(f"step {step}: loss {loss}: exiting; torchrun restarts the job from the newest restorable step")
                 raise SystemExit(3)
+            last = getattr(ckpt, "_last", None)  # --async-ckpt: the save in flight commits before the restore decides
+            if last is not None and hasattr(last, "wait"):
+                last.wait()
             rollbacks += 1
             if rollbacks > 3:
                 raise SystemExit(f"step {step}: loss {loss} after {rollbacks - 1} rollbacks: giving up")

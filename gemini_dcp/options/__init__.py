@@ -7,6 +7,8 @@
 - :mod:`~gemini_dcp.options.tree` — :class:`GeminiOptions` (the whole tree, ``from_env()``) and
   :func:`resolve_options` (the writer's and reader's ``options=`` merged with their keywords).
 - :mod:`~gemini_dcp.options.incremental` — :class:`IncrementalOptions` (``incremental``, ``full_every``).
+- :mod:`~gemini_dcp.options.health` — ``nonfinite`` (``"mark"`` / ``"refuse"`` / ``"ignore"``, ``GEMINI_DCP_NONFINITE``):
+  what a save does with NaN/Inf values (docs/health.md); a field of :class:`GeminiOptions`.
 - :mod:`~gemini_dcp.options.tier` — the flat :class:`TierOptions` (``writer.options``).
 - :mod:`~gemini_dcp.options.faults` — the fault-injection test hooks.
 
