@@ -26,6 +26,14 @@ Scenarios (each run once with gemini_dcp and once with stock DCP, in the same in
   persistent tier (``persistent=file://<disk>``, drained in the background every P steps, P = the
   stock K) — without a persistent tier all progress would be lost.
 
+* ``nan`` (its own JSON, ``recovery-nan.json``): a bad batch puts NaN into one rank's weights at
+  step K (``--inject-nan-at``), the loss of step K+1 is not finite. Three recoveries, same run:
+  gemini's in-process rollback to the newest healthy step (``fast_load``, no restart); a torchrun
+  restart that restores the newest healthy step (gemini passes over the unhealthy ones); and stock
+  DCP, restarted from its newest checkpoint on disk (every step here: it holds the NaNs, so the
+  restarted job fails again until torchrun gives up). Wasted time = from the end of step K-1 (the
+  last healthy state) until training goes on from a healthy state.
+
 Stock DCP writes ``FileSystemWriter`` checkpoints (fsync'ed) to a local disk directory every K
 steps, K chosen so that its checkpoint overhead per step matches gemini's
 (K = round(t_ckpt_stock / t_ckpt_gemini), measured in this run); its files are evicted from
@@ -65,12 +73,58 @@ from common import IMG, REPO, RESULTS, free_port, machine_info, write_json  # no
 
 TRAIN = REPO / "examples" / "train_fsdp2.py"
 DOC = REPO / "docs" / "recovery.md"
-SCENARIOS = ("software", "node", "all-memory")
+SCENARIOS = ("software", "node", "all-memory", "nan")
 TITLES = {
     "software": "software failure (rank killed, memory survives)",
     "node": "one node replaced (its memory lost)",
     "all-memory": "all memory lost (whole job, every node)",
+    "nan": "NaN in the weights (a bad batch): rollback vs restart",
 }
+NAN_SYSTEMS = ("gemini-rollback", "gemini-restart", "stock-restart")
+
+
+def run_nan(bench: Bench, inject: int = 6, steps: int = 9) -> dict[str, Any]:
+    """Scenario ``nan``: the three recoveries of one poisoned step, in turn (see the module docstring)."""
+    out: dict[str, Any] = {"inject_at": inject, "steps": steps}
+    for system in NAN_SYSTEMS:
+        job = f"nan-{system}-{uuid.uuid4().hex[:6]}"
+        events = bench.disk / f"{job}.events.jsonl"
+        log = bench.logs / f"{job}.log"
+        root = bench.shm / job
+        root.mkdir(parents=True)
+        train = ["--steps", str(steps), "--job-id", job, "--events", str(events), *bench.model(),
+                 "--inject-nan-at", str(inject), "--on-nan", "rollback" if system == "gemini-rollback" else "exit"]
+        if system.startswith("gemini"):
+            train += ["--ckpt-backend", "gemini", "--ckpt-every", "1"]
+        else:
+            train += ["--ckpt-backend", "stock", "--ckpt-every", "1", "--stock-dir", str(bench.disk / "stock" / job),
+                      "--stock-drop-cache"]
+        print(f"  - {job}: NaN at step {inject}, {steps} steps", flush=True)
+        t0 = time.time()
+        rc = Agent(bench.standalone(bench.args.nproc, 2, train), bench.env(root), log).wait(bench.args.run_timeout)
+        evs = [json.loads(ln) for ln in events.read_text().splitlines() if ln.strip()]
+        first_pid = next(e["pid"] for e in evs if e["ev"] == "start")
+        t_good = next(e["t"] for e in evs if e["ev"] == "step_done" and e["pid"] == first_pid and e["step"] == inject - 1)
+        nans = [e["t"] for e in evs if e["ev"] == "nan"]
+        res: dict[str, Any] = {"exit_code": rc, "nan_events": len(nans), "attempts": len({e["pid"] for e in evs if e["ev"] == "start"}),
+                               "wall_s": round(time.time() - t0, 2), "detect_s": round(nans[0] - t_good, 3) if nans else None}
+        if system == "gemini-rollback":
+            rb = next(e for e in evs if e["ev"] == "rollback")
+            res.update(restored_step=rb["to"], rollback_restore_s=rb["seconds"], wasted_s=round(rb["t"] - t_good, 3),
+                       recovered=rc == 0)
+        else:
+            ends = [e for e in evs if e["ev"] == "restore_end" and e["pid"] != first_pid]
+            readies = [e for e in evs if e["ev"] == "ready" and e["pid"] != first_pid]
+            res.update(restored_steps=[e["step"] for e in ends], recovered=rc == 0)
+            if rc == 0 and readies:
+                res.update(restored_step=ends[-1]["step"], restore_s=ends[-1].get("seconds"),
+                           wasted_s=round(readies[-1]["t"] - t_good, 3))
+            else:  # restored the poisoned step: failed again after every restart
+                last = max(e["t"] for e in evs)
+                res.update(wasted_s=None, failed_after_s=round(last - t_good, 3))
+        out[system] = res
+        print(f"     {system}: {res}", flush=True)
+    return out
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -490,6 +544,19 @@ def main(argv: list[str] | None = None) -> int:
     device = (f"{torch.cuda.get_device_name(0)} (nccl)" if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores (gloo)")
     bench = Bench(args)
     print(f"== recovery benchmark on {device}; scratch {bench.shm} (memory) and {bench.disk} (disk)", flush=True)
+    if scenarios == ["nan"]:  # its own runs and JSON (no calibration, no table of the failure scenarios)
+        try:
+            data = {"benchmark": "recovery-nan", "device": device, "machine": machine_info(),
+                    "model_desc": f"d_model {args.d_model}, {args.layers} layers, {args.nproc} ranks",
+                    "config": {k: v for k, v in vars(args).items() if k not in ("keep", "no_doc")}, "nan": run_nan(bench)}
+            data["machine_after"] = {"loadavg_1_5_15": machine_info()["loadavg_1_5_15"]}
+            out = RESULTS / ("recovery-nan.json" if args.tag == "cpu" else f"recovery-nan-{args.tag}.json")
+            write_json(out, data)
+            print(f"wrote {out.relative_to(REPO)}")
+            return 0
+        finally:
+            bench.cleanup()
+    scenarios = [s for s in scenarios if s != "nan"]
     try:
         print("== calibration: stock DCP checkpoint every step, no failure", flush=True)
         cal = bench.run(Plan("calibration", "stock", 1, 0, 5), calibrate=True)

@@ -103,8 +103,10 @@ def render_inspect(out: Console, info: Any) -> None:
     for job in info.jobs:
         nr = job.newest_restorable
         out.print()
+        nh = getattr(job, "newest_healthy", nr)
         out.print(f"[bold]job {escape(job.job_id)}[/]  {bytes_h(job.usage_bytes)} in memory  "
-                  f"newest restorable step: {nr if nr is not None else '[red]none[/]'}")
+                  f"newest restorable step: {nr if nr is not None else '[red]none[/]'}"
+                  + (f"  newest healthy step: {nh if nh is not None else '[red]none[/]'}" if nh != nr else ""))
         if job.persistent_error:
             out.print(f"[yellow]persistent tier unreadable:[/] {escape(job.persistent_error)}")
         if getattr(job, "problem", None):
@@ -121,7 +123,7 @@ def render_inspect(out: Console, info: Any) -> None:
         cols += [("persistent", {})] if show_pst else []
         cols += [("drain", {})] if show_drain else []
         cols += [("size", {"justify": "right"}), ("here", {"justify": "right"}), ("ranks/nodes", {"justify": "right"}),
-                 ("age", {"justify": "right"}), ("restorable", {})]
+                 ("age", {"justify": "right"}), ("restorable", {}), ("health", {})]
         for col, kw in cols:
             t.add_column(col, no_wrap=True, **kw)
         notes: list[str] = []
@@ -145,11 +147,17 @@ def render_inspect(out: Console, info: Any) -> None:
             if getattr(st, "bytes_carried", None):  # an incremental save (docs/incremental.md)
                 notes.append(f"step {st.step}: incremental: {bytes_h(st.bytes_written)} written, "
                              f"{bytes_h(st.bytes_carried)} carried from the slot")
+            health = getattr(st, "health", "unchecked")
+            if health == "unhealthy":  # the items and counts behind it (gemini_dcp.health)
+                items = ", ".join(f"{escape(str(f))} (rank {r}): {n}" for r, f, n in getattr(st, "nonfinite", []))
+                notes.append(f"step {st.step}: unhealthy (restores pass over it): NaN/Inf in {items}")
+            hcell = {"healthy": "[green]healthy[/]", "unhealthy": "[red]unhealthy[/]"}.get(health, "-")
             dstyle = DRAIN_STYLE.get(drain or "", "")
             dcell = (f"[{dstyle}]{drain}[/]" if dstyle else drain) if drain else "-"
             row = [str(st.step), state, ranges(st.local_ranks), ranges(st.peer_ranks)] + ([pers] if show_pst else [])
             row += [dcell] if show_drain else []
-            row += [bytes_h(st.total_bytes), bytes_h(st.bytes_here) if st.in_memory else "-", rn, age_h(st.age_s), restorable]
+            row += [bytes_h(st.total_bytes), bytes_h(st.bytes_here) if st.in_memory else "-", rn, age_h(st.age_s), restorable,
+                    hcell]
             t.add_row(*row)
         out.print(t)
         newest = next((s for s in reversed(job.steps) if s.holders), None)
@@ -214,6 +222,9 @@ def render_verify(out: Console, report: Any) -> None:
             t.add_row(str(i.step), i.tier, escape(f"{i.fqn}{off}"), "-" if i.rank is None else str(i.rank),
                       bytes_h(i.nbytes), f"[{style}]{i.status}[/]", escape(i.detail))
         out.print(t)
+    for step, items in sorted(getattr(report, "nonfinite", {}).items()):  # NaN/Inf (gemini_dcp.health)
+        listed = ", ".join(f"{escape(f)}: {n}" for f, n in sorted(items.items()))
+        out.print(f"step {step}: non-finite values (NaN/Inf): {listed}")
     verdict = "[green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     out.print(f"{verdict} job {escape(report.job_id)}: {len(report.items)} items of steps {report.steps} "
               f"({bytes_h(report.bytes_checked)}) checked in {report.seconds:.2f}s: "

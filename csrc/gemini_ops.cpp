@@ -43,6 +43,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -368,6 +369,104 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_raw_pclmul(uint32_t c
   std::memcpy(d, p, n);
   return crc_raw_hw(static_cast<uint32_t>(r), d, n);
 }
+
+uint64_t count_nonfinite_raw(int64_t kind, const uint8_t* p, size_t n);
+
+// The screen of one 16-byte vector of whole values of kind K (see count_nonfinite_raw): the
+// lane-wise maximum of the values' exponent bits, two vector operations (and, max; 64-bit values,
+// which have no unsigned max in SSE, take a compare and an or). A piece whose maximum is the
+// all-ones exponent holds a non-finite value and is counted exactly (a second pass, only then).
+template <int K>
+__attribute__((target("sse4.2,pclmul"))) inline __m128i screen_vec(__m128i acc, __m128i v) {
+  if constexpr (K == 1) {
+    return _mm_max_epu32(acc, _mm_and_si128(v, _mm_set1_epi32(0x7F800000)));
+  } else if constexpr (K == 2) {
+    const __m128i m = _mm_set1_epi64x(0x7FF0000000000000LL);
+    return _mm_or_si128(acc, _mm_cmpeq_epi64(_mm_and_si128(v, m), m));
+  } else {
+    return _mm_max_epu16(acc, _mm_and_si128(v, _mm_set1_epi16(static_cast<short>(K == 3 ? 0x7C00 : 0x7F80))));
+  }
+}
+
+template <int K>
+__attribute__((target("sse4.2,pclmul"))) inline bool screen_hit(__m128i acc) {
+  if constexpr (K == 1) {
+    const __m128i m = _mm_set1_epi32(0x7F800000);
+    return _mm_movemask_epi8(_mm_cmpeq_epi32(acc, m)) != 0;
+  } else if constexpr (K == 2) {
+    return _mm_movemask_epi8(acc) != 0;
+  } else {
+    const __m128i m = _mm_set1_epi16(static_cast<short>(K == 3 ? 0x7C00 : 0x7F80));
+    return _mm_movemask_epi8(_mm_cmpeq_epi16(acc, m)) != 0;
+  }
+}
+
+// copy_crc_raw_pclmul that also screens the bytes it loads for non-finite values of kind K (two
+// more vector operations per 16 bytes) and adds their count to *count: 0 when the screen saw none,
+// else an exact count of src (a second pass over a piece that holds some). The bytes must start
+// at a value boundary; requires n >= 64, and dst 16-byte aligned with `stream`.
+template <int K>
+__attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_count_raw_pclmul(uint32_t crc, uint8_t* d, const uint8_t* p,
+                                                                             size_t n, bool stream, uint64_t* count) {
+  const FoldConst& c512 = fold512();
+  const FoldConst& c128 = fold128();
+  const __m128i k512 = _mm_set_epi64x(static_cast<long long>(c512.hi), static_cast<long long>(c512.lo));
+  const __m128i k128 = _mm_set_epi64x(static_cast<long long>(c128.hi), static_cast<long long>(c128.lo));
+  __m128i acc = _mm_setzero_si128();
+  const uint8_t* const p0 = p;
+  const size_t n0 = n;
+  __m128i a0 = load128(p), a1 = load128(p + 16), a2 = load128(p + 32), a3 = load128(p + 48);
+  store128(d, a0, stream);
+  store128(d + 16, a1, stream);
+  store128(d + 32, a2, stream);
+  store128(d + 48, a3, stream);
+  acc = screen_vec<K>(screen_vec<K>(screen_vec<K>(screen_vec<K>(acc, a0), a1), a2), a3);
+  __m128i x0 = _mm_xor_si128(a0, _mm_cvtsi32_si128(static_cast<int>(crc))), x1 = a1, x2 = a2, x3 = a3;
+  p += 64;
+  d += 64;
+  n -= 64;
+  while (n >= 64) {
+    a0 = load128(p);
+    a1 = load128(p + 16);
+    a2 = load128(p + 32);
+    a3 = load128(p + 48);
+    store128(d, a0, stream);
+    store128(d + 16, a1, stream);
+    store128(d + 32, a2, stream);
+    store128(d + 48, a3, stream);
+    x0 = _mm_xor_si128(fold(x0, k512), a0);
+    x1 = _mm_xor_si128(fold(x1, k512), a1);
+    x2 = _mm_xor_si128(fold(x2, k512), a2);
+    x3 = _mm_xor_si128(fold(x3, k512), a3);
+    acc = screen_vec<K>(screen_vec<K>(screen_vec<K>(screen_vec<K>(acc, a0), a1), a2), a3);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);  // more loads in flight (the screen's ops)
+    p += 64;
+    d += 64;
+    n -= 64;
+  }
+  x1 = _mm_xor_si128(fold(x0, k128), x1);
+  x2 = _mm_xor_si128(fold(x1, k128), x2);
+  x3 = _mm_xor_si128(fold(x2, k128), x3);
+  while (n >= 16) {
+    a0 = load128(p);
+    store128(d, a0, stream);
+    x3 = _mm_xor_si128(fold(x3, k128), a0);
+    acc = screen_vec<K>(acc, a0);
+    p += 16;
+    d += 16;
+    n -= 16;
+  }
+  if (stream) _mm_sfence();
+  if (screen_hit<K>(acc)) {
+    *count += count_nonfinite_raw(K, p0, n0);  // the whole piece, tail included
+  } else {
+    *count += count_nonfinite_raw(K, p, n);  // the tail (< 16 bytes) the vectors did not see
+  }
+  uint64_t r = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x3)));
+  r = _mm_crc32_u64(r, static_cast<uint64_t>(_mm_extract_epi64(x3, 1)));
+  std::memcpy(d, p, n);
+  return crc_raw_hw(static_cast<uint32_t>(r), d, n);
+}
 #elif defined(GEMINI_ARM_CRC)
 uint32_t crc_raw_hw(uint32_t crc, const uint8_t* p, size_t n) {
   while (n >= 8) {
@@ -626,6 +725,133 @@ int64_t copy_with_crc32c(at::Tensor dst, const at::Tensor& src, int64_t num_thre
   return seed ? crc32c_combine(seed, crc, n) : crc;
 }
 
+// ------------------------------------------------------------------ non-finite counts
+
+// Non-finite values (NaN, +-Inf) of a floating-point item, counted in the save's own pass
+// (gemini_dcp/health/count.py): a value is non-finite when its exponent bits are all ones.
+// `kind`: 0 none (not counted), 1 float32, 2 float64, 3 float16, 4 bfloat16 (complex items
+// count their real and imaginary parts as floats of their component type).
+template <typename U>
+uint64_t count_exp_ones(const uint8_t* p, size_t n, U mask) {
+  const size_t m = n / sizeof(U);
+  uint64_t total = 0;
+  if (reinterpret_cast<uintptr_t>(p) % alignof(U) == 0) {
+    // Same-width lanes (compare, then subtract the all-ones result), vectorized by the compiler;
+    // the per-block counter of U's width cannot overflow within 32768 values.
+    const U* __restrict q = reinterpret_cast<const U*>(p);
+    for (size_t b = 0; b < m; b += 32768) {
+      const size_t e = std::min(m, b + 32768);
+      U c = 0;
+      for (size_t i = b; i < e; ++i) c = static_cast<U>(c + static_cast<U>((q[i] & mask) == mask));
+      total += c;
+    }
+    return total;
+  }
+  for (size_t i = 0; i < m; ++i) {  // a misaligned buffer: value by value
+    U v;
+    std::memcpy(&v, p + i * sizeof(U), sizeof(U));
+    total += (v & mask) == mask;
+  }
+  return total;
+}
+
+uint64_t count_nonfinite_raw(int64_t kind, const uint8_t* p, size_t n) {
+  switch (kind) {
+    case 1: return count_exp_ones<uint32_t>(p, n, 0x7F800000u);
+    case 2: return count_exp_ones<uint64_t>(p, n, 0x7FF0000000000000ull);
+    case 3: return count_exp_ones<uint16_t>(p, n, 0x7C00u);
+    case 4: return count_exp_ones<uint16_t>(p, n, 0x7F80u);
+    default: return 0;
+  }
+}
+
+// copy_crc_piece that also counts the piece's non-finite values of `kind` into *count, in the
+// same pass: on x86 with PCLMULQDQ inside the folding loop (copy_crc_count_raw_pclmul), else each
+// 96 KiB block is counted from dst right after it is copied and checksummed (in cache).
+uint32_t copy_crc_count_piece(uint8_t* d, const uint8_t* s, size_t n, int64_t kind, uint64_t* count) {
+  uint64_t c = 0;
+  if (kind == 0) {  // nothing to count
+    *count = 0;
+    return copy_crc_piece(d, s, n);
+  }
+#if defined(GEMINI_X86)
+  if (kind >= 1 && kind <= 4 && n >= kPclmulMin && cpu_has_pclmul() && g_crc_override.load() != 1 && !g_fused_blocks) {
+    uint32_t raw = 0xFFFFFFFFu;
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+    const bool stream = n >= kStreamMin && head % 8 == 0;  // the vectors must hold whole values
+    if (stream && head) {
+      c += count_nonfinite_raw(kind, s, head);
+      std::memcpy(d, s, head);
+      raw = crc_raw_hw(raw, d, head);
+      d += head;
+      s += head;
+      n -= head;
+    }
+    switch (kind) {
+      case 1: raw = copy_crc_count_raw_pclmul<1>(raw, d, s, n, stream, &c); break;
+      case 2: raw = copy_crc_count_raw_pclmul<2>(raw, d, s, n, stream, &c); break;
+      case 3: raw = copy_crc_count_raw_pclmul<3>(raw, d, s, n, stream, &c); break;
+      default: raw = copy_crc_count_raw_pclmul<4>(raw, d, s, n, stream, &c); break;
+    }
+    *count = c;
+    return ~raw;
+  }
+#endif
+  uint32_t crc = 0;
+  for (size_t off = 0; off < n; off += kFusedBlock) {
+    const size_t len = std::min(kFusedBlock, n - off);
+    std::memcpy(d + off, s + off, len);
+    crc = crc32c_update(crc, d + off, len);
+    c += count_nonfinite_raw(kind, d + off, len);
+  }
+  *count = c;
+  return crc;
+}
+
+// copy_with_crc32c that also counts src's non-finite values of type `kind`: (crc, count).
+std::tuple<int64_t, int64_t> copy_crc32c_count(at::Tensor dst, const at::Tensor& src, int64_t kind,
+                                               int64_t num_threads, int64_t value) {
+  check_pair(dst, src, "gemini_dcp::copy_crc32c_count");
+  TORCH_CHECK(value >= 0 && value <= 0xFFFFFFFFLL, "gemini_dcp::copy_crc32c_count: value must be a uint32");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "gemini_dcp::copy_crc32c_count: kind must be 0..4, got ", kind);
+  const auto seed = static_cast<uint32_t>(value);
+  const size_t n = static_cast<size_t>(src.numel());
+  if (n == 0) return {static_cast<int64_t>(seed), 0};
+  auto* d = static_cast<uint8_t*>(dst.data_ptr());
+  const auto* s = static_cast<const uint8_t*>(src.data_ptr());
+  if (d == s) return {static_cast<int64_t>(crc32c_update(seed, s, n)), static_cast<int64_t>(count_nonfinite_raw(kind, s, n))};
+  const int threads = pick_threads(num_threads, n);
+  std::vector<uint32_t> crcs(threads, 0);
+  std::vector<uint64_t> counts(threads, 0);
+  std::vector<size_t> lens(threads, 0);
+  run_split(n, threads, [&](int i, size_t b, size_t e) {  // pieces start at multiples of 64: whole values
+    lens[i] = e > b ? e - b : 0;
+    crcs[i] = lens[i] ? copy_crc_count_piece(d + b, s + b, lens[i], kind, &counts[i]) : 0;
+  });
+  uint32_t crc = crcs[0];
+  uint64_t total = counts[0];
+  for (int i = 1; i < threads; ++i) {
+    total += counts[i];
+    if (lens[i]) crc = crc32c_combine(crc, crcs[i], lens[i]);
+  }
+  return {static_cast<int64_t>(seed ? crc32c_combine(seed, crc, n) : crc), static_cast<int64_t>(total)};
+}
+
+int64_t count_nonfinite(const at::Tensor& buf, int64_t kind, int64_t num_threads) {
+  check_bytes(buf, "gemini_dcp::count_nonfinite", "buf");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "gemini_dcp::count_nonfinite: kind must be 0..4, got ", kind);
+  const auto* p = static_cast<const uint8_t*>(buf.data_ptr());
+  const size_t n = static_cast<size_t>(buf.numel());
+  const int threads = num_threads == 1 ? 1 : pick_threads(num_threads, n);
+  std::vector<uint64_t> counts(threads, 0);
+  run_split(n, threads, [&](int i, size_t b, size_t e) {
+    if (e > b) counts[i] = count_nonfinite_raw(kind, p + b, e - b);
+  });
+  uint64_t total = 0;
+  for (uint64_t v : counts) total += v;
+  return static_cast<int64_t>(total);
+}
+
 // ------------------------------------------------------------------ xsum64
 
 // xsum64: the checksum computed on the GPU by gpu_checksum (see cuda/gemini_cuda.cu
@@ -732,6 +958,8 @@ TORCH_LIBRARY(gemini_dcp, m) {
   m.def("copy_bytes(Tensor(a!) dst, Tensor src, int num_threads=0) -> ()");
   m.def("crc32c(Tensor buf, int value=0, int num_threads=1) -> int");
   m.def("copy_with_crc32c(Tensor(a!) dst, Tensor src, int num_threads=0, int value=0) -> int");
+  m.def("copy_crc32c_count(Tensor(a!) dst, Tensor src, int kind, int num_threads=0, int value=0) -> (int, int)");
+  m.def("count_nonfinite(Tensor buf, int kind, int num_threads=1) -> int");
   m.def("xsum64(Tensor t) -> int");
   m.def("xsum64_sum(Tensor t, int word_offset=0, int num_threads=1) -> int");
   m.def("build_info() -> str", &build_info);
@@ -742,6 +970,8 @@ TORCH_LIBRARY_IMPL(gemini_dcp, CPU, m) {
   m.impl("copy_bytes", &copy_bytes);
   m.impl("crc32c", &crc32c);
   m.impl("copy_with_crc32c", &copy_with_crc32c);
+  m.impl("copy_crc32c_count", &copy_crc32c_count);
+  m.impl("count_nonfinite", &count_nonfinite);
   m.impl("xsum64", &xsum64_cpu);
   m.impl("xsum64_sum", &xsum64_sum);
 }

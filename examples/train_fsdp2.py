@@ -17,6 +17,16 @@ Data is synthetic and deterministic: the batch of step ``s`` on rank ``r`` comes
 from a generator seeded with ``(seed, s, r)``, so the data position is just the
 step, and a resumed run sees exactly the batches a failure-free run would.
 See ``examples/common.py`` for the checkpoint/resume loop and the flags.
+
+``--inject-nan-at K``: a bad batch puts NaN into one rank's weight shard at step K (after its
+optimizer step). Step K's checkpoint is then marked unhealthy (gemini_dcp counts NaN/Inf while it
+copies), the loss of step K+1 is not finite, and the loop rolls back *in-process* to the newest
+healthy step (``fast_load``: step K-1), skips the bad batch and trains on; no restart. Saves of
+K, K+1, ... start a new timeline (docs/health.md)::
+
+    torchrun --standalone --nproc-per-node 2 examples/train_fsdp2.py --steps 12 --inject-nan-at 6
+    ...
+    step 7: loss nan: rolled back in-process to step 5 (fast path ...) in 0.03 s; skipping batch 6
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import argparse  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -125,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     m.add_argument("--dropout", type=float, default=0.1)
     common.add_common_args(p)
+    p.add_argument("--inject-nan-at", type=int, default=None,
+                   help="a bad batch puts NaN into the last rank's weights at this step (first attempt); the loop "
+                        "notices the non-finite loss, rolls back in-process to the newest healthy step and skips it")
+    p.add_argument("--on-nan", choices=("rollback", "exit"), default="rollback",
+                   help="on a non-finite loss: roll back in-process (default), or exit so that torchrun restarts the "
+                        "job from the newest restorable step (benchmarks/bench_recovery.py scenario nan compares them)")
     return p.parse_args(argv)
 
 
@@ -174,14 +191,71 @@ def main(argv: list[str] | None = None) -> int:
         common.maybe_fail(step, args, ctx)
         optim.step()
         optim.zero_grad(set_to_none=True)
+        if step == args.inject_nan_at and ctx.is_first_attempt and not injected:
+            injected.append(step)
+            if ctx.rank == ctx.world_size - 1:  # the bad batch's update: NaN in this rank's weight shard
+                w = model.blocks[0].fc1.weight
+                with torch.no_grad():
+                    (w.to_local() if hasattr(w, "to_local") else w).view(-1)[0] = float("nan")
+                ctx.log(f"injected NaN into blocks.0.fc1.weight (rank {ctx.rank}'s shard) at step {step}")
         avg = loss.detach().clone()
         torch.distributed.all_reduce(avg)
         return (avg / ctx.world_size).cpu()
 
-    common.run_loop(args, ctx, app, ckpt, train_step)
+    injected: list[int] = []
+    if args.inject_nan_at is None:
+        common.run_loop(args, ctx, app, ckpt, train_step)
+    else:
+        run_with_rollback(args, ctx, app, ckpt, train_step)
     common.finish_outputs(args, ctx, model)
     ckpt.close(ctx)
     return 0
+
+
+def run_with_rollback(args: argparse.Namespace, ctx: common.Ctx, app: common.TrainState, ckpt: common.Checkpointer,
+                      train_step: Any) -> None:
+    """``common.run_loop`` that survives a poisoned step in-process: on a non-finite loss it restores
+    the newest healthy step (the default choice of every gemini restore), skips the batch that came
+    right after it (the bad one) and trains on. Saves after the rollback start a new timeline."""
+    common.resume(ckpt, app, ctx, args)
+    ctx.events.emit("ready", step=app.step)
+    step, rollbacks = app.step + 1, 0
+    while step <= args.steps:
+        t0 = time.perf_counter()
+        loss = float(train_step(step))
+        if not math.isfinite(loss):
+            ctx.events.emit("nan", step=step)
+            if args.on_nan == "exit":
+                ctx.log(f"step {step}: loss {loss}: exiting; torchrun restarts the job from the newest restorable step")
+                raise SystemExit(3)
+            last = getattr(ckpt, "_last", None)  # --async-ckpt: the save in flight commits before the restore decides
+            if last is not None and hasattr(last, "wait"):
+                last.wait()
+            rollbacks += 1
+            if rollbacks > 3:
+                raise SystemExit(f"step {step}: loss {loss} after {rollbacks - 1} rollbacks: giving up")
+            info = ckpt.restore(app, ctx)  # in-process: the newest healthy step (fast_load)
+            if info is None:
+                raise SystemExit(f"step {step}: loss {loss} and no checkpoint to roll back to")
+            bad = app.data.pos + 1
+            app.data.pos += 1  # skip the batch that poisoned the weights
+            ctx.events.emit("rollback", step=step, to=info.step, seconds=info.seconds, skipped_batch=bad)
+            ctx.log(f"step {step}: loss {loss}: rolled back in-process to step {info.step} ({info.path}) in "
+                    f"{info.seconds:.3f} s; skipping batch {bad}")
+            step = app.step + 1
+            continue
+        app.step = step
+        t_train = time.perf_counter() - t0
+        ctx.events.emit("step_done", step=step, seconds=t_train, loss=loss)
+        ckpt_s = ckpt.maybe_save(step, app, ctx)
+        if ctx.rank == 0 and args.loss_log:
+            with open(args.loss_log, "a") as f:
+                f.write(f"{step} {loss.hex()}\n")
+        if step % args.log_every == 0 or step == args.steps:
+            extra = f"  ckpt {ckpt_s * 1e3:.1f} ms" if ckpt_s is not None else ""
+            ctx.log(f"step {step:4d}  loss {loss:.6f}  iter {t_train * 1e3:.1f} ms{extra}")
+        step += 1
+    ctx.events.emit("finished", step=app.step)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ class RestartRequiredError(PeerError):
     """The checkpoint control group is broken (a peer timed out or died): the job must restart."""
 
 
+class UnhealthyStateError(GeminiError):
+    """A save with ``nonfinite="refuse"`` found more NaN/Inf values than the newest healthy step held: nothing was committed."""
+
+
 def find_gemini_error(exc: BaseException) -> GeminiError | None:
     """Return the first :class:`GeminiError` inside ``exc``.
 

@@ -128,8 +128,11 @@ def prewrite_values(
             newest = next((s for s in reversed(steps) if s < step and tier.record(s) is not None), None)
         if step in steps:
             rec = tier.record(step)
-            again = rec is not None and bool(rec.launch_id) and rec.launch_id == launch_id
-            if rec is not None and not again and leader is not False:
+            # Saved by this launch on its current timeline: a rollback (LocalTier.note_restore) starts another.
+            again = (rec is not None and bool(rec.launch_id) and rec.launch_id == launch_id
+                     and rec.timeline == tier.timeline(launch_id))
+            rolled_back = rec is not None and rec.launch_id == launch_id and not again
+            if rec is not None and not again and not rolled_back and leader is not False:
                 log.warning(
                     "step %s of job %r in %s was saved by another launch (%s): this save replaces it.",
                     step, tier.job_id, tier.root, rec.launch_description or "unknown",

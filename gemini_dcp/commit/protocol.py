@@ -18,6 +18,10 @@ A save is collective over the checkpoint control group: **every rank calls**
    different bases, and one ``broadcast_object`` of rank 0's planned metadata only when it is
    too large to ride inline and some rank does not hold it yet). A rank whose write failed
    raises its own error; every other rank raises PeerError: nothing is committed.
+   Each report carries its rank's NaN/Inf counts; every rank then judges the step's health
+   alike (local, pure: :meth:`CommitProtocol.judge_health`, :mod:`gemini_dcp.health.rule`):
+   with ``nonfinite="refuse"`` an unhealthy step raises UnhealthyStateError on every rank here,
+   nothing committed; with ``"mark"`` the record says so.
 4. **replicate** (*all ranks*, when ``replicas > 1`` over several processes: the peer
    transfers, then one ``all_gather_object`` of the replica slots; with ``parity_group``, XOR parity instead).
 5. **build record** (local, pure: :func:`build_record`): the same global part on every
@@ -43,7 +47,7 @@ Glossary:
   replayed save's layout is that of the save it replays.
 - *compact report*: a report carrying only checksums, in the layout's order
   (:func:`gemini_dcp.commit.reports.compact`); *overlay*: a record's storage_data as the
-  shared layout plus this save's checksums (:class:`~gemini_dcp.local.records.ChecksumOverlay`).
+  shared layout plus this save's checksums (:class:`~gemini_dcp.local.record_types.ChecksumOverlay`).
 - *known metadata*: the digest (and shell) of rank 0's planned DCP metadata this rank
   already holds from its last save; unchanged metadata then travels in no message.
 - *wire chunk*: the message size a rank's paced replication sends its slot in (0: one
@@ -71,7 +75,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..core.faults import fault_point
 from ..core.safe_pickle import restricted_loads
-from ..errors import InvalidStepError, PeerError, TierRootError
+from ..errors import InvalidStepError, PeerError, TierRootError, UnhealthyStateError
+from ..health.rule import StepHealth, judge, totals
 from ..local.record_types import ChecksumOverlay, RankSlot, ShardRef, StepRecord, metadata_shell_blob
 from ..local.tier import LocalTier
 from ..options.tree import GeminiOptions
@@ -135,6 +140,7 @@ class LocalWrite:
     delta_offer: Any = None
     replica_bases: tuple[Any, ...] = ()
     item_bytes: int | None = None  # the results' size_in_bytes summed (None: sum them)
+    nonfinite: tuple[tuple[str, int], ...] = ()  # (fqn, count) of this rank's items holding NaN/Inf (gemini_dcp.health)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,6 +164,7 @@ class SaveSpec:
 def build_record(
     *, job_id: str, step: int, world_size: int, reports: list[RankReport], meta: Metadata | None,
     overlay: ChecksumOverlay | None, replicas: int, placement: str, launch: tuple[str, str],
+    health: StepHealth | None = None, timeline: str = "",
 ) -> StepRecord:
     """Step 5 (pure): the step record's global part, the same on every rank. ``launch`` is
     used when rank 0's report names none. Without ``meta`` the record is incomplete (the
@@ -182,6 +189,8 @@ def build_record(
         holders={k: tuple(sorted(v)) for k, v in holders.items()},
         replicas=replicas, placement=placement, complete=complete,
         launch_id=launch_id, launch_description=launch_desc, rank_save_bytes=save_bytes,
+        nonfinite=health.counts if health is not None else (), healthy=health.healthy if health is not None else None,
+        timeline=timeline,
     )
 
 
@@ -239,6 +248,11 @@ class CommitProtocol:
         self.committed_layout: Layout | None = None
         self.last_commit_compact = False  # the last commit gather sent this rank's checksums only
         self._split: SplitLayout | None = None  # the replay layout, split per rank (cached)
+        # The health check (gemini_dcp.health): the mode, and the per-FQN non-finite counts of the newest
+        # healthy step (None: none yet; read from the tier once, at the first save).
+        self.nonfinite = "mark"
+        self.health_baseline: dict[str, int] | None = None
+        self._baseline_read = False
         # The basis: the chunk locations of the last committed save and (the step that first
         # committed them, their count): a plain dcp.save of the same structure sends only checksums.
         self._basis: tuple[tuple[int, int], Layout] | None = None
@@ -333,6 +347,7 @@ class CommitProtocol:
                 host=self.node.host, root_id=self.node.root_id,
                 launch=(self.node.launch_id, self.node.launch_description) if rank == 0 else None,
                 save_bytes=local.save_bytes, delta_offer=local.delta_offer, replica_bases=local.replica_bases,
+                nonfinite=local.nonfinite,
             )
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             error = exc
@@ -364,6 +379,8 @@ class CommitProtocol:
             reports = [rp.expand_report(rep, layouts) for rep in reports]
         meta = spec.known if spec.known is not None else self.gather_metadata(comm, planned, planned_blob, reports)
         self.planned_metadata = meta
+        # ---- the step's health (gemini_dcp.health): the same verdict on every rank, before anything is committed
+        health = self.judge_health(step, reports, rank)
         # ---- step 4: replicate
         if self.options.peer.replicas > 1:
             self._warn_replicas_capped(len({rep.node_id for rep in reports}))
@@ -380,7 +397,8 @@ class CommitProtocol:
         record = build_record(
             job_id=self.tier.job_id, step=step, world_size=comm.world_size, reports=reports, meta=meta,
             overlay=overlay, replicas=self.options.peer.replicas, placement=self.options.peer.placement,
-            launch=(self.node.launch_id, self.node.launch_description),
+            launch=(self.node.launch_id, self.node.launch_description), health=health,
+            timeline=self.tier.timeline(self.node.launch_id),
         )
         if protect is not None and comm.distributed and parity is not None:
             record = dataclasses.replace(record, parity=parity)
@@ -390,6 +408,8 @@ class CommitProtocol:
         self.commit_on_node(record, reports, rank)
         if record.complete:  # else the coordinator's finish() completes it
             self.last_committed_step = step
+        if health is not None and health.healthy:
+            self.health_baseline = totals(health.counts)
         # ---- step 8: hand off to the drain
         if after_commit is not None:
             after_commit(self.pending_record or record, rank)
@@ -397,6 +417,40 @@ class CommitProtocol:
         return report.results
 
     # ---- the parts -------------------------------------------------------------------------
+    def judge_health(self, step: int, reports: list[RankReport], rank: int) -> StepHealth | None:
+        """The step's health from every rank's non-finite counts against the newest healthy step's
+        (:mod:`gemini_dcp.health.rule`; None with ``nonfinite="ignore"``). Local and the same on
+        every rank: with ``"refuse"`` an unhealthy step raises UnhealthyStateError on every rank,
+        before anything is replicated or committed."""
+        if self.nonfinite == "ignore":
+            return None
+        if self.health_baseline is None and not self._baseline_read:
+            self._baseline_read = True
+            self.health_baseline = self._baseline_from_tier(step)
+        verdict = judge([(rep.rank, rep.nonfinite) for rep in reports], self.health_baseline)
+        if verdict.healthy:
+            return verdict
+        if self.nonfinite == "refuse":
+            raise UnhealthyStateError(
+                f"step {step} holds non-finite values the newest healthy step did not: {verdict.describe()}. "
+                "Nothing was committed (nonfinite='refuse'). Roll back to the newest healthy step "
+                "(dcp.load with GeminiStorageReader) and skip the batch, or pass nonfinite='mark' to commit it marked."
+            )
+        if rank == 0:
+            log.warning("step %s is unhealthy (restores pass over it): %s", step, verdict.describe())
+        return verdict
+
+    def _baseline_from_tier(self, step: int) -> dict[str, int] | None:
+        """The per-FQN counts of the newest healthy checked step below ``step`` on this node (None: none)."""
+        try:
+            for s in reversed(self.tier.steps()):
+                rec = self.tier.record(s) if s < step else None
+                if rec is not None and rec.healthy:
+                    return totals(rec.nonfinite)
+        except OSError:
+            return None
+        return None
+
     def wire_chunk(self, comm: Collectives, hooks: SaveHooks) -> int:
         """Message size of this rank's paced replication (0: one message, unpaced)."""
         pace = hooks.replication_pace
@@ -454,7 +508,8 @@ class CommitProtocol:
                 raise
             fault_point("commit.after_record")
             g = protected_step(record.step, reports, node_id, self.global_step)
-            evicted = self.tier.retain(self.options.local.keep, record.step, g, self.node.launch_id)
+            evicted = self.tier.retain(self.options.local.keep, record.step, g, self.node.launch_id,
+                                       healthy_step=self.tier.newest_healthy(upto=record.step))
             fault_point("commit.after_evict")
             if evicted:
                 log.debug("node %s evicted steps %s", node_id, evicted)

@@ -76,6 +76,8 @@ class RankReport:
     # A compact report whose pickled values (ShardRef.dtype None) changed length or place since the layout:
     # (position in this rank's layout, offset in the slot, length). Every other chunk is where the layout has it.
     moved: tuple[tuple[int, int, int], ...] = ()
+    # (fqn, count) of this rank's items holding NaN/Inf values (gemini_dcp.health; empty: none, or not counted).
+    nonfinite: tuple[tuple[str, int], ...] = ()
 
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.

@@ -58,7 +58,7 @@ __all__ = [
 
 
 class ChunkRef(Protocol):
-    """What the sink reads of a chunk's reference (:class:`gemini_dcp.local.records.ShardRef` has it):
+    """What the sink reads of a chunk's reference (:class:`gemini_dcp.local.record_types.ShardRef` has it):
     a structural type, so the sink sits below the tiers that define their records."""
 
     @property

@@ -8,7 +8,7 @@ collective fallback, with no extra round).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from ..errors import CheckpointNotFoundError, ShardUnavailableError, StepNotFoundError
@@ -37,6 +37,10 @@ class StepView:
     # The XOR parity lanes (saving ranks) that cover the ranks this node holds (gemini_dcp.peer.parity):
     # a lane that lost one member can be rebuilt from the others. Only this node's lanes: O(g) per rank.
     parity_lanes: tuple[tuple[int, ...], ...] = ()
+    # Marked unhealthy by its save's health check (gemini_dcp.health): passed over unless requested.
+    unhealthy: bool = False
+    # A step of a timeline a rollback abandoned, once a step of the new one committed on this node.
+    superseded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +114,8 @@ class RestoreDecision:
     # saving rank lost with its node -> the group rank that rebuilds it from XOR parity (its node is
     # then the rank's holder in ``holders``); see gemini_dcp.peer.parity.rebuild_lost
     rebuilt: dict[int, int] = field(default_factory=dict)
+    # Newer steps passed over because they are unhealthy (gemini_dcp.health), newest first.
+    skipped_unhealthy: tuple[int, ...] = ()
 
 
 def parity_rebuild(
@@ -151,14 +157,49 @@ def decide(
     requested: int | None,
     job_id: str,
     persistent_steps: Sequence[int] | None = None,
+    persistent_unhealthy: Sequence[int] = (),
 ) -> RestoreDecision:
-    """Choose the newest restorable step (or check ``requested``) from all nodes' views.
+    """Choose the newest restorable healthy step (or check ``requested``) from all nodes' views.
 
     A step is restorable from memory when every saving rank's bytes are held by
     at least one surviving node with the same record fingerprint; otherwise it
     is restorable if the persistent tier has the same step (memory serves what
-    it has, persistent the rest).
+    it has, persistent the rest). Without ``requested``, steps marked unhealthy (by any node's
+    record, or ``persistent_unhealthy``) are passed over while a healthy one is restorable
+    (``skipped_unhealthy`` lists them), and superseded steps (an abandoned timeline) are never chosen.
     """
+    if requested is not None:
+        return _decide(views, requested, job_id, persistent_steps)
+    gone = {sv.step for v in views for sv in v.steps if sv.superseded}
+    if gone:
+        views = [_without(v, gone) for v in views]
+        persistent_steps = None if persistent_steps is None else [s for s in persistent_steps if s not in gone]
+    bad = {sv.step for v in views for sv in v.steps if sv.unhealthy} | set(persistent_unhealthy)
+    if bad:
+        healthy_views = [_without(v, bad) for v in views]
+        healthy_persisted = None if persistent_steps is None else [s for s in persistent_steps if s not in bad]
+        if any(v.steps for v in healthy_views) or healthy_persisted:
+            try:
+                found = _decide(healthy_views, None, job_id, healthy_persisted)
+            except (ShardUnavailableError, CheckpointNotFoundError):
+                pass  # no healthy step can be restored: the newest restorable one, unhealthy or not
+            else:
+                skipped = tuple(sorted((s for s in bad if s > found.step), reverse=True))
+                return replace(found, skipped_unhealthy=skipped)
+    return _decide(views, None, job_id, persistent_steps)
+
+
+def _without(view: NodeView, steps: set[int]) -> NodeView:
+    return replace(view, steps=tuple(sv for sv in view.steps if sv.step not in steps))
+
+
+def _decide(
+    views: Sequence[NodeView],
+    requested: int | None,
+    job_id: str,
+    persistent_steps: Sequence[int] | None = None,
+) -> RestoreDecision:
+    """:func:`decide` over the steps of ``views`` as they are (health aside)."""
     node_ranks: dict[str, list[int]] = {}
     for v in views:
         node_ranks.setdefault(v.node_id, []).append(v.rank)

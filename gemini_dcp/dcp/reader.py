@@ -58,6 +58,8 @@ from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
 from ..ext import loader as ext_loader
+from ..health.restore import persisted_unhealthy, warn_health
+from ..health.rule import is_healthy
 from ..local.record_types import ShardRef, StepRecord
 from ..node import open_tiers
 from ..options import GeminiOptions, resolve_options
@@ -154,6 +156,8 @@ class GeminiStorageReader(StorageReader):
         self.restored_from: dict[str, int] = tier_bytes(dict.fromkeys(TIERS, 0))
         self.rank_restored_from: dict[str, int] = tier_bytes(dict.fromkeys(TIERS, 0))
         self.restore_seconds: float | None = None
+        # Newer steps this restore passed over because they are unhealthy (gemini_dcp.health), newest first.
+        self.skipped_unhealthy: list[int] = []
 
     # ---- StorageReader API -------------------------------------------------------------
     @property
@@ -234,19 +238,23 @@ class GeminiStorageReader(StorageReader):
         except GeminiError as exc:
             local_error = exc
         persisted: list[int] = []
+        unhealthy: list[int] = []
         if self.persistent is not None and comm.rank == 0:
             persisted = self.persistent.committed_steps()
+            unhealthy = persisted_unhealthy(self.persistent, persisted)
         # One gather: every node's view, and rank 0's list of persisted steps riding along with its own.
-        gathered = comm.all_gather_object((view, persisted))
+        gathered = comm.all_gather_object((view, persisted, unhealthy))
         views = [g[0] for g in gathered]
         persisted = list(gathered[0][1])
+        unhealthy = list(gathered[0][2])
         if local_error is not None:
             raise local_error
         if any(v is None for v in views):
             raise ShardUnavailableError("another rank could not read its tier root; see its error.")
         try:
             decision = decide(  # same result on every rank
-                views, self._requested, self.job_id, persisted if self.persistent is not None else None
+                views, self._requested, self.job_id, persisted if self.persistent is not None else None,
+                persistent_unhealthy=unhealthy,
             )
         except ShardUnavailableError as exc:
             problems = getattr(exc, "problems", ())
@@ -254,6 +262,8 @@ class GeminiStorageReader(StorageReader):
                 raise
             raise unrestorable_error(self.job_id, problems, bool(persisted), self._describe(comm, problems)) from None
         self._local = {}
+        self.skipped_unhealthy = list(decision.skipped_unhealthy)
+        warn_health(decision, views, unhealthy, self._requested, self.job_id, comm.rank)
         self.tier.record_restore(decision.step)  # steps newer here are abandoned: this launch's next save drops them
         if decision.fingerprint is None:
             self._decision, self._record = decision, None
@@ -411,6 +421,7 @@ class GeminiStorageReader(StorageReader):
 
     def _node_view(self, rank: int) -> NodeView:
         steps: list[StepView] = []
+        superseded = self.tier.superseded_steps()  # an abandoned timeline, once the new one committed here
         for step, rec in self.tier.records().items():
             steps.append(
                 StepView(
@@ -421,6 +432,8 @@ class GeminiStorageReader(StorageReader):
                     created_unix=rec.created_unix,
                     complete=rec.complete,
                     parity_lanes=held_lanes(rec),
+                    unhealthy=not is_healthy(rec),
+                    superseded=step in superseded,
                 )
             )
         return NodeView(rank, self.node_id, tuple(steps), tuple(self.tier.other_jobs()), str(self.root))

@@ -106,9 +106,15 @@ class GeminiStorageWriter(StorageWriter):
             optimizers (``fused=True``) or external kernels (docs/incremental.md).
         full_every: with ``incremental``, copy everything every K-th save (bounds what a missed
             change can cost); None: only when the structure changes or after a restart.
+        nonfinite: what a save does with NaN/Inf values, counted in the copy's own pass:
+            ``"mark"`` (default) commits and marks a step holding more of them than the newest
+            healthy step unhealthy (restores pass over it); ``"refuse"`` fails such a save with
+            UnhealthyStateError, nothing committed; ``"ignore"`` skips the check. Default:
+            ``$GEMINI_DCP_NONFINITE``, else ``"mark"`` (docs/health.md).
 
     ``writer.last_save`` (a :class:`gemini_dcp.save.carry.SaveStats`, this rank, the last
-    committed save): ``bytes_written`` copied into the tier, ``bytes_carried`` already held.
+    committed save): ``bytes_written`` copied into the tier, ``bytes_carried`` already held,
+    ``nonfinite`` this rank's ``{fqn: count}`` of the items holding NaN/Inf values.
 
     Steps: each ``checkpoint_id`` is an int step in ``[0, 2**63)``. A step is evicted from
     a node only once every node has committed a newer one: the newest step known committed
@@ -151,6 +157,7 @@ class GeminiStorageWriter(StorageWriter):
         options: GeminiOptions | None = None,
         incremental: bool = False,
         full_every: int | None = None,
+        nonfinite: str = "mark",
     ) -> None:
         super().__init__()
         # Every option is validated before anything is created (tier or persistent directories):
@@ -161,7 +168,7 @@ class GeminiStorageWriter(StorageWriter):
             capacity_bytes=capacity_bytes, timeout_s=timeout_s, on_peer_failure=on_peer_failure,
             persistent=persistent, persist_every=persist_every, persist_keep=persist_keep,
             persist_keep_every=persist_keep_every, parity_group=parity_group, incremental=incremental,
-            full_every=full_every,
+            full_every=full_every, nonfinite=nonfinite,
         )
         cfg = self.options
         ext_loader.preload()  # the extension mapped now, not inside a timed save or restore
@@ -185,6 +192,7 @@ class GeminiStorageWriter(StorageWriter):
         )
         self.commit = CommitProtocol(self.tier, node, self.options)
         self.commit.parity = cfg.peer.parity_group is not None
+        self.commit.nonfinite = cfg.nonfinite  # the health check of each step (gemini_dcp.health)
         self.parity_slots = ParitySlots(self.tier.layout.rank_dir)
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
         self.slot_pool = SlotPool(self.tier, keep=self.options.local.keep, capacity_bytes=self.options.local.capacity_bytes)
@@ -195,6 +203,7 @@ class GeminiStorageWriter(StorageWriter):
         self._delta_token = os.urandom(8).hex()
         self._save_seq = 0
         self.local_writer = LocalWriter(self.slot_pool, carry)  # step 2, with its per-plan programs
+        self.local_writer.count_nonfinite = cfg.nonfinite != "ignore"
         self.last_save: SaveStats | None = None  # this rank's last committed save (bytes written / carried)
         self._pending_save: SaveStats | None = None
         self._planned_total: tuple[SavePlan, int] | None = None  # (plan, its tensor bytes), for _check_space
@@ -471,6 +480,8 @@ class GeminiStorageWriter(StorageWriter):
         done = self.local_writer.write(plan, planner, rank, self._algo, self.hooks.pace)
         self.slot_pool.check_linked(rank, done.slot)  # before the gather: a removed slot fails the save everywhere
         self._pending_save = _save_stats(step, done, self.local_writer)
+        if done.nonfinite:
+            self._pending_save = dataclasses.replace(self._pending_save, nonfinite=dict(done.nonfinite))
         memory = self._replica_memory
         if memory is not None:
             offer = self.local_writer.delta_offer(rank, self._delta_token, self._next_seq())

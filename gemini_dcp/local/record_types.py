@@ -244,6 +244,13 @@ class StepRecord:
     parity: ParityLayout | None = None   # XOR parity of the step (parity_group; gemini_dcp.peer.parity)
     # Incremental saves: (item bytes copied, item bytes carried from the slot) per rank; () = all copied.
     rank_save_bytes: tuple[tuple[int, int], ...] = ()
+    # Health (gemini_dcp.health): (rank, fqn, count) of every item holding NaN/Inf values; whether the
+    # step is healthy (None: not checked, nonfinite="ignore" or an older record: restorable by default).
+    nonfinite: tuple[tuple[int, str, int], ...] = ()
+    healthy: bool | None = None
+    # The timeline the step was saved on: "" before any in-job rollback, else the rollback's id
+    # (LocalTier.note_restore): a step of an abandoned timeline is never restored once one of the new commits.
+    timeline: str = ""
 
     def __setstate__(self, state: Sequence[object]) -> None:
         # Records pickled field by field (before __reduce__ existed) hold fewer fields than
@@ -265,9 +272,8 @@ class StepRecord:
                 _pack_storage_data(meta.storage_data),
                 self.rank_nodes, self.rank_nbytes, self.holders, self.replicas, self.placement, self.slots,
                 self.node_id, self.created_unix, self.complete, self.launch_id, self.launch_description,
-                # trailing optional fields, positional: pickled only when set (older records decode unchanged)
-                *((self.parity, self.rank_save_bytes) if self.rank_save_bytes
-                  else (self.parity,) if self.parity is not None else ()),
+                # trailing optional fields, positional: pickled only up to the last one set (older records decode unchanged)
+                *_trailing(self),
             ),
         )
 
@@ -320,6 +326,17 @@ class StepRecord:
 
 
 _STEP_FIELDS = fields(StepRecord)
+_TRAILING = ("parity", "rank_save_bytes", "nonfinite", "healthy", "timeline")
+_TRAILING_DEFAULTS = (None, (), (), None, "")
+
+
+def _trailing(rec: StepRecord) -> tuple[object, ...]:
+    """The trailing optional fields of ``rec`` up to the last one not at its default."""
+    values = tuple(getattr(rec, name) for name in _TRAILING)
+    n = len(values)
+    while n and values[n - 1] == _TRAILING_DEFAULTS[n - 1] and (values[n - 1] is not False):
+        n -= 1
+    return values[:n]
 
 
 _PACKED = "gemini_dcp.shardrefs.v1"

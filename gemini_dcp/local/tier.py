@@ -9,6 +9,7 @@ records.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from ..core.config import resolve_job_id, resolve_root
 from ..core.launch import LaunchInfo
-from ..errors import ChecksumMismatchError, GeminiError, TierRootError
+from ..errors import ChecksumMismatchError, GeminiError, TierFullError, TierRootError
 from ..options.local import root_from_env
 from .job_dir import (
     JobLayout,
@@ -167,6 +168,9 @@ class LocalTier:
         protected.update(sorted(after_g)[-(keep - 1):] if keep > 1 else [])
         if step is None:  # no save context: the newest ``keep`` steps, as before
             protected = set(sorted(records)[-keep:])
+        healthy = newest_healthy(records, step)
+        if healthy is not None and any(s > healthy and records[s].healthy is False for s in below):
+            protected.add(healthy)  # never overwritten for the unhealthy steps after it (gemini_dcp.health)
         holding: dict[int, list[int]] = {}
         for s, rec in records.items():
             slot = rec.slot_of(rank)
@@ -191,8 +195,13 @@ class LocalTier:
             return (3, newest)
 
         slot = min(range(keep + 1), key=lambda i: (cost(i), i))
-        if cost(slot)[0] == 9:  # cannot happen: at most ``keep`` of keep + 1 slots are protected
-            raise AssertionError(f"rank {rank}: every slot holds a protected step {sorted(protected)}")
+        if cost(slot)[0] == 9:  # only with the newest healthy step protected besides the ``keep`` others
+            raise TierFullError(
+                f"rank {rank}: every one of the {keep + 1} slots holds a step that must stay ({sorted(protected)}: "
+                f"the newest step committed everywhere, the newest {keep} and the newest healthy step {healthy}); "
+                "this save would evict the only healthy step after unhealthy ones. Roll back to it (dcp.load with "
+                "checkpoint_id) or raise keep."
+            )
         if cost(slot)[0] == 8:
             log.warning(
                 "rank %s: every free slot is held by a persistent drain still reading it; reusing slot %s "
@@ -214,7 +223,8 @@ class LocalTier:
         return self.layout.slot_path(rank, slot)
 
     # ---- retention -----------------------------------------------------------------------
-    def retain(self, keep: int, newest: int, global_step: int | None = None, launch_id: str | None = None) -> list[int]:
+    def retain(self, keep: int, newest: int, global_step: int | None = None, launch_id: str | None = None,
+               healthy_step: int | None = None) -> list[int]:
         """Evict records after ``newest`` was committed on this node; returns the evicted steps.
 
         Kept: ``newest``, the newest ``keep`` steps up to it, and ``global_step`` (G, the
@@ -223,16 +233,20 @@ class LocalTier:
         only when a restore in launch ``launch_id`` abandoned them (:meth:`note_restore`):
         the job went back to an older step and saves a new timeline. Otherwise they are kept
         (another launch's steps are never deleted just because this one saves older steps).
+        ``healthy_step``, the newest healthy step (:mod:`gemini_dcp.health`), is kept however many
+        unhealthy steps follow it.
         """
         evicted: list[int] = []
         steps = self.steps()
         abandoned = self.abandoned_steps(launch_id) if launch_id is not None else set()
+        timeline = self.timeline(launch_id) if abandoned and launch_id is not None else ""
         for step in steps:
             # An abandoned step is dropped wherever it sits (even below ``newest``: a restart must
-            # never fall back into the abandoned timeline), unless this launch saved it anew.
+            # never fall back into the abandoned timeline), unless this launch saved it anew on its timeline.
             if step in abandoned and step != newest and step != global_step:
                 rec = self.record(step)
-                if (rec is None or rec.launch_id != launch_id) and self.delete_record(step):
+                anew = rec is not None and rec.launch_id == launch_id and rec.timeline == timeline
+                if not anew and self.delete_record(step):
                     evicted.append(step)
         steps = [s for s in steps if s not in evicted]
         newer = [s for s in steps if s > newest]
@@ -246,7 +260,7 @@ class LocalTier:
             )
         remaining = [s for s in steps if s <= newest]
         for step in remaining[:-keep] if keep < len(remaining) else []:
-            if step != newest and step != global_step and self.delete_record(step):
+            if step != newest and step != global_step and step != healthy_step and self.delete_record(step):
                 evicted.append(step)
         return evicted
 
@@ -260,7 +274,14 @@ class LocalTier:
         Called by the reader on every rank; idempotent.
         """
         newer = [s for s in self.steps() if s > step]
-        data = {"step": int(step), "launch_id": launch.launch_id, "launch": launch.description, "abandoned": newer}
+        # The new timeline's id: the same for every rank of this node (the same records), another for
+        # each rollback (the abandoned records differ: their creation times and timelines).
+        seen = [(s, r.created_unix, r.timeline) for s in newer if (r := self.record(s)) is not None]
+        timeline = hashlib.sha256(repr((launch.launch_id, int(step), seen)).encode()).hexdigest()[:16] if newer else ""
+        if not newer:  # nothing abandoned: this launch stays on the timeline it saves on
+            timeline = self.timeline(launch.launch_id)
+        data = {"step": int(step), "launch_id": launch.launch_id, "launch": launch.description, "abandoned": newer,
+                "timeline": timeline}
         blob = json.dumps(data, sort_keys=True).encode()
         path = self.layout.job_dir / RESTORE_MARKER
         try:
@@ -282,17 +303,50 @@ class LocalTier:
 
     def abandoned_steps(self, launch_id: str) -> set[int]:
         """Steps a restore in ``launch_id`` abandoned (empty without such a restore)."""
+        data = self._restore_marker()
+        if data is None or data.get("launch_id") != launch_id:
+            return set()
+        return {int(s) for s in data.get("abandoned", []) if isinstance(s, int)}
+
+    def timeline(self, launch_id: str | None) -> str:
+        """The timeline launch ``launch_id`` saves on: the id of its last restore that abandoned newer
+        steps (:meth:`note_restore`), else "" (recorded in each step record it commits)."""
+        data = self._restore_marker()
+        if data is None or launch_id is None or data.get("launch_id") != launch_id:
+            return ""
+        return str(data.get("timeline", ""))
+
+    def superseded_steps(self) -> set[int]:
+        """Steps of an abandoned timeline, once a step of the new timeline committed on this node:
+        never restored by default (eviction removes them first)."""
+        data = self._restore_marker()
+        if data is None or not data.get("abandoned"):
+            return set()
+        launch, timeline = data.get("launch_id"), str(data.get("timeline", ""))
+        records = self.records()
+
+        def anew(rec: StepRecord) -> bool:
+            return rec.launch_id == launch and rec.timeline == timeline
+
+        if not any(anew(rec) and s > int(data.get("step", -1)) for s, rec in records.items()):
+            return set()
+        return {int(s) for s in data["abandoned"] if isinstance(s, int) and s in records and not anew(records[s])}
+
+    def newest_healthy(self, upto: int | None = None) -> int | None:
+        """The newest step (at most ``upto``) whose record is healthy and checked (None: none)."""
+        records = {s: r for s in self.steps() if (upto is None or s <= upto) and (r := self.record(s)) is not None}
+        return newest_healthy(records, None if upto is None else upto + 1)
+
+    def _restore_marker(self) -> dict[str, object] | None:
         path = self.layout.job_dir / RESTORE_MARKER
         try:
             data = json.loads(read_private_bytes(path))
         except FileNotFoundError:
-            return set()
+            return None
         except (OSError, ValueError, GeminiError) as exc:
             _warn_once(str(path), "ignoring unreadable restore marker %s: %s", path, exc)
-            return set()
-        if not isinstance(data, dict) or data.get("launch_id") != launch_id:
-            return set()
-        return {int(s) for s in data.get("abandoned", []) if isinstance(s, int)}
+            return None
+        return data if isinstance(data, dict) else None
 
     def usage_bytes(self) -> int:
         total = 0
@@ -310,6 +364,12 @@ class LocalTier:
 
     def other_jobs(self) -> list[str]:
         return [j for j in list_jobs(self.root) if j != self.job_id]
+
+
+def newest_healthy(records: dict[int, StepRecord], below: int | None) -> int | None:
+    """The newest step below ``below`` among ``records`` that a health check passed (None: none)."""
+    good = [s for s, r in records.items() if (below is None or s < below) and r.healthy]
+    return max(good) if good else None
 
 
 def _not_abandoned(tier: LocalTier, steps: list[int]) -> list[int]:

@@ -100,6 +100,10 @@ class StepInfo:
     bytes_carried: int | None = None
     rank_bytes_written: list[int] = field(default_factory=list)
     rank_bytes_carried: list[int] = field(default_factory=list)
+    # The save's health check (gemini_dcp.health): "healthy" | "unhealthy" | "unchecked"; and
+    # [rank, fqn, count] of every item holding NaN/Inf values.
+    health: str = "unchecked"
+    nonfinite: list[list[Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,9 +124,16 @@ class JobInfo:
         ok = [s.step for s in self.steps if s.restorable != "no"]
         return max(ok) if ok else None
 
+    @property
+    def newest_healthy(self) -> int | None:
+        """The step a restore picks by default: the newest restorable one not marked unhealthy."""
+        ok = [s.step for s in self.steps if s.restorable != "no" and s.health != "unhealthy"]
+        return max(ok) if ok else None
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
         d["newest_restorable"] = self.newest_restorable
+        d["newest_healthy"] = self.newest_healthy
         d["steps"] = [s.to_dict() for s in self.steps]
         return d
 
@@ -160,6 +171,9 @@ def _step_info(layout: JobLayout, step: int, persisted: set[int] | None, now: fl
     info.age_s = max(0.0, now - rec.created_unix)
     info.parity = parity_info(layout, rec)
     _save_bytes(info, rec)
+    healthy = getattr(rec, "healthy", None)
+    info.health = "unchecked" if healthy is None else ("healthy" if healthy else "unhealthy")
+    info.nonfinite = [list(c) for c in getattr(rec, "nonfinite", ())]
     extent = rank_extent(rec)
     present: set[int] = set()
     short: list[str] = []

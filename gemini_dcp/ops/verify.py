@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Literal
 from ..core.chunk_sink import check_chunk
 from ..core.config import resolve_job_id, resolve_root
 from ..errors import CheckpointNotFoundError, ChecksumMismatchError, GeminiError, StepNotFoundError, TierRootError
+from ..health.count import count_bytes, kind_of_name
 from ..local.job_dir import JobLayout
 from ..local.job_files import open_job, read_record_or_reason
 from ..local.slots import ReadOnlySlot
@@ -38,6 +39,7 @@ class ItemCheck:
     nbytes: int
     status: ItemStatus
     detail: str = ""
+    nonfinite: int = 0   # NaN/Inf values of a float item held in memory (gemini_dcp.health)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -67,9 +69,20 @@ class VerifyReport:
         c = self.counts
         return c["bad"] == 0 and c["missing"] == 0
 
+    @property
+    def nonfinite(self) -> dict[int, dict[str, int]]:
+        """``{step: {fqn: NaN/Inf values}}`` of the items holding any (memory items, summed over chunks)."""
+        out: dict[int, dict[str, int]] = {}
+        for it in self.items:
+            if it.nonfinite:
+                per = out.setdefault(it.step, {})
+                per[it.fqn] = per.get(it.fqn, 0) + it.nonfinite
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {"root": self.root, "job_id": self.job_id, "steps": self.steps, "ok": self.ok,
                 "counts": self.counts, "bytes_checked": self.bytes_checked, "seconds": self.seconds,
+                "nonfinite": {str(s): v for s, v in self.nonfinite.items()},
                 "items": [i.to_dict() for i in self.items]}
 
 
@@ -96,7 +109,7 @@ def _memory_checks(layout: JobLayout, step: int) -> list[tuple[ItemCheck, Callab
         check = ItemCheck(step, "memory", idx.fqn, _offset(idx), ref.rank, ref.length, "ok")
         what = f"shard {idx.fqn!r} (offset {tuple(idx.offset or ())}) of step {step}, saved by rank {ref.rank}"
 
-        def run(ref: Any = ref, path: Path = path, what: str = what) -> tuple[ItemStatus, str]:
+        def run(ref: Any = ref, path: Path = path, what: str = what, check: ItemCheck = check) -> tuple[ItemStatus, str]:
             if path not in maps:
                 try:
                     maps[path] = ReadOnlySlot(path)
@@ -112,6 +125,7 @@ def _memory_checks(layout: JobLayout, step: int) -> list[tuple[ItemCheck, Callab
                             what=what, sources=f"slot file {path.parent.name}/{path.name} @ {ref.offset}")
             except ChecksumMismatchError as exc:
                 return "bad", str(exc)
+            check.nonfinite = count_bytes(m.view(ref.offset, ref.length), kind_of_name(ref.dtype))
             return "ok", ""
 
         out.append((check, run))

@@ -8,6 +8,8 @@
   :func:`resolve_options` (the writer's and reader's ``options=`` merged with their keywords: the
   keywords are shorthand that build the tree; ``writer.options`` / ``reader.options`` is the tree).
 - :mod:`~gemini_dcp.options.incremental` — :class:`IncrementalOptions` (``incremental``, ``full_every``).
+- :mod:`~gemini_dcp.options.health` — ``nonfinite`` (``"mark"`` / ``"refuse"`` / ``"ignore"``, ``GEMINI_DCP_NONFINITE``):
+  what a save does with NaN/Inf values (docs/health.md); a field of :class:`GeminiOptions`.
 - :mod:`~gemini_dcp.options.faults` — the fault-injection test hooks.
 
 The extension's variables (``GEMINI_DCP_EXT*``, ``GEMINI_DCP_CUDA_EXT``) are read by

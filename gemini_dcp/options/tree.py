@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .checks import DEFAULT_TIMEOUT_S, check_timeout
+from .health import NonfiniteMode, check_nonfinite, nonfinite_from_env
 from .incremental import IncrementalOptions
 from .local import LocalOptions
 from .peer import PeerOptions
@@ -37,6 +38,7 @@ KEYWORDS: dict[str, tuple[str | None, str]] = {
     "incremental": ("incremental", "enabled"),
     "full_every": ("incremental", "full_every"),
     "timeout_s": (None, "timeout_s"),
+    "nonfinite": (None, "nonfinite"),
     "persistent": ("persistent", "url"),
     "persist_every": ("persistent", "every"),
     "persist_keep": ("persistent", "keep"),
@@ -55,6 +57,9 @@ class GeminiOptions:
     persistent: PersistentOptions = field(default_factory=PersistentOptions)
     incremental: IncrementalOptions = field(default_factory=IncrementalOptions)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: What a save does with NaN/Inf values: "mark" (default), "refuse" or "ignore"
+    #: (:mod:`gemini_dcp.options.health`; ``GEMINI_DCP_NONFINITE``).
+    nonfinite: NonfiniteMode = "mark"
 
     def __post_init__(self) -> None:
         for name, kind in (("local", LocalOptions), ("peer", PeerOptions), ("persistent", PersistentOptions),
@@ -62,6 +67,7 @@ class GeminiOptions:
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: give a {kind.__name__}.")
         check_timeout(self.timeout_s)
+        check_nonfinite(self.nonfinite)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **keywords: Any) -> "GeminiOptions":
@@ -73,6 +79,7 @@ class GeminiOptions:
             peer=PeerOptions.from_env(environ),
             persistent=PersistentOptions.from_env(environ),
             incremental=IncrementalOptions.from_env(environ),
+            nonfinite=nonfinite_from_env(environ),
         )
         return base.with_keywords(**keywords)
 
@@ -133,6 +140,8 @@ def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> Gemini
     if options is None:
         # The drain settings matter (and a bad one fails) only where there is a store to drain to.
         drain = DrainOptions.from_env() if keywords.get("persistent") is not None else DrainOptions()
+        if keywords.get("nonfinite", "mark") == "mark":  # left at its default: the environment's
+            keywords = {**keywords, "nonfinite": nonfinite_from_env()}
         return GeminiOptions(persistent=PersistentOptions(drain=drain)).with_keywords(**keywords)
     if not isinstance(options, GeminiOptions):
         raise ConfigError(

@@ -68,6 +68,7 @@ from ..core.regular_file import open_regular
 from ..errors import ChecksumMismatchError, ConfigError, PersistentTierError, StepNotFoundError
 from ..local.record_types import ShardRef
 from ..options.checks import check_timeout
+from .health_file import read_health
 from .item_payload import ItemWindow, MappedFile, ReadAt, flat_bytes, payload_layout, read_exact, read_hashing
 from .side_files import (
     INDEX,
@@ -345,8 +346,18 @@ class PersistentTier:
             pass
         self._meta_cache.pop(step, None)
 
+    def unhealthy_steps(self, steps: Iterable[int]) -> list[int]:
+        """Those of ``steps`` whose drain stored them marked unhealthy (:mod:`.health_file`)."""
+        out = []
+        for s in steps:
+            data = read_health(self.step_dir(s))
+            if data is not None and not data["healthy"]:
+                out.append(s)
+        return out
+
     def apply_retention(self, protect: Iterable[int] = ()) -> list[int]:
-        """Keep the newest ``keep`` complete steps and every ``keep_every``-th; never the newest complete one.
+        """Keep the newest ``keep`` complete steps and every ``keep_every``-th; never the newest complete one,
+        nor the newest healthy one while unhealthy steps follow it (:mod:`gemini_dcp.health`).
 
         Incomplete step directories older than the newest complete step, and not
         in ``protect`` (still being drained), are leftovers of abandoned drains
@@ -361,6 +372,10 @@ class PersistentTier:
         if self.keep_every:
             keep |= {s for s in complete if s % self.keep_every == 0}
         keep.add(newest)
+        for s in reversed(complete):  # the newest healthy step stays restorable behind unhealthy ones
+            if not self.unhealthy_steps([s]):
+                keep.add(s)
+                break
         protect = set(protect)
         deleted = []
         for s in steps:

@@ -61,7 +61,8 @@ class SaveStats:
     ``bytes_written``: item bytes this rank copied into the tier for the step;
     ``bytes_carried``: item bytes the step's slot already held (referenced, not copied);
     ``full``: nothing was carried; ``reason``: why a save copied everything (or "incremental");
-    ``rows_written`` / ``rows_total``: rows of sharded embedding tables written / held (row deltas).
+    ``rows_written`` / ``rows_total``: rows of sharded embedding tables written / held (row deltas);
+    ``nonfinite``: ``{fqn: count}`` of this rank's items holding NaN/Inf values (empty: none, or not counted).
     """
 
     step: int
@@ -74,6 +75,7 @@ class SaveStats:
     slot: int
     rows_written: int = 0  # rows of sharded embedding tables written (row deltas)
     rows_total: int = 0  # rows of those tables in the step
+    nonfinite: dict[str, int] = dataclasses.field(default_factory=dict)  # {fqn: NaN/Inf values} of items with any
 
     def __post_init__(self) -> None:
         if min(self.bytes_written, self.bytes_carried, self.items_written, self.items_carried, self.rows_written,

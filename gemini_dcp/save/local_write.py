@@ -44,6 +44,7 @@ from ..commit.protocol import LocalWrite
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
+from ..health.count import copy_checksum_count, copy_group_counted, count_bytes, count_nonfinite, kind_of, kinds_of
 from ..local.record_types import ShardRef
 from .batch_copy import copy_group, fused_available
 from .carry import CarryPlan, CarryTracker, note_plain_write
@@ -91,6 +92,7 @@ class LocalWriter:
         # (the last write's carry plan, item sizes, the row deltas of its tables by item position)
         self.last_carry: tuple[CarryPlan, list[int], dict[int, RowDelta]] | None = None
         self.device_copier = DeviceCopier()  # CUDA tensors: chunked D2H into the page-locked slot
+        self.count_nonfinite = True  # count each float item's NaN/Inf in the copy (nonfinite != "ignore")
 
     def write(self, plan: SavePlan, planner: SavePlanner, rank: int, algo: str, pace: Pacer | None) -> LocalWrite:
         """Copy ``plan``'s items into a slot of ``rank`` and checksum them (local work)."""
@@ -140,10 +142,15 @@ class LocalWriter:
                 note_plain_write(slot)
             skip = plan_c.carry if plan_c is not None and plan_c.any else None
             deltas: dict[int, RowDelta] = {}
+            # Fused with the copy where it can; an incremental save counts every item in the slot after it.
+            counts = [0] * len(entries) if self.count_nonfinite and skip is None else None
             try:
                 sums = self._copy(prog, prog.dsts(slot_idx, slot.tensor), entries, sizes, slot, algo, pace,
                                   self.device_copier, skip,
-                                  plan_c.rows if skip is not None and plan_c is not None else None, deltas, slot_idx)
+                                  plan_c.rows if skip is not None and plan_c is not None else None, deltas, slot_idx,
+                                  counts=counts)
+                if self.count_nonfinite and counts is None:
+                    counts = _count_in_slot(prog, entries, sizes, slot)
             finally:
                 self.device_copier.wait()  # CUDA items: every queued device-to-host piece is in the slot
             if plan_c is not None:
@@ -160,7 +167,8 @@ class LocalWriter:
             carried += sum(sizes[i] - rd.bytes_written for i, rd in deltas.items())
             save_bytes = (sum(sizes) - carried, carried)
         return LocalWrite(slot=slot_idx, results=WriteResults(prog, sizes, sums), nbytes=total, checksums=tuple(sums),
-                          template=prog, byte_spans=byte_spans, save_bytes=save_bytes, item_bytes=sum(sizes))
+                          template=prog, byte_spans=byte_spans, save_bytes=save_bytes, item_bytes=sum(sizes),
+                          nonfinite=_by_fqn(prog, counts))
 
     def delta_offer(self, rank: int, token: str, seq: int) -> tuple[Any, ...] | None:
         """The last write's offer for delta replication (``peer.delta``), as save ``seq`` of writer ``token``."""
@@ -243,10 +251,11 @@ class LocalWriter:
     def _copy(prog: Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int], slot: Any,
               algo: str, pace: Pacer | None, device_copier: DeviceCopier, skip: list[bool] | None = None,
               rows: list[int] | None = None, deltas: dict[int, RowDelta] | None = None,
-              slot_idx: int | None = None) -> list[int]:
+              slot_idx: int | None = None, counts: list[int] | None = None) -> list[int]:
         """Copy and checksum every item, but those ``skip`` marks (already in the slot: incremental saves);
         of the tables ``rows`` marks, only the rows that differ from the slot's (their deltas into ``deltas``).
-        The groups go through :func:`gemini_dcp.save.batch_copy.copy_group` (fused per item when it can)."""
+        The groups go through :func:`gemini_dcp.save.batch_copy.copy_group` (fused per item when it can).
+        ``counts`` (a full copy only): each item's non-finite values, counted in the same pass."""
         if skip is not None:
             return _copy_changed(prog, dsts, entries, sizes, slot, algo, pace, skip, device_copier, rows, deltas)
         sums = [0] * len(entries)
@@ -263,18 +272,33 @@ class LocalWriter:
             for g, g_dsts, (a, b) in zip(prog.groups, dsts, prog.ranges):
                 if pace is not None:
                     pace(g.nbytes)
-                got = copy_group(
-                    g_dsts, g.getter(entries), dst_bytes=None if dst_bytes is None else dst_bytes[a:b],
-                    src_bytes=None if src_bytes is None else src_bytes[a:b], slot_view=view, spans=g.spans, hasher=hasher,
-                )
+                if counts is not None:
+                    got, got_counts = copy_group_counted(
+                        g_dsts, g.getter(entries), kinds_of(g.dtypes),
+                        dst_bytes=None if dst_bytes is None else dst_bytes[a:b],
+                        src_bytes=None if src_bytes is None else src_bytes[a:b], slot_view=view, spans=g.spans,
+                        hasher=hasher,
+                    )
+                    for i, c in zip(g.pos, got_counts):
+                        counts[i] = c
+                else:
+                    got = copy_group(
+                        g_dsts, g.getter(entries), dst_bytes=None if dst_bytes is None else dst_bytes[a:b],
+                        src_bytes=None if src_bytes is None else src_bytes[a:b], slot_view=view, spans=g.spans,
+                        hasher=hasher,
+                    )
                 for i, c in zip(g.pos, got):
                     sums[i] = c
                 done += len(g.pos)
                 if done >= half > done - len(g.pos):
                     fault_point("save.mid_copy")
             for i in prog.single:
-                sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block, pace,
-                                    device_copier)
+                if counts is not None:
+                    sums[i], counts[i] = _copy_one_counted(entries[i], slot, prog.offsets[i], sizes[i],
+                                                           prog.templates[i].algo, prog.block, pace, device_copier)
+                else:
+                    sums[i] = _copy_one(entries[i], slot, prog.offsets[i], sizes[i], prog.templates[i].algo, prog.block,
+                                        pace, device_copier)
                 done += 1
                 if done == half:
                     fault_point("save.mid_copy")
@@ -376,3 +400,41 @@ def _copy_one(t: torch.Tensor, slot: Any, offset: int, n: int, algo: str, block:
     dst.view(t.dtype).view(t.shape).copy_(t)
     return checksum(dst, algo)
 
+
+
+def _copy_one_counted(t: torch.Tensor, slot: Any, offset: int, n: int, algo: str, block: int, pace: Pacer | None,
+                      device_copier: DeviceCopier) -> tuple[int, int]:
+    """:func:`_copy_one` plus the item's non-finite values: (checksum, count). A CPU item is counted in
+    the copy's own pass (:func:`gemini_dcp.health.count.copy_checksum_count`); a CUDA item on the device."""
+    kind = kind_of(t.dtype)
+    if t.is_cuda or not kind:
+        count = count_nonfinite(t) if kind and n else 0
+        return _copy_one(t, slot, offset, n, algo, block, pace, device_copier), count
+    src = as_bytes(t)
+    if src is None:
+        value = _copy_one(t, slot, offset, n, algo, block, pace, device_copier)
+        return value, count_bytes(slot.view(offset, n), kind)
+    return copy_checksum_count(slot.view(offset, n), src, algo, kind, block, pace)
+
+
+def _count_in_slot(prog: Program, entries: list[Any], sizes: list[int], slot: Any) -> list[int]:
+    """Every float item's non-finite values, counted over its bytes in ``slot`` (a save that
+    carried or row-patched items: what the slot holds for the step)."""
+    counts = [0] * len(entries)
+    for i in prog.tensor_pos:
+        kind = kind_of(entries[i].dtype)
+        if kind and sizes[i]:
+            counts[i] = count_bytes(slot.view(prog.offsets[i], sizes[i]), kind)
+    return counts
+
+
+def _by_fqn(prog: Program, counts: list[int] | None) -> tuple[tuple[str, int], ...]:
+    """``(fqn, count)`` of the items holding non-finite values (chunks of one FQN summed)."""
+    if counts is None or not any(counts):
+        return ()
+    out: dict[str, int] = {}
+    for i, c in enumerate(counts):
+        if c:
+            fqn = prog.fqns[i]
+            out[fqn] = out.get(fqn, 0) + c
+    return tuple(out.items())

@@ -36,6 +36,7 @@ from ...local.record_codec import read_record
 from ...local.record_types import StepRecord
 from ...local.slot_holds import holds_intact, release_holds
 from ...options.persistent import DrainOptions
+from ..health_file import write_health
 from ..side_files import SIDE_FILE_GLOBALS, PartMarker, node_tag
 from ..stock_format import items_of_record, try_finalize, write_rank_file
 from ..store import PersistentTier
@@ -212,6 +213,7 @@ class Uploader:
                 return False
             record = fresh
         ptier = self._tier(req)
+        write_health(ptier.step_dir(step), record)  # beside the stock layout, before .metadata (the commit)
         ok, _missing = try_finalize(
             ptier.step_dir(step), step, record.metadata, req.fingerprint, list(record.metadata.storage_data),
             req.store.job_id, prefer_node=dict(enumerate(record.rank_nodes)),

@@ -1,0 +1,145 @@
+"""Counting the non-finite values (NaN, +-Inf) of a save's items, in the save's own pass.
+
+A save reads every byte of every item once, to copy and checksum it into the tier
+(:mod:`gemini_dcp.save.local_write`). The count rides that pass:
+
+- CPU with the C++ extension and ``crc32c``: ``copy_crc32c_count`` copies, checksums and counts
+  in one pass (each 64 KiB block is counted from the source, then copied and checksummed while
+  it is in cache);
+- otherwise (no extension, ``xxh3``, incremental saves, pickled layouts): the item's bytes in the
+  slot are counted right after the copy, by the extension's ``count_nonfinite`` when it loads,
+  else by a vectorized torch expression (``GEMINI_DCP_EXT=0``);
+- CUDA items are counted on the device, before their device-to-host copy (one reduction per item).
+
+A value is non-finite when its exponent bits are all ones; a ``kind`` names the float layout
+(:data:`KINDS`). Integer, bool and float8 items are not counted (kind 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..core.checksum import copy_and_checksum
+from ..ext import loader as ext_loader
+
+__all__ = ["KINDS", "count_bytes", "count_nonfinite", "copy_checksum_count", "copy_group_counted", "kind_of",
+           "kind_of_name", "kinds_of"]
+
+#: dtype -> kind of the extension's counting ops: 1 float32, 2 float64, 3 float16, 4 bfloat16
+#: (complex items count their real and imaginary parts).
+KINDS: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
+    torch.complex64: 1, torch.complex128: 2, torch.complex32: 3,
+}
+_DTYPE_OF_KIND = {1: torch.float32, 2: torch.float64, 3: torch.float16, 4: torch.bfloat16}
+_ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2}
+
+
+def kind_of(dtype: torch.dtype) -> int:
+    """The counting kind of ``dtype`` (0: not counted)."""
+    return KINDS.get(dtype, 0)
+
+
+_GROUP_KINDS: dict[int, tuple[list[torch.dtype], list[int]]] = {}
+
+
+def kinds_of(dtypes: list[torch.dtype]) -> list[int]:
+    """The kinds of a copy group's ``dtypes`` (the same list object save after save: computed once)."""
+    hit = _GROUP_KINDS.get(id(dtypes))
+    if hit is not None and hit[0] is dtypes:
+        return hit[1]
+    kinds = [KINDS.get(dt, 0) for dt in dtypes]
+    if len(_GROUP_KINDS) >= 4096:
+        _GROUP_KINDS.clear()
+    _GROUP_KINDS[id(dtypes)] = (dtypes, kinds)  # holds the list: its id stays its own
+    return kinds
+
+
+def kind_of_name(name: str | None) -> int:
+    """The counting kind of a recorded dtype name (``ShardRef.dtype``: ``"float32"``; 0: not counted)."""
+    dtype = getattr(torch, name, None) if name else None
+    return KINDS.get(dtype, 0) if isinstance(dtype, torch.dtype) else 0
+
+
+def _torch_count(t: torch.Tensor) -> int:
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return int(t.numel() - int(torch.isfinite(t).sum()))
+
+
+def count_bytes(buf: torch.Tensor, kind: int) -> int:
+    """Non-finite values of ``kind`` in ``buf`` (flat uint8 CPU bytes, whole values)."""
+    n = buf.numel()
+    if not kind or not n:
+        return 0
+    if ext_loader.load():
+        return int(torch.ops.gemini_dcp.count_nonfinite(buf, kind, 1))
+    size = _ITEMSIZE[kind]
+    return _torch_count(buf[: n - n % size].view(_DTYPE_OF_KIND[kind]))
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """Non-finite values of any tensor (CPU or CUDA, any layout); 0 for a non-float dtype."""
+    kind = kind_of(t.dtype)
+    if not kind or not t.numel():
+        return 0
+    if t.device.type == "cpu" and t.is_contiguous() and not t.is_quantized and t.layout is torch.strided:
+        return count_bytes(t.reshape(-1).view(torch.uint8), kind)
+    return _torch_count(t.detach())
+
+
+def copy_checksum_count(
+    dst: torch.Tensor, src: torch.Tensor, algo: str, kind: int, block: int, pace: Callable[[int], None] | None
+) -> tuple[int, int]:
+    """:func:`gemini_dcp.core.checksum.copy_and_checksum` of ``src`` (flat uint8) into ``dst``, plus the
+    count of ``src``'s non-finite values of ``kind``: (checksum, count), in one pass where it can."""
+    if kind and algo == "crc32c" and ext_loader.load():
+        op = torch.ops.gemini_dcp.copy_crc32c_count
+        if pace is None:
+            crc, cnt = op(dst, src, kind, 0, 0)
+            return int(crc), int(cnt)
+        n, value, total = src.numel(), 0, 0
+        for start in range(0, n, block):
+            m = min(block, n - start)
+            pace(m)
+            value, cnt = op(dst[start : start + m], src[start : start + m], kind, 1, value)
+            total += int(cnt)
+        return int(value), total
+    value = copy_and_checksum(dst, src, algo, block, pace=pace)
+    return value, count_bytes(dst, kind)
+
+
+_ONES = [1] * 4096
+_ZEROS = [0] * 4096
+
+
+def copy_group_counted(
+    dsts: list[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    kinds: list[int],
+    *,
+    dst_bytes: list[torch.Tensor] | None,
+    src_bytes: list[torch.Tensor] | None,
+    slot_view: memoryview,
+    spans: list[tuple[int, int]],
+    hasher: Callable[[Any], int],
+) -> tuple[list[int], list[int]]:
+    """:func:`gemini_dcp.save.batch_copy.copy_group` that also counts each item's non-finite values:
+    (checksums, counts). Fused (``copy_crc32c_count`` per item) when both byte-view lists are given
+    and the extension loads; else one ``torch._foreach_copy_``, ``hasher`` and a count per item."""
+    if dst_bytes is not None and src_bytes is not None and ext_loader.load():
+        op = torch.ops.gemini_dcp.copy_crc32c_count
+        pairs = list(map(op, dst_bytes, src_bytes, kinds, _ONES[: len(kinds)] if len(kinds) <= 4096 else [1] * len(kinds),
+                         _ZEROS[: len(kinds)] if len(kinds) <= 4096 else [0] * len(kinds)))
+        got_sums, got_counts = zip(*pairs) if pairs else ((), ())
+        return list(got_sums), list(got_counts)
+    torch._foreach_copy_(dsts, list(srcs))
+    sums = [hasher(slot_view[o : o + n]) for o, n in spans]
+    counts = [0] * len(dsts)
+    for j, (k, d) in enumerate(zip(kinds, dsts)):
+        if k:
+            counts[j] = count_bytes(d.reshape(-1).view(torch.uint8), k)
+    return sums, counts
