@@ -12,15 +12,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from integration_runs import REPO, assert_same_final, launch, losses
+
 SCRIPT = REPO / "examples" / "accelerate_resume.py"
 STEPS, FAIL_AT = 8, 5
 
@@ -38,28 +37,11 @@ def tier_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def launch(root: Path, job: str, out: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc-per-node 2`` of an example script; the output folder gets ``losses`` and ``final.pt``."""
-    env = dict(os.environ, GEMINI_DCP_ROOT=str(root), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *args,
-           "--loss-log", str(out / "losses"), "--dump-final", str(out / "final.pt")]
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=240, cwd=REPO)
-
-
-def losses(out: Path) -> dict[int, str]:
-    """``step -> loss.hex()``; a step logged twice (before the kill and after the resume) keeps its last line."""
-    return {int(s): v for s, v in (line.split() for line in (out / "losses").read_text().splitlines())}
-
-
 def test_accelerate_kill_and_resume_bit_exact(tmp_path: Path, tier_root: Path) -> None:
-    import torch
-
-    ref = launch(tier_root, "acc-ref", tmp_path / "ref", str(SCRIPT), "--job-id", "acc-ref", "--steps", str(STEPS))
+    """torchrun restarts the group in place (``--max-restarts 1``) after the SIGKILL."""
+    ref = launch(tier_root, tmp_path / "ref", str(SCRIPT), "--job-id", "acc-ref", "--steps", str(STEPS))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    run = launch(tier_root, "acc-kill", tmp_path / "kill", str(SCRIPT), "--job-id", "acc-kill", "--steps", str(STEPS),
+    run = launch(tier_root, tmp_path / "kill", str(SCRIPT), "--job-id", "acc-kill", "--steps", str(STEPS),
                  "--fail-at-step", str(FAIL_AT), restarts=1)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-6000:]
@@ -68,7 +50,4 @@ def test_accelerate_kill_and_resume_bit_exact(tmp_path: Path, tier_root: Path) -
     got, want = losses(tmp_path / "kill"), losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, STEPS + 1))  # the step counter continues where the checkpoint was
     assert got == want
-    a, b = torch.load(tmp_path / "kill" / "final.pt"), torch.load(tmp_path / "ref" / "final.pt")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_final(tmp_path / "kill", tmp_path / "ref")
