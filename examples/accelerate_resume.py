@@ -1,6 +1,7 @@
 """An Accelerate training loop checkpointed every step into gemini_dcp's tiers, resumed after a failure.
 
-    torchrun --nproc-per-node 2 --max-restarts 1 examples/accelerate_resume.py --job-id demo --steps 12 --fail-at-step 7
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 \
+        examples/accelerate_resume.py --job-id demo --steps 12 --fail-at-step 7
 
 CPU, DDP over gloo (Accelerate's MULTI_CPU); a model with dropout, AdamW and a LambdaLR schedule, so that
 the resumed run matches an uninterrupted one only if the model, optimizer, schedule, step and every
@@ -28,10 +29,12 @@ from accelerate import Accelerator
 
 from gemini_dcp.integrations.accelerate import GeminiAcceleratorCheckpoint
 
+BATCH = 32
+
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + rank)
-    x = torch.randn(32, 64, generator=g)
+    x = torch.randn(BATCH, 64, generator=g)
     return x, x.sum(dim=1, keepdim=True).tanh()
 
 
@@ -90,12 +93,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=1, help="save every N steps (0: never)")
     p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--save-blocks", type=int, default=0)
     p.add_argument("--loss-log", default=None)
     p.add_argument("--dump-final", default=None)
     p.add_argument("--timing-json", default=None)
     args = p.parse_args()
+    global BATCH
+    BATCH = args.batch
     torch.set_num_threads(1)
     torch.manual_seed(0)
 

@@ -1,14 +1,15 @@
 """A Lightning ``Trainer`` (FSDP2 through ``ModelParallelStrategy``) checkpointed every step into gemini_dcp's
 tiers, resumed after a failure.
 
-    torchrun --nproc-per-node 2 --max-restarts 1 examples/lightning_resume.py --job-id demo --steps 12 --fail-at-step 7
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 \
+        examples/lightning_resume.py --job-id demo --steps 12 --fail-at-step 7
 
 CPU, FSDP2 (``fully_shard`` in ``configure_model``) over gloo; a model with dropout, AdamW and a LambdaLR schedule
 stepped by Lightning, and Lightning's own ``ModelCheckpoint`` writing its sharded folder every ``--folder-every``
 steps beside the per-step saves into memory. The batch of a step is drawn from ``global_step`` and the rank (the
 loader is not stateful, so Lightning cannot restore a data position). ``--fail-at-step N``: on the first attempt
-the last rank SIGKILLs itself during step N; torchrun restarts the group and ``trainer.fit(ckpt_path=RESUME)``
-resumes from memory. ``--loss-log``, ``--dump-final``, ``--timing-json``, ``--save-blocks``, ``--every 0``: as in
+the last rank SIGKILLs itself during step N; torchrun restarts the group (or the job is launched again) and
+``trainer.fit(ckpt_path=RESUME)`` resumes from memory. ``--loss-log``, ``--dump-final``, ``--timing-json``, ``--save-blocks``, ``--every 0``: as in
 examples/accelerate_resume.py (tests/test_lightning_e2e.py, benchmarks/bench_integrations.py).
 docs/integrations.md ("Lightning") shows the lines between the ``docs:`` markers.
 """
@@ -32,9 +33,9 @@ from gemini_dcp.integrations.lightning import RESUME, GeminiModelParallelStrateg
 
 
 class Model(L.LightningModule):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, batch: int = 32) -> None:
         super().__init__()
-        self.width = width
+        self.width, self.batch = width, batch
 
     def configure_model(self) -> None:
         torch.manual_seed(0)
@@ -44,7 +45,7 @@ class Model(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(10_000 * (self.global_step + 1) + self.global_rank)
-        x = torch.randn(32, 64, generator=g)
+        x = torch.randn(self.batch, 64, generator=g)
         return torch.nn.functional.mse_loss(self.net(x), x.sum(dim=1, keepdim=True).tanh())
 
     def configure_optimizers(self) -> Any:
@@ -61,6 +62,7 @@ class Hooks(Callback):
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.times, self.t0 = args, {}, time.perf_counter()
+        self.started: float | None = None
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.global_rank == 0:
@@ -68,6 +70,12 @@ class Hooks(Callback):
             print(f"resumed from step {got['step']} (bytes per tier: {got['tiers']})" if got
                   else "nothing to resume: starting at step 1", flush=True)
         self.t0 = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        now = time.perf_counter()
+        if self.started is not None:  # the previous step, its save (at on_train_batch_end) included
+            self.times[trainer.global_step] = now - self.started
+        self.started = now
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -78,13 +86,11 @@ class Hooks(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
         step = trainer.global_step
-        now = time.perf_counter()
-        self.times[step], self.t0 = now - self.t0, now
         mean = outputs["loss"].detach().clone()
         dist.all_reduce(mean)
         mean /= trainer.world_size
         if trainer.global_rank == 0:
-            print(f"step {step} loss {float(mean):.6f} {self.times[step] * 1e3:.1f} ms", flush=True)
+            print(f"step {step} loss {float(mean):.6f}", flush=True)
             if self.args.loss_log:
                 with open(self.args.loss_log, "a") as f:
                     f.write(f"{step} {float(mean).hex()}\n")
@@ -106,7 +112,7 @@ class BlockSaves(Callback):
         self.blocks = blocks
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        saving = (trainer.global_step // self.blocks) % 2 == 0  # decides for the next step's save
+        saving = (trainer.global_step - 1) // self.blocks % 2 == 0  # runs before the save of this step
         for cb in trainer.callbacks:
             if type(cb).__name__ == "SaveEveryNSteps":
                 cb.every = 1 if saving else 1 << 30
@@ -120,6 +126,7 @@ def main() -> None:
     p.add_argument("--folder", default="checkpoints", help="Lightning's own ModelCheckpoint folder")
     p.add_argument("--folder-every", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--save-blocks", type=int, default=0)
     p.add_argument("--loss-log", default=None)
@@ -137,7 +144,7 @@ def main() -> None:
                                            data_parallel_size=2, tensor_parallel_size=1)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps,
                         callbacks=callbacks, logger=False, enable_progress_bar=False)
-    trainer.fit(Model(args.width), ckpt_path=RESUME)   # the newest restorable step; none: a fresh start
+    trainer.fit(Model(args.width, args.batch), ckpt_path=RESUME)   # the newest restorable step; none: a fresh start
     # /docs
 
 

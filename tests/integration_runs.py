@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def launch(root: Path, out: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
     """``torchrun --nproc-per-node 2`` of an example script with ``--loss-log out/losses --dump-final out/final.pt``."""
-    env = dict(os.environ, GEMINI_DCP_ROOT=str(root), OMP_NUM_THREADS="1",
+    # A fresh rendezvous store per restart: torch shares one across restarts without a per-attempt prefix, and a
+    # restarted worker can then reach a dead worker's gloo address (examples/common.py, "setup").
+    env = dict(os.environ, GEMINI_DCP_ROOT=str(root), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *args,

@@ -4,7 +4,7 @@ logged loss and the final parameters equal, bit for bit, those of a run that nev
 dropout and a LambdaLR schedule: the RNG, optimizer and schedule must come back too).
 
 Runs ``examples/accelerate_resume.py`` (the file docs/integrations.md shows). Skipped where accelerate is not
-importable: run it in the venv ``scripts/integrations_venv.sh`` builds. About 40 s on 2 shared cores.
+importable: run it in the venv ``scripts/integrations_venv.sh`` builds. About 20-40 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from integration_runs import REPO, assert_same_final, launch, losses
 
 SCRIPT = REPO / "examples" / "accelerate_resume.py"

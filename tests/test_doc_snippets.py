@@ -21,8 +21,6 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from mp_utils import node_root_factory, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
