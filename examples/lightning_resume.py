@@ -67,8 +67,9 @@ class Hooks(Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.global_rank == 0:
             got = trainer.strategy.gemini_restored
-            print(f"resumed from step {got['step']} (bytes per tier: {got['tiers']})" if got
-                  else "nothing to resume: starting at step 1", flush=True)
+            where = f"Lightning's {got['folder']}" if "folder" in got else f"bytes per tier: {got.get('tiers')}"
+            print(f"resumed from step {got['step']} ({where})" if got else "nothing to resume: starting at step 1",
+                  flush=True)
         self.t0 = time.perf_counter()
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:

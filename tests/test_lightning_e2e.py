@@ -50,5 +50,12 @@ def test_lightning_kill_and_resume_bit_exact(tmp_path: Path, tier_root: Path) ->
     assert sorted(got) == list(range(1, STEPS + 1))  # the step counter continues where the checkpoint was
     assert got == want
     assert_same_final(tmp_path / "kill", tmp_path / "ref")
-    # Lightning's own ModelCheckpoint kept writing its sharded folder beside the saves into memory
+    # Lightning's own ModelCheckpoint kept writing its sharded folder beside the saves into memory ...
     assert (tmp_path / "kill" / "checkpoints" / "last.ckpt" / ".metadata").exists()
+    # ... and RESUME takes it when memory lost the job (a replaced node, no persistent tier): steps 9, 10 follow 8
+    shutil.rmtree(tier_root / "lit-kill")
+    more = launch(tier_root, tmp_path / "kill", str(SCRIPT), "--job-id", "lit-kill", "--steps", str(STEPS + 2))
+    log = more.stdout + more.stderr
+    assert more.returncode == 0, log[-6000:]
+    assert f"resumed from step {STEPS} (Lightning's" in log, log[-4000:]
+    assert sorted(losses(tmp_path / "kill")) == list(range(1, STEPS + 3))

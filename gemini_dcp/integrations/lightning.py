@@ -19,7 +19,8 @@ with both methods taught one more kind of path::
   Any other path is Lightning's own sharded checkpoint folder: ``ModelCheckpoint`` keeps working beside it.
 - **Resuming**: ``ckpt_path=RESUME`` (``"gemini:newest"``) makes ``load_checkpoint`` ask
   :func:`gemini_dcp.newest_restorable_step` (collective) and load that step into the live model and
-  optimizer; the rest goes back to Lightning, which restores ``global_step``, epoch, loops, callbacks and
+  optimizer — or Lightning's own newest sharded checkpoint in a ``ModelCheckpoint`` folder when that is newer
+  (a tie goes to memory); the rest goes back to Lightning, which restores ``global_step``, epoch, loops, callbacks and
   schedulers from it as from any checkpoint. With nothing to resume it returns a checkpoint that holds no
   state (Lightning requires a version and the schedulers' states: their own): training starts at step 0. ``gemini:step-<N>`` loads step N.
 - Not restored: the data position of a loader without ``state_dict`` / ``load_state_dict`` (Lightning's
@@ -32,8 +33,12 @@ Lightning is imported only when the class is first used (``import gemini_dcp`` n
 from __future__ import annotations
 
 import io
+import logging
 import re
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 RESUME = "gemini:newest"
 """``trainer.fit(ckpt_path=RESUME)``: resume from the newest restorable step, or start fresh when none."""
@@ -133,6 +138,26 @@ def strategy_class() -> Any:
             return {"pytorch-lightning_version": lightning.__version__,
                     "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
 
+        def _newest_folder_checkpoint(self) -> tuple[int, str] | None:
+            """Lightning's own newest sharded checkpoint in a ``ModelCheckpoint``'s ``dirpath``: (global_step,
+            path), as rank 0 sees it (collective: broadcast). Its ``meta.pt`` is read with ``weights_only=True``;
+            one that does not load so is passed over (logged)."""
+            found: tuple[int, str] | None = None
+            if self.global_rank == 0:
+                for cb in self.lightning_module.trainer.checkpoint_callbacks:
+                    d = Path(getattr(cb, "dirpath", None) or "/nonexistent")
+                    for p in sorted(d.iterdir()) if d.is_dir() else []:
+                        if not (p / "meta.pt").is_file():
+                            continue
+                        try:
+                            got = int(torch.load(p / "meta.pt", weights_only=True)["global_step"])
+                        except Exception as exc:  # noqa: BLE001 - another writer's file: not ours to judge
+                            log.warning("gemini_dcp: passing over %s (%s)", p, exc)
+                            continue
+                        if found is None or got > found[0]:
+                            found = (got, str(p))
+            return self.broadcast(found)  # type: ignore[no-any-return]
+
         def _torch_optimizers(self) -> list[Any]:
             return [getattr(o, "_optimizer", o) for o in self.optimizers]
 
@@ -157,7 +182,13 @@ def strategy_class() -> Any:
                 return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[no-any-return]
             self._writer()
             reader = GeminiStorageReader(**self.gemini_where)
-            step = newest_restorable_step(reader, want)
+            folder = self._newest_folder_checkpoint() if want is None else None
+            step = newest_restorable_step(reader, want, has_fallback=folder is not None)
+            if folder is not None and (step is None or folder[0] > step):  # a tie goes to memory
+                log.info("gemini_dcp: resuming from Lightning's %s (step %d; gemini_dcp's newest: %s)",
+                         folder[1], folder[0], step)
+                self.gemini_restored = {"step": folder[0], "folder": folder[1]}
+                return super().load_checkpoint(folder[1], weights_only)  # type: ignore[no-any-return]
             if step is None:
                 if want is not None:
                     raise ConfigError(f"gemini_dcp holds no restorable step {want} of job {reader.job_id!r}")
