@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import loadavg, machine_info, shm_dir, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = {"lightning": "examples/lightning_resume.py", "accelerate": "examples/accelerate_resume.py"}
+EXAMPLES = {"lightning": "examples/lightning_resume.py", "accelerate": "examples/accelerate_resume.py",
+            "accelerate-async": "examples/accelerate_resume.py"}  # the last: async_save=True (AsyncCheckpointer)
 
 
 def run(name: str, args: argparse.Namespace, root: Path, out: Path) -> dict[str, Any]:
@@ -38,6 +39,8 @@ def run(name: str, args: argparse.Namespace, root: Path, out: Path) -> dict[str,
            "--rdzv-endpoint", "127.0.0.1:0", str(REPO / EXAMPLES[name]), "--job-id", f"bench-{name}",
            "--steps", str(args.steps), "--save-blocks", str(args.blocks), "--width", str(args.width),
            "--batch", str(args.batch), "--timing-json", str(timing)]
+    if name == "accelerate-async":
+        cmd.append("--async-save")
     if name == "lightning":
         cmd += ["--folder", str(out / "folder"), "--folder-every", str(10 * args.steps)]
     before = loadavg()
@@ -60,7 +63,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--only", choices=sorted(EXAMPLES), nargs="*", default=sorted(EXAMPLES))
+    p.add_argument("--only", choices=sorted(EXAMPLES), nargs="*", default=["lightning", "accelerate"])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "integrations.json"))
     args = p.parse_args()
     state_mb = (65 * args.width + 1) * 4 * 3 / 1e6  # parameters + AdamW's two moments, float32

@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=1, help="save every N steps (0: never)")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--async-save", action="store_true", help="save through AsyncCheckpointer")
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--save-blocks", type=int, default=0)
     p.add_argument("--loss-log", default=None)
@@ -115,7 +116,7 @@ def main() -> None:
 
     # docs: accelerate
     ckpt = GeminiAcceleratorCheckpoint(accelerator, model, optimizer, scheduler, job_id=args.job_id,
-                                       every_n_steps=max(args.every, 1))
+                                       every_n_steps=max(args.every, 1), async_save=args.async_save)
     hooks.attach(ckpt)  # example-only
     restored = ckpt.resume()                       # every process; None: nothing to resume
     hooks.resumed(restored, ckpt)  # example-only
@@ -129,6 +130,7 @@ def main() -> None:
         optimizer.zero_grad()
         ckpt.save(step)                            # every process: the state after this step, into node memory
         hooks.step_done(step, loss)  # example-only
+    ckpt.close()                                   # every process: with async_save, waits for the last commit
     # /docs
     hooks.finish(accelerator.unwrap_model(model))
     accelerator.end_training()

@@ -7,6 +7,7 @@ Accelerate leaves the loop to the user, so the integration is one object beside 
     for step in range((restored or 0) + 1, steps + 1):
         ...                                  # forward, accelerator.backward, optimizer.step, scheduler.step
         ckpt.save(step)                      # every ``every_n_steps`` steps, into node (and peer) memory
+    ckpt.close()                             # async_save=True: waits for the last commit
 
 What a step holds: the model and optimizer state (``torch.distributed.checkpoint.state_dict.get_state_dict``
 of the prepared objects: DDP's replicated tensors once, FSDP2's DTensor shards as shards), the schedulers'
@@ -50,6 +51,7 @@ class GeminiAcceleratorCheckpoint:
     beside them, e.g. a stateful data loader (the same keys on every process: DCP keeps one copy of a
     value saved under the same key by every process). ``job_id``, ``root``, ``persistent``, ``options``:
     as :class:`gemini_dcp.GeminiStorageWriter`'s (set ``job_id``: a relaunch must find its steps).
+    ``async_save``: save through ``AsyncCheckpointer`` (see :meth:`save`); call :meth:`close` after the loop.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class GeminiAcceleratorCheckpoint:
         options: GeminiOptions | None = None,
         every_n_steps: int = 1,
         extra: dict[str, Any] | None = None,
+        async_save: bool = False,
     ) -> None:
         if every_n_steps < 1:
             raise ConfigError(f"every_n_steps must be >= 1, got {every_n_steps}; give 1 to save every step")
@@ -76,6 +79,8 @@ class GeminiAcceleratorCheckpoint:
         self.every_n_steps = every_n_steps
         self._where = {"root": root, "job_id": job_id, "persistent": persistent, "options": options}
         self._writer: GeminiStorageWriter | None = None
+        self.async_save = async_save
+        self._snapshots: Any = None
         self.restored_from: dict[str, int] = {}
         """Bytes read per tier by the last :meth:`resume` (``GeminiStorageReader.restored_from``)."""
 
@@ -96,12 +101,28 @@ class GeminiAcceleratorCheckpoint:
     def save(self, step: int, *, force: bool = False) -> bool:
         """Checkpoint the state after ``step`` when ``step`` is a multiple of ``every_n_steps`` (or ``force``).
 
-        Blocking ``dcp.save``: returns once every node committed the step. All processes must call this.
+        Blocking ``dcp.save``: returns once every node committed the step. ``async_save``: through
+        :class:`gemini_dcp.AsyncCheckpointer`, returns at once; the copy runs during the next forward/backward
+        and the next ``optimizer.step()`` waits for it (docs/async.md); the newest committed step at a crash
+        may then be one older. All processes must call this.
         """
         if not force and step % self.every_n_steps:
             return False
-        dcp.save(self._state(step), storage_writer=self._get_writer(), checkpoint_id=step)
+        if not self.async_save:
+            dcp.save(self._state(step), storage_writer=self._get_writer(), checkpoint_id=step)
+            return True
+        if self._snapshots is None:
+            from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
+
+            self._snapshots = AsyncCheckpointer(self._get_writer(), optimizer=self.optimizer, model=self.model)
+        self._snapshots.save(self._state(step), step)
         return True
+
+    def close(self) -> None:
+        """Wait until the last save committed (``async_save``) and stop its thread. All processes call this."""
+        if self._snapshots is not None:
+            self._snapshots.close()
+            self._snapshots = None
 
     def _get_writer(self) -> GeminiStorageWriter:
         if self._writer is None:  # one writer for the run (it makes the tier root on a fresh node)
