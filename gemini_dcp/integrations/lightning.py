@@ -116,7 +116,7 @@ def strategy_class() -> Any:
             self.gemini_every = every_n_steps
             self.gemini_writer: GeminiStorageWriter | None = None
             self.gemini_restored: dict[str, Any] = {}
-            """After a resume from the tiers: ``step`` and ``tiers`` (bytes read per tier)."""
+            """After a resume: ``step``, and ``tiers`` (bytes read per tier) or ``folder`` (Lightning's own checkpoint)."""
 
         def setup(self, trainer: Any) -> None:
             super().setup(trainer)
