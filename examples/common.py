@@ -431,35 +431,18 @@ class GeminiCheckpointer(Checkpointer):
         return self._previous.guard_wait_s if self._previous is not None else 0.0
 
     def restore(self, app: TrainState, ctx: Ctx) -> ResumeInfo | None:
-        from gemini_dcp import CheckpointNotFoundError, GeminiStorageReader, fast_load, find_gemini_error
+        from gemini_dcp import GeminiStorageReader, fast_load, newest_restorable_step
 
         t0 = time.perf_counter()
-        # Nothing in any node's memory nor in the persistent tier: skip dcp.load, whose "no
-        # checkpoint" failure torch logs with a traceback on every rank (and torch < 2.13
-        # reduces to a bare "metadata is None", without our error).
-        if not _any_rank_true(bool(self.writer.tier.steps())):
-            persisted = self.writer.persistent is not None and _any_rank_true(
-                ctx.rank == 0 and bool(self.writer.persistent.committed_steps()))
-            if not persisted:
-                ctx.log("no checkpoint of this job in any tier: starting from scratch")
-                return None
-        app.prepare_load()
         reader = GeminiStorageReader(root=self.args.root, job_id=self.args.job_id, persistent=self.args.persistent)
-        try:
-            # Straight from the node's slots into the live tensors when the structure is the one
-            # saved; else (a reshard, a wiped node, the persistent tier) dcp.load with this reader.
-            got = fast_load({"app": app}, storage_reader=reader)
-        except BaseException as exc:  # DCP wraps our errors in CheckpointException
-            err = find_gemini_error(exc)
-            if isinstance(err, CheckpointNotFoundError) and not isinstance(err, _step_not_found()):
-                ctx.log("no checkpoint of this job in any tier: starting from scratch")
-                app.forget_optimizer_init()
-                del exc, err
-                gc.collect()  # the failed load's cycles hold process-group objects: collect them now
-                return None
-            if err is not None:
-                raise err from exc
-            raise
+        step = newest_restorable_step(reader)  # all ranks; None: nothing in any tier to resume
+        if step is None:
+            ctx.log("no checkpoint of this job in any tier: starting from scratch")
+            return None
+        app.prepare_load()
+        # Straight from the node's slots into the live tensors when the structure is the one
+        # saved; else (a reshard, a wiped node, the persistent tier) dcp.load with this reader.
+        got = fast_load({"app": app}, storage_reader=reader, step=step)
         path = (f"{got.path} path" + (f" ({got.reason})" if got.reason else "")
                 + f", {app.optim_init}, state put in {app.last_load}")
         return ResumeInfo(step=int(reader.restored_step), seconds=time.perf_counter() - t0,
@@ -477,18 +460,6 @@ class GeminiCheckpointer(Checkpointer):
             from gemini_dcp.local.tier import LocalTier
 
             LocalTier(self.args.root, self.args.job_id, create=False).remove_job()
-
-
-def _any_rank_true(flag: bool) -> bool:
-    box: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(box, flag)
-    return any(box)
-
-
-def _step_not_found() -> type:
-    from gemini_dcp import StepNotFoundError
-
-    return StepNotFoundError
 
 
 class StockCheckpointer(Checkpointer):

@@ -1,12 +1,13 @@
 """gemini_dcp: in-memory checkpoint tiers for PyTorch Distributed Checkpoint (after GEMINI, SOSP'23).
 
     import torch.distributed.checkpoint as dcp
-    from gemini_dcp import GeminiStorageWriter, GeminiStorageReader
+    from gemini_dcp import GeminiStorageWriter, GeminiStorageReader, newest_restorable_step
 
     dcp.save(state_dict, storage_writer=GeminiStorageWriter(job_id="run1"), checkpoint_id=step)
     reader = GeminiStorageReader(job_id="run1")
-    dcp.load(state_dict, storage_reader=reader)   # newest restorable step
-    print(reader.restored_step, reader.restored_from)
+    step = newest_restorable_step(reader)         # all ranks; None: nothing to resume
+    if step is not None:
+        dcp.load(state_dict, storage_reader=reader, checkpoint_id=step)
 
 Per-step zero-stall snapshots (``gemini_dcp.snapshot``): ``AsyncCheckpointer`` (recommended),
 or ``AsyncGeminiStorageWriter`` for stock ``dcp.async_save`` (it is DCP's ``AsyncStager``).
@@ -46,6 +47,7 @@ _LAZY = {
     "AsyncCheckpointer": "gemini_dcp.snapshot.checkpointer",
     "AsyncGeminiStorageWriter": "gemini_dcp.snapshot.async_writer",
     "InterleaveOptions": "gemini_dcp.snapshot.checkpointer",
+    "newest_restorable_step": "gemini_dcp.dcp.discovery",
     "fast_load": "gemini_dcp.dcp.fast_load",
     "FastLoadResult": "gemini_dcp.dcp.fast_load",
     "init_optimizer_state": "gemini_dcp.dcp.optim_state",
@@ -70,6 +72,7 @@ __all__ = [
     "AsyncCheckpointer",
     "AsyncGeminiStorageWriter",
     "InterleaveOptions",
+    "newest_restorable_step",
     "fast_load",
     "FastLoadResult",
     "init_optimizer_state",

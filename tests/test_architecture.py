@@ -185,14 +185,16 @@ def test_the_engines_sit_below_the_adapters() -> None:
 
 def test_integrations_sit_on_top() -> None:
     """Trainer integrations (``gemini_dcp.integrations``) sit above the DCP adapters: nothing else imports them,
-    and they name a trainer (torchtitan) only inside functions, so ``import gemini_dcp`` never needs it."""
+    and they name a trainer (torchtitan, Lightning, Accelerate) only inside functions, so ``import gemini_dcp``
+    never needs it."""
     users = sorted(m for m in GRAPH if not m.startswith("gemini_dcp.integrations")
                    for t in GRAPH[m] if t.startswith("gemini_dcp.integrations"))
     assert users == []
     for name, path in MODULES.items():
         if name.startswith("gemini_dcp.integrations"):
             top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
-            assert not any("torchtitan" in ast.unparse(n) for n in top), name
+            for trainer in ("torchtitan", "lightning", "accelerate"):
+                assert not any(re.search(rf"\b{trainer}\b", ast.unparse(n)) for n in top), (name, trainer)
 
 
 def test_only_the_transport_touches_point_to_point() -> None:

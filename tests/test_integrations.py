@@ -14,8 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from titan_stub import ModelWrapperStub as _Wrapper
 
-from gemini_dcp import ConfigError, GeminiStorageReader, GeminiStorageWriter
-from gemini_dcp.integrations.discovery import newest_restorable_step
+from gemini_dcp import ConfigError, GeminiStorageReader, GeminiStorageWriter, newest_restorable_step
 from gemini_dcp.integrations.resume import (
     ResumeChoice,
     choose_resume,

@@ -105,12 +105,12 @@ def checkpoint_manager_class() -> Any:
     from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER, ModelWrapper  # noqa: PLC0415
     from torchtitan.tools import filesystem  # noqa: PLC0415
 
+    from ..dcp.discovery import newest_restorable_step  # noqa: PLC0415
     from ..dcp.fast_load import fast_load  # noqa: PLC0415 - torch
     from ..dcp.optim_state import init_optimizer_state  # noqa: PLC0415 - torch
     from ..dcp.reader import GeminiStorageReader  # noqa: PLC0415 - torch
     from ..dcp.writer import GeminiStorageWriter  # noqa: PLC0415
     from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
-    from .discovery import newest_restorable_step  # noqa: PLC0415
 
     class GeminiCheckpointManager(CheckpointManager):  # type: ignore[misc, valid-type]
         """torchtitan's ``CheckpointManager`` that also checkpoints into gemini_dcp's tiers (module docstring)."""

@@ -1,17 +1,27 @@
-"""The newest step gemini_dcp can restore, asked before loading (collective).
+"""The newest step gemini_dcp can restore, asked before loading (collective): **the** way to resume.
 
-A trainer that also keeps checkpoints elsewhere (torchtitan's ``<folder>/step-<N>``) must know
-gemini_dcp's newest restorable step to pick the newer source (:func:`gemini_dcp.integrations.resume.choose_resume`).
-This runs the reader's restore decision — the same one ``dcp.load`` runs: local and peer memory, and the
-persistent tier when the reader has one — and reports its step without reading a byte of state.
+Every rank calls it on a launch; ``None`` means there is nothing to resume (a fresh start, not an
+error), otherwise it is the step to pass to ``dcp.load`` (or ``gemini_dcp.fast_load``)::
+
+    reader = GeminiStorageReader(job_id="run1")
+    step = newest_restorable_step(reader)            # all ranks; None: nothing to resume
+    if step is not None:
+        dcp.load(state_dict, storage_reader=reader, checkpoint_id=step)
+
+No caller catches ``dcp.load``'s ``CheckpointException`` (a ``BaseException`` that wraps the backend's
+error) to find out that a job has no checkpoint yet. A trainer that also keeps checkpoints elsewhere
+(torchtitan's ``<folder>/step-<N>``) passes ``has_fallback=True`` and picks the newer source
+(:func:`gemini_dcp.integrations.resume.choose_resume`). This runs the reader's restore decision — the
+same one ``dcp.load`` runs: local and peer memory, and the persistent tier when the reader has one —
+and reports its step without reading a byte of state.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..dcp.reader import GeminiStorageReader
 from ..errors import CheckpointNotFoundError, GeminiError
+from .reader import GeminiStorageReader
 
 log = logging.getLogger(__name__)
 
