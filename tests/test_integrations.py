@@ -103,6 +103,29 @@ def test_titan_settings_validate_the_writer_keywords(tmp_path: Path) -> None:
         TitanGeminiSettings(async_save=1)  # type: ignore[arg-type]
 
 
+def test_gemini_root_is_created_private_and_another_users_is_refused(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from gemini_dcp.errors import TierRootError
+    from gemini_dcp.integrations.torchtitan import _prepare_root
+
+    root = tmp_path / "shm" / "gemini_dcp-titan"
+    _prepare_root(str(root))  # what GeminiCheckpointManager does with gemini_root, on every rank
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700
+    _prepare_root(str(root))  # a restart: the root is there, still accepted
+    GeminiStorageWriter(root=root, job_id="made")  # the tier takes it
+    _prepare_root(None)  # no gemini_root: the tier's own rules, nothing made here
+    os.chmod(root, 0o777)
+    with pytest.raises(TierRootError, match="group- or other-writable"):
+        _prepare_root(str(root))
+    if os.geteuid() == 0:  # handing the root to another uid needs root
+        os.chmod(root, 0o700)
+        os.chown(root, 65534, 65534)
+        with pytest.raises(TierRootError, match="owned by another user; it belongs to uid 65534"):
+            _prepare_root(str(root))
+
+
 def test_newest_restorable_step_one_process(tmp_path: Path) -> None:
     root = tmp_path / "tier"
     root.mkdir(mode=0o700)
