@@ -2,13 +2,14 @@
 against torchtitan's own DCP checkpoints (sync / ``async``) and no checkpoint, measured in the same run.
 
 Runs ``examples/torchtitan/run_cpu.sh`` (llama3 debugmodel on CPU, 2 ranks, FSDP2 over gloo, seq 256 x batch 2
-by default — the issue's reference setup —; 80 MB of model + optimizer state in all) once per variant and reads the time between consecutive
+by default — the issue's reference setup —; 80 MB of model + optimizer state in all; torchtitan's default activation
+checkpointing, selective, unless ``--ac`` says otherwise) once per variant and reads the time between consecutive
 ``step:`` log lines — one iteration: the previous step's checkpoint save plus this step's forward,
 backward and optimizer step. torchtitan's folder lives under /dev/shm too, so every variant writes to memory.
 Needs the torchtitan venv (examples/torchtitan/README.md)::
 
     PYTHONPATH=$PWD /work/venv-titan/bin/python benchmarks/bench_torchtitan.py [--steps 14] [--rounds 1] \
-        [--seq-len 256] [--batch 2] [--variants "no checkpoint" "gemini_dcp, AsyncCheckpointer"] [--out torchtitan]
+        [--seq-len 256] [--batch 2] [--ac none|full|selective] [--variants "no checkpoint" "gemini_dcp, AsyncCheckpointer"] [--out torchtitan]
 
 Results: benchmarks/results/<out>.json, docs/img/torchtitan.png (default --out only; matplotlib if installed).
 Small sizes on a shared 2-core CPU: medians, with min/max; ratios against the no-checkpoint run, overall and
@@ -123,13 +124,15 @@ def main() -> None:
     ap.add_argument("--alternate", action="store_true", help="reverse the variants' order every other round (ABBA)")
     ap.add_argument("--seq-len", type=int, default=256, help="training.seq_len (the issue's reference: 256)")
     ap.add_argument("--batch", type=int, default=2, help="training.local_batch_size")
+    ap.add_argument("--ac", default="", choices=["", "none", "full", "selective"],
+                    help="activation checkpointing (run_cpu.sh's AC); default: torchtitan's own (selective for llama3)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                     help="the variants to run ('no checkpoint' is always run: the ratios are against it)")
     ap.add_argument("--out", default="torchtitan", help="results/<out>.json and img/<out>.png")
     ap.add_argument("--block", type=int, default=4, help="steps per block of the 'alternating blocks' variants")
     args = ap.parse_args()
     names = ["no checkpoint", *(n for n in args.variants if n != "no checkpoint")]
-    shape = {"SEQ_LEN": str(args.seq_len), "LOCAL_BATCH": str(args.batch)}
+    shape = {"SEQ_LEN": str(args.seq_len), "LOCAL_BATCH": str(args.batch), "AC": args.ac}
     scratch = shm_dir("bench_titan_")
     assets = scratch / "assets-src"
     subprocess.run([sys.executable, str(SCRIPT.parent / "make_assets.py"), str(assets)], check=True, capture_output=True)
@@ -152,6 +155,7 @@ def main() -> None:
             per_round[name].append(median(got))
             print(f"{name:32s} median {median(samples[name]):.3f} s/step", flush=True)
     base = median(samples["no checkpoint"])
+    ac = args.ac or "torchtitan's default (selective)"
     rows = {}
     for n, v in samples.items():
         # Paired: each run against the no-checkpoint run of the same round (adjacent in time), then the median.
@@ -167,8 +171,9 @@ def main() -> None:
                                  "with_save_s": on, "without_save_s": off}
     data = {
         "what": f"torchtitan llama3 debugmodel on CPU, 2 ranks FSDP2/gloo, seq {args.seq_len} x batch {args.batch}, "
-                "checkpoint every step; iteration time = previous save + this step (steps 4..N)",
-        "seq_len": args.seq_len, "local_batch": args.batch,
+                f"activation checkpointing {ac}, checkpoint every step; iteration time = previous save + this step "
+                "(steps 4..N)",
+        "seq_len": args.seq_len, "local_batch": args.batch, "activation_checkpointing": ac,
         "state_bytes_total": 80_059_650, "steps": args.steps, "rounds": args.rounds, "alternate": args.alternate, "wall_s": time.time() - t0,
         "command": " ".join(sys.argv), "loadavg_before": load_before, "machine": machine_info(), "variants": rows,
     }
@@ -179,7 +184,8 @@ def main() -> None:
         labels = list(rows)
         bar_chart(IMG / f"{args.out}.png", labels, [rows[n]["median_s"] for n in labels],
                   errors=[rows[n]["min_max_s"] for n in labels], ylabel="s / iteration",
-                  title=f"torchtitan debugmodel, CPU 2 ranks, seq {args.seq_len} x {args.batch}: a checkpoint every step",
+                  title=f"torchtitan debugmodel, CPU 2 ranks, seq {args.seq_len} x {args.batch}, AC {args.ac or 'selective'}: "
+                        "a checkpoint every step",
                   annotate=[f"{rows[n]['median_s']:.3f} s ({rows[n]['ratio_vs_no_checkpoint']:.2f}x)" for n in labels])
     except ImportError:
         print("no plot (matplotlib not installed, or --out is not the default)")

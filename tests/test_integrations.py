@@ -1,18 +1,16 @@
 """gemini_dcp.integrations without torchtitan: the resume choice across gemini_dcp's tiers and a trainer's
 checkpoint folder (pure), the newest restorable step (one process), the torchtitan settings, and that the
-torchtitan module imports lazily; its model-states cache against a stand-in of torchtitan's ModelWrapper."""
+torchtitan module imports lazily (the model-states cache: test_model_states.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from titan_stub import ModelWrapperStub as _Wrapper
 
 from gemini_dcp import ConfigError, GeminiStorageReader, GeminiStorageWriter, newest_restorable_step
 from gemini_dcp.integrations.resume import (
@@ -104,6 +102,29 @@ def test_titan_settings_validate_the_writer_keywords(tmp_path: Path) -> None:
         TitanGeminiSettings(async_save=1)  # type: ignore[arg-type]
 
 
+def test_gemini_root_is_created_private_and_another_users_is_refused(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from gemini_dcp.errors import TierRootError
+    from gemini_dcp.integrations.torchtitan import _prepare_root
+
+    root = tmp_path / "shm" / "gemini_dcp-titan"
+    _prepare_root(str(root))  # what GeminiCheckpointManager does with gemini_root, on every rank
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700
+    _prepare_root(str(root))  # a restart: the root is there, still accepted
+    GeminiStorageWriter(root=root, job_id="made")  # the tier takes it
+    _prepare_root(None)  # no gemini_root: the tier's own rules, nothing made here
+    os.chmod(root, 0o777)
+    with pytest.raises(TierRootError, match="group- or other-writable"):
+        _prepare_root(str(root))
+    if os.geteuid() == 0:  # handing the root to another uid needs root
+        os.chmod(root, 0o700)
+        os.chown(root, 65534, 65534)
+        with pytest.raises(TierRootError, match="owned by another user; it belongs to uid 65534"):
+            _prepare_root(str(root))
+
+
 def test_newest_restorable_step_one_process(tmp_path: Path) -> None:
     root = tmp_path / "tier"
     root.mkdir(mode=0o700)
@@ -164,89 +185,3 @@ def test_override_factory_keeps_torchtitan_fields_and_validates(tmp_path: Path) 
         tt.gemini_checkpoint(base, gemini_every=0)
     with pytest.raises(ConfigError):
         tt.gemini_checkpoint_config(gemini_replicas=0)
-
-
-def _fused_model() -> Any:
-    import torch
-
-    class Fused(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(6, 4))
-            self.register_state_dict_post_hook(self._split)
-
-        @staticmethod
-        def _split(module: Any, sd: dict[str, Any], prefix: str, _meta: Any) -> None:
-            w = sd.pop(f"{prefix}w")
-            sd[f"{prefix}q"], sd[f"{prefix}k"] = w[:4].contiguous(), w[4:] * 1  # fresh tensors, as llama3's wqkv split
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn = torch.nn.ModuleDict({"qkv": Fused()})
-            self.out = torch.nn.Linear(4, 3)
-            self.register_buffer("count", torch.zeros(1))
-
-    return Net()
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    import torch
-
-    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_model_states_cache_returns_what_the_wrapper_would() -> None:
-    import torch
-
-    from gemini_dcp.integrations.torchtitan import ModelStatesCache
-
-    model = _fused_model()
-    wrapper = _Wrapper(model)
-    cache = ModelStatesCache(_Wrapper)
-    first = cache.get(wrapper)
-    assert first is wrapper.cached_state_dict and cache.rebuilds == 1
-    with torch.no_grad():
-        for step in range(3):  # in-place updates (the optimizer step): the cached dict, refreshed by the maker only
-            for p in model.parameters():
-                p.add_(0.5)
-            model.count += 1
-            got = cache.get(wrapper)
-            assert got is first and _same(got, wrapper._get_state_dict())
-    assert (cache.hits, cache.rebuilds) == (3, 1)
-    ref = _Wrapper(model).state_dict()  # a fresh wrapper: what torchtitan would save now
-    assert _same(cache.get(wrapper), ref)
-
-    # A parameter replaced, or re-pointed: torchtitan's full call, and the new values.
-    model.out.weight = torch.nn.Parameter(torch.ones(3, 4))
-    assert _same(cache.get(wrapper), wrapper._get_state_dict()) and cache.rebuilds == 2
-    with torch.no_grad():
-        model.out.bias.data = torch.full((3,), 7.0)
-    got = cache.get(wrapper)
-    assert cache.rebuilds == 3 and torch.equal(got["out.bias"], torch.full((3,), 7.0))
-    # The wrapper now holds a copy of the re-pointed bias (its cached tensor kept the old storage): a copy must be
-    # refreshed by torchtitan's full call at every save.
-    with torch.no_grad():
-        model.out.bias.add_(1.0)
-    assert torch.equal(cache.get(wrapper)["out.bias"], torch.full((3,), 8.0)) and (cache.hits, cache.rebuilds) == (4, 4)
-    # A load replaces the wrapper's dict (torchtitan's ModelWrapper.load_state_dict): remembered again.
-    wrapper.cached_state_dict = wrapper._get_state_dict()
-    assert _same(cache.get(wrapper), wrapper._get_state_dict()) and cache.rebuilds == 5
-    assert cache.get(wrapper) is wrapper.cached_state_dict and cache.hits == 5
-
-
-def test_model_states_cache_declines_what_it_cannot_vouch_for() -> None:
-    from gemini_dcp.integrations.torchtitan import ModelStatesCache
-
-    model = _fused_model()
-    model.out.register_state_dict_pre_hook(lambda *a, **k: None)  # a hook of unknown effect
-    wrapper = _Wrapper(model)
-    cache = ModelStatesCache(_Wrapper)
-    for _ in range(3):
-        assert _same(cache.get(wrapper), wrapper._get_state_dict())
-    assert (cache.hits, cache.rebuilds) == (0, 3)
-    other = ModelStatesCache(dict)  # not the wrapper class it knows
-    plain = _Wrapper(_fused_model())
-    other.get(plain)
-    other.get(plain)
-    assert (other.hits, other.rebuilds) == (0, 2)

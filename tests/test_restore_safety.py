@@ -224,15 +224,46 @@ def test_restore_across_launches_is_logged_and_exposed(shm: Any, monkeypatch: py
     assert "step 4" in text and saver.description in text and saver.launch_id in text and later.description in text
 
 
-def test_a_restart_of_the_same_run_is_info_another_run_is_warning() -> None:
-    from gemini_dcp.dcp.reader import _same_run
+def test_only_another_jobs_step_is_a_warning() -> None:
+    """A torchrun restart of the same job (same job id, world and run id, with or without --rdzv-id) is not
+    another job's step; a shared default job id, another world or run id, or a launch outside torchrun may be."""
+    from types import SimpleNamespace
+
+    from gemini_dcp.dcp.reader import _other_job
+
+    def saved(desc: str, job: str = "titan", world: int = 16) -> Any:
+        return SimpleNamespace(job_id=job, world_size=world, launch_description=desc)
 
     a = "run job7 at 10.0.0.1:29500 (restart 0, world 16)"
-    assert _same_run(a, "run job7 at 10.0.0.2:41000 (restart 1, world 16)")  # torchrun restart: new rendezvous
-    assert not _same_run(a, "run job8 at 10.0.0.1:29500 (restart 0, world 16)")
-    assert not _same_run("run - at h:1 (restart 0, world 2)", "run - at h:1 (restart 1, world 2)")  # no run id
-    assert not _same_run("run none at h:1 (restart 0, world 2)", "run none at h:2 (restart 0, world 2)")
-    assert not _same_run("process 12 on h", "process 12 on h")
+    assert not _other_job(saved(a), "titan", 16, "run job7 at 10.0.0.2:41000 (restart 1, world 16)")  # new rendezvous
+    none = "run none at h:29500 (restart 0, world 16)"  # torchrun without --rdzv-id: a restart keeps "none"
+    assert not _other_job(saved(none), "titan", 16, "run none at h:41000 (restart 1, world 16)")
+    assert "run id job7, this process's job8" in _other_job(saved(a), "titan", 16, "run job8 at h:1 (restart 0, world 16)")
+    assert "run id none, this process's job7" in _other_job(saved(none), "titan", 16, a)
+    assert "every job without a job id" in _other_job(saved(none, job="none"), "none", 16, none)
+    assert "every job without a job id" in _other_job(saved(a, job="default"), "default", 16, a)
+    assert "saved by 16 ranks, restored by 8" in _other_job(saved(a), "titan", 8, a)
+    assert "saved as job 'other'" in _other_job(saved(a, job="other"), "titan", 16, a)
+    assert _other_job(saved("run - at h:1 (restart 0, world 16)"), "titan", 16, "run - at h:1 (restart 1, world 16)")
+    assert _other_job(saved("process 12 on h"), "titan", 16, "process 12 on h")  # outside torchrun: unknown
+
+
+def test_a_torchrun_restart_without_rdzv_id_logs_no_warning(shm: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    import gemini_dcp.dcp.reader as reader_mod
+    import gemini_dcp.dcp.writer as writer_mod
+
+    (root,) = shm()
+    first = LaunchInfo("00000000000000a0", "run none at 127.0.0.1:29500 (restart 0, world 1)", "h", 1, 0.0)
+    monkeypatch.setattr(writer_mod, "current_launch", lambda: first)
+    dcp.save(_saved_state(), storage_writer=GeminiStorageWriter(root=root, job_id="rs"), checkpoint_id=3)
+    restart = LaunchInfo("00000000000000a1", "run none at 127.0.0.1:41234 (restart 1, world 1)", "h", 2, 0.0)
+    monkeypatch.setattr(reader_mod, "current_launch", lambda: restart)
+    with caplog.at_level(logging.INFO, logger="gemini_dcp.dcp.reader"):
+        reader = GeminiStorageReader(root=root, job_id="rs")
+        dcp.load(_targets(), storage_reader=reader)
+    msgs = [r for r in caplog.records if "saved by launch" in r.getMessage()]
+    assert reader.restored_step == 3 and len(msgs) == 1 and msgs[0].levelno == logging.INFO, [r.getMessage() for r in msgs]
+    assert "another job" not in msgs[0].getMessage()
 
 
 # ---- two simulated nodes: peer path, repair from a peer --------------------------------------------

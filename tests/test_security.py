@@ -32,7 +32,14 @@ from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_err
 from gemini_dcp.core.safe_pickle import restricted_loads
 from gemini_dcp.errors import IncompatibleCheckpointError, TierFullError, TierRootError, UntrustedDataError
 from gemini_dcp.local import job_dir as layout_mod, record_codec, record_types
-from gemini_dcp.local.job_dir import JobLayout, atomic_write_bytes, check_root, ensure_private_dir, remove_stale_tmp
+from gemini_dcp.local.job_dir import (
+    JobLayout,
+    atomic_write_bytes,
+    check_root,
+    create_root,
+    ensure_private_dir,
+    remove_stale_tmp,
+)
 from gemini_dcp.local.record_codec import decode_record, encode_record, read_record
 from gemini_dcp.local.record_types import RankSlot, ShardRef, StepRecord
 from gemini_dcp.local.slots import ReadOnlySlot, SlotFile
@@ -341,6 +348,28 @@ def test_private_dirs_are_created_0700_and_tightened(root: Path) -> None:
     LocalTier(root, "j")
     for d in (root / "j", root / "j" / "steps", root / "j" / "ranks"):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+def test_create_root_makes_a_missing_root_private_and_leaves_an_existing_one(tmp_path: Path, outside: Path) -> None:
+    root = tmp_path / "made" / "gemini"
+    assert create_root(root) and check_root(root, explicit=True) == root
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o700 and stat.S_IMODE(os.lstat(root.parent).st_mode) == 0o700
+    os.chmod(root, 0o755)
+    assert not create_root(root) and stat.S_IMODE(os.lstat(root).st_mode) == 0o755  # existing: not touched
+    link = tmp_path / "planted"
+    link.symlink_to(outside)
+    assert not create_root(link)  # a planted link is not followed, and refused by the root check
+    with pytest.raises(TierRootError, match="symbolic link"):
+        check_root(link, explicit=True)
+    assert not list(outside.iterdir())
+
+
+@as_root
+def test_create_root_leaves_another_users_root_to_be_refused(root: Path) -> None:
+    os.chown(root, NOBODY, NOBODY)
+    assert not create_root(root)
+    with pytest.raises(TierRootError, match=f"owned by another user; it belongs to uid {NOBODY}"):
+        check_root(root, explicit=True)
 
 
 @as_root

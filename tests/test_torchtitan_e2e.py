@@ -2,7 +2,8 @@
 the group, ``GeminiCheckpointManager`` resumes from gemini_dcp's memory tier (newer than torchtitan's own
 folder checkpoint), and the final parameters equal, bit for bit, those of a run that never failed.
 
-Runs ``examples/torchtitan/run_cpu.sh`` (the llama3 debugmodel, seq 64 x batch 2, 8 steps), with blocking per-step
+Runs ``examples/torchtitan/run_cpu.sh`` (the llama3 debugmodel, seq 64 x batch 2, 8 steps, torchtitan's default
+activation checkpointing), with blocking per-step
 saves (``sync``) and through ``AsyncCheckpointer`` (``async``, the default: the copy of step t overlaps step t+1, so
 the newest committed step at the kill may be one older); at every save, launch.py's ``TITAN_CHECK_STATES`` compares
 the state dict saved with torchtitan's own ``_flattened_model_states_sd()``, bit for bit. Skipped where
@@ -43,7 +44,7 @@ def _run(out: Path, root: Path, job: str, env_extra: dict[str, str], *args: str)
                INTERVAL=str(INTERVAL), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
                **env_extra)
     return subprocess.run(["bash", str(SCRIPT), str(out), *args], env=env, text=True, capture_output=True,
-                          timeout=240, cwd=REPO)
+                          timeout=300, cwd=REPO)
 
 
 def _losses(log: str) -> dict[int, str]:
@@ -69,7 +70,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tier_root: Path) -> tupl
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_torchtitan_killed_rank_resumes_from_memory_bit_exact(
     tmp_path: Path, tier_root: Path, reference: tuple[Path, str], mode: str
@@ -87,6 +88,15 @@ def test_torchtitan_killed_rank_resumes_from_memory_bit_exact(
     # model part comes from ModelStatesCache, not a full model.state_dict(), after the first save).
     assert re.search(r"states check: [1-9]\d* saves exact \([1-9]\d* fused-qkv split values\)", out), out[-4000:]
     assert re.search(r"model states: [1-9]\d* reused", out), out[-4000:]
+    # With torchtitan's default activation checkpointing (selective; the example's default too): the cache sees
+    # through the checkpoint wrapper, so each launch builds the model states at its first save (and once more
+    # after the resume's load, which replaces torchtitan's dict) and reuses them at every other save.
+    assert "Applied SelectiveAC activation checkpointing" in out, out[-4000:]
+    assert "gemini_dcp: model states: reused at every save" in out and "full state_dict() at every save" not in out
+    built = [int(b) for b in re.findall(r"model states: \d+ reused, (\d+) built", out)]
+    assert len(built) >= 2 * (STEPS - 1) and max(built) <= 2, built
+    # A torchrun restart of the same job is not another job's checkpoint (dcp/reader.py's launch note).
+    assert "may be another job's checkpoint" not in out, [ln for ln in out.splitlines() if "saved by launch" in ln]
     # Resumed from gemini_dcp's local tier at the step before the kill (async: maybe the one before),
     # newer than (or tied with) torchtitan's folder step.
     resumed = re.findall(r"gemini_dcp: resumed from step (\d+) \(local: \d+ B.*?folder newest: (\w+)\)", out)

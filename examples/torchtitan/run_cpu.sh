@@ -8,6 +8,7 @@
 #   JOB_ID (titan-example: gemini_dcp's job id; torchrun --standalone makes a new run id per launch, so the
 #   job id is set here for a relaunch to find its steps, as torchtitan finds its folder),
 #   GEMINI_ASYNC (true: per-step saves through AsyncCheckpointer, overlapping the next step; false: blocking),
+#   AC (default: torchtitan's own activation checkpointing, selective for llama3; none, full, selective: that mode),
 #   TITAN_FAIL_AT_STEP / TITAN_FAIL_RANK / TITAN_DUMP_FINAL (launch.py), GEMINI_DCP_ROOT (tier root).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,4 +30,4 @@ exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-
   --comm.trace_buf_size 0 --validator.no-enable --debug.seed 0 \
   --checkpoint.enable --checkpoint.interval "${INTERVAL:-4}" --checkpoint.no-last-save-model-only \
   --override.imports "gemini_dcp.integrations.torchtitan.gemini_checkpoint={\"gemini_job_id\": \"${JOB_ID:-titan-example}\", \"gemini_async\": ${GEMINI_ASYNC:-true}}" \
-  "$@" activation-checkpoint:none
+  "$@" ${AC:+activation-checkpoint:$AC}

@@ -52,7 +52,7 @@ from torch.futures import Future
 
 from ..core.chunk_sink import describe_item
 from ..core.compat import failed_metadata, raise_if_failed
-from ..core.config import parse_step
+from ..core.config import DEFAULT_JOB_IDS, parse_step
 from ..core.faults import fault_point
 from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
@@ -276,7 +276,7 @@ class GeminiStorageReader(StorageReader):
             for s in mine.slots:
                 self._local[s.rank] = self.tier.slot_path(s.rank, s.slot)
         self._decision, self._record = decision, record
-        self._note_launch(record, comm.rank)
+        self._note_launch(record, comm)
         if decision.rebuilt:  # collective: every rank reached the same decision
             self._decision = rebuild_from_parity(
                 comm, self.tier, decision, record, mine if mine is not None and mine.fingerprint() == decision.fingerprint else None,
@@ -284,30 +284,29 @@ class GeminiStorageReader(StorageReader):
             )
         self._adopt_lost_parts(views, comm.rank)
 
-    def _note_launch(self, record: StepRecord, rank: int) -> None:
+    def _note_launch(self, record: StepRecord, comm: Comm) -> None:
         """Set ``restored_launch``; log (rank 0) when the step was saved by another launch.
 
-        A torchrun restart restores what the previous launch of the run saved: that is
-        logged at INFO. A launch of another run (another ``--rdzv-id``, or none: two jobs
-        that share the default job id) is logged at WARNING, since it may be another
-        job's checkpoint; the restore goes on either way (the key/shape check in
+        A restore of the same job (:func:`_other_job` finds nothing: a torchrun restart, with or
+        without ``--rdzv-id``) is logged at INFO. One that could be another job's checkpoint is
+        logged at WARNING, saying why; the restore goes on either way (the key/shape check in
         ``set_up_storage_reader`` / ``read_data`` refuses another model's state).
         """
         saved_id = getattr(record, "launch_id", "") or ""
         saved_desc = getattr(record, "launch_description", "") or ""
         self.restored_launch = saved_desc
-        if not saved_id or rank != 0:
+        if not saved_id or comm.rank != 0:
             return
         me = current_launch()
         if saved_id == me.launch_id:
             return
-        level = logging.INFO if _same_run(saved_desc, me.description) else logging.WARNING
+        why = _other_job(record, self.job_id, comm.world_size, me.description)
         log.log(
-            level,
+            logging.WARNING if why else logging.INFO,
             "job %r: restoring step %d saved by launch %s (%s); this process is launch %s (%s)%s",
             self.job_id, record.step, saved_desc or "?", saved_id, me.description, me.launch_id,
-            "" if level == logging.INFO else
-            ". If that is another job's checkpoint, give each job its own job_id (torchrun --rdzv-id) or root.",
+            f". It may be another job's checkpoint ({why}): give each job its own job_id (torchrun --rdzv-id) "
+            "or root." if why else "",
         )
 
     def _adopt_lost_parts(self, views: Sequence[NodeView], rank: int) -> None:
@@ -549,11 +548,27 @@ class GeminiStorageReader(StorageReader):
         return mismatch.error(step=step, job_id=self.job_id, saved_by=saved_by(self._record))
 
 
-def _same_run(a: str, b: str) -> bool:
-    """Two launch descriptions of one torchrun run (same explicit run id): a restart, not another job."""
-    def run_id(desc: str) -> str:
-        parts = desc.split()
-        return parts[1] if len(parts) > 1 and parts[0] == "run" else ""
+def _other_job(record: StepRecord, job_id: str, world_size: int, description: str) -> str:
+    """Why the step in ``record`` could be another job's ("" when it is this job's).
 
-    rid = run_id(a)
-    return bool(rid) and rid not in ("-", "none") and rid == run_id(b)
+    This job's step: the same job id, not a shared default (``DEFAULT_JOB_IDS``: every job without
+    one has it), the same world size, and the same torchrun run id (``--rdzv-id``, or ``none``
+    without it; what a restart keeps) in the launch descriptions (``core.launch``). Nothing else
+    of a launch is compared: a restart gets a new rendezvous and launch id.
+    """
+    saved, mine = _run_id(getattr(record, "launch_description", "") or ""), _run_id(description)
+    if record.job_id != job_id:
+        return f"saved as job {record.job_id!r}"
+    if job_id in DEFAULT_JOB_IDS:
+        return f"job id {job_id!r} is the one every job without a job id gets"
+    if record.world_size != world_size:
+        return f"saved by {record.world_size} ranks, restored by {world_size}"
+    if saved is None or saved != mine:
+        return f"run id {saved or '?'}, this process's {mine or '?'}"
+    return ""
+
+
+def _run_id(description: str) -> str | None:
+    """The torchrun run id in a launch description (``run <id> at ...``), None for a launch outside torchrun."""
+    parts = description.split()
+    return parts[1] if len(parts) > 1 and parts[0] == "run" and parts[1] != "-" else None

@@ -9,11 +9,14 @@ imports without it).
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
 from ..options import DEFAULT_TIMEOUT_S
 from .fused_qkv import FusedQKVSplit, split_makers
+
+log = logging.getLogger(__name__)
 
 
 class ModelStatesCache:
@@ -27,19 +30,28 @@ class ModelStatesCache:
 
     After one full call, :meth:`get` remembers which cached values share storage with the model's
     parameters or buffers (they track the parameters by themselves) and which modules make the others
-    (their state-dict post hooks). While the model holds the same parameter and buffer objects (same
-    names, same objects, same data pointers: ~1 us each to check) and the wrapper the same cache dict,
-    a save calls ``state_dict()`` on those modules only and merges their values exactly as
+    (*makers*: a module with a state-dict post hook, or one that cannot be seen through — a class of its
+    own ``state_dict``/``_save_to_state_dict``, a state-dict pre hook of unknown effect — is recomputed by
+    its own ``state_dict()`` call, its subtree with it). Wrappers whose only hook renames keys are seen
+    through: torch's activation-checkpoint wrapper (torchtitan's AC) drops its ``_checkpoint_wrapped_module.``
+    segment, so a maker under it is called with the key prefix the full call ends with (in-place
+    ``module.compile()``, torchtitan's, changes no state dict). While the model holds the same parameter
+    and buffer objects (same names, same objects, same data pointers: ~1 us each to check) and the
+    wrapper the same cache dict, a save calls ``state_dict()`` on the makers only (a fused-qkv maker not
+    even that: :mod:`~gemini_dcp.integrations.fused_qkv`) and merges their values exactly as
     ``ModelWrapper.state_dict()`` does; the dict it returns is the one torchtitan's call would return,
-    holding the same values. Anything it cannot vouch for — a wrapper of another class, a state-dict hook
-    on a module that is not such a maker (only FSDP2's ``to_sharded`` pre hook is known), a maker
-    nested in a hooked module, a parameter replaced or re-pointed (``p.data = ...``, a load) — takes
-    torchtitan's full call. The hook modules run in the same order either way, so ranks that decide
+    holding the same values. What it cannot vouch for for the whole model — a wrapper of another class, a
+    hook or own ``state_dict`` on a model part's root, makers of several parts, a value neither a
+    parameter's nor a maker's, a parameter replaced or re-pointed (``p.data = ...``, a load) — takes
+    torchtitan's full call; the log (rank 0, when it changes) names the makers recomputed per save and
+    why, or why the full call. The hook modules run in the same order either way, so ranks that decide
     differently still issue the same collectives (the fused split's all-gathers) in the same order.
     Not thread-safe: the training thread's.
     """
 
     KNOWN_PRE_HOOKS = frozenset({"FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"})
+    #: Post hooks that only rename their module's keys: (hook, the child-name segment they drop).
+    RENAME_HOOKS = {"ActivationWrapper._post_state_dict_hook": "_checkpoint_wrapped_module"}
 
     def __init__(self, wrapper_class: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.wrapper_class = wrapper_class  # torchtitan's ModelWrapper: only its state_dict() is known
@@ -48,11 +60,12 @@ class ModelStatesCache:
         self._sd: dict[str, Any] | None = None
         self._key: tuple[Any, ...] | None = None
         self._objs: list[Any] = []  # the parameters and buffers the key refers to (held: ids stay theirs)
-        self._makers: list[tuple[Any, str]] = []  # (module, its state-dict prefix), in module order
+        self._makers: list[tuple[Any, str, str]] = []  # (module, its key prefix, why a maker), in module order
         self._splits: dict[int, FusedQKVSplit] = {}  # makers whose values come from local rows (by position)
         self._out: dict[str, Any] | None = None  # what get() returns: the wrapper's dict, or ours with the splits
         self.hits = 0
         self.rebuilds = 0
+        self.said = ""  # the last plan logged (rank 0): what is recomputed per save, or why the full call
 
     def get(self, wrapper: Any) -> dict[str, Any]:
         """What ``wrapper.state_dict()`` returns, computed with the remembered makers when nothing changed.
@@ -71,7 +84,7 @@ class ModelStatesCache:
         hit = _agree(hit, self._comm())
         if hit:
             assert cached is not None and self._out is not None
-            for i, (module, prefix) in enumerate(self._makers):
+            for i, (module, prefix, _) in enumerate(self._makers):
                 split = self._splits.get(i)
                 if split is not None:
                     split.refresh()
@@ -110,43 +123,70 @@ class ModelStatesCache:
         if not _agree(ok, self._comm()) and self._splits:
             self._splits = {}
             self._out = self._sd
+        if self._sd is not None:
+            per_save = [f"{p.rstrip('.')} ({why})" for i, (_, p, why) in enumerate(self._makers) if i not in self._splits]
+            self._say("model states: reused at every save" + (
+                f"; recomputed by their own state_dict() at every save: {', '.join(per_save)}" if per_save else ""))
+
+    def _say(self, plan: str) -> None:
+        """Log ``plan`` (rank 0) when it differs from the last one logged."""
+        if plan != self.said:
+            self.said = plan
+            if _rank() == 0:
+                log.info("gemini_dcp: %s", plan)
 
     def _remember(self, wrapper: Any, sd: dict[str, Any]) -> bool:
         """Remember ``sd``'s makers (and fused splits); True when remembered with every fused maker split."""
         objs, key = self._tensors(wrapper)
         storages = {_local(t).untyped_storage().data_ptr() for t in objs}
         made = [k for k, v in sd.items() if not (_is_tensor(v) and _local(v).untyped_storage().data_ptr() in storages)]
-        makers: list[tuple[Any, str]] = []
+        makers: list[tuple[Any, str, str]] = []
         for part in wrapper.model:
-            if type(part).state_dict is not _module_state_dict():
+            why = self._find_makers(part, "", makers, root=True)
+            if why is not None:
+                self._say(f"model states: torchtitan's full state_dict() at every save ({why})")
                 return False
-            hooked: list[str] = []  # prefixes of modules whose hooks a maker's own call would skip
-            for name, module in part.named_modules(remove_duplicate=False):
-                prefix = f"{name}." if name else ""
-                if type(module).state_dict is not _module_state_dict():
-                    return False
-                pre = [getattr(f, "__qualname__", "") for f in module._state_dict_pre_hooks.values()]
-                if any(q not in self.KNOWN_PRE_HOOKS for q in pre) or module._state_dict_hooks and not name:
-                    return False  # a hook of unknown effect, or on the root: torchtitan's full call every save
-                if module._state_dict_hooks:
-                    if any(prefix.startswith(h) for h in hooked):
-                        return False
-                    hooked.append(prefix)
-                    makers.append((module, prefix))
-        if len(wrapper.model) > 1 and makers:
-            return False  # makers of several parts: their prefixes are not the flattened keys' (torchtitan merges parts)
-        prefixes = tuple(p for _, p in makers)
-        if any(not k.startswith(prefixes) for k in made) or not all(map(_is_tensor, sd.values())):
-            return False  # a value neither a parameter's nor a maker's, or not a tensor (extra state)
+        if len(wrapper.model) > 1 and makers:  # their prefixes are not the flattened keys' (torchtitan merges parts)
+            self._say("model states: torchtitan's full state_dict() at every save (makers in several model parts)")
+            return False
+        prefixes = tuple(p for _, p, _ in makers)
+        stray = next((k for k in made if not k.startswith(prefixes)), None)
+        if stray is not None or not all(map(_is_tensor, sd.values())):
+            self._say("model states: torchtitan's full state_dict() at every save (" + (
+                f"{stray!r} is neither a parameter's nor a maker's" if stray is not None else "a value is not a tensor") + ")")
+            return False
         self._sd, self._key, self._objs, self._makers = sd, key, objs, makers
         self._out = sd
-        splits = split_makers(makers, sd)
+        splits = split_makers([(m, p) for m, p, _ in makers], sd)
         if splits:
             self._splits = splits
             self._out = dict(sd)
             for split in splits.values():
                 self._out.update(split.values)
         return splits is not None
+
+    def _find_makers(self, module: Any, prefix: str, makers: list[tuple[Any, str, str]], *, root: bool = False) -> str | None:
+        """Append the makers of ``module``'s subtree, in state-dict order, as (module, the key prefix its values end
+        with in the full call, why); a maker's subtree is its own call's. None, or why the full call is needed
+        (only a model part's root cannot be recomputed alone)."""
+        cls = type(module)
+        own = [f for f in ("state_dict", "_save_to_state_dict") if getattr(cls, f) is not getattr(_module_class(), f)]
+        pre = [q for f in module._state_dict_pre_hooks.values() if (q := getattr(f, "__qualname__", "?")) not in self.KNOWN_PRE_HOOKS]
+        post = [getattr(f, "__qualname__", "?") for f in module._state_dict_hooks.values()]
+        drops = {self.RENAME_HOOKS.get(q) for q in post}
+        why = (f"{cls.__name__}.{own[0]}" if own else f"state-dict pre hook {pre[0]}" if pre
+               else f"state-dict post hook {', '.join(post)}" if None in drops else None)
+        if why is not None:
+            if root:
+                return f"on the model's root: {why}"
+            makers.append((module, prefix, why))
+            return None
+        for name, child in module._modules.items():
+            if child is not None:
+                inner = self._find_makers(child, prefix if name in drops else f"{prefix}{name}.", makers)
+                if inner is not None:
+                    return inner
+        return None
 
     @staticmethod
     def _tensors(wrapper: Any) -> tuple[list[Any], tuple[Any, ...]]:
@@ -183,10 +223,17 @@ def _merge(cached: dict[str, Any], fresh: dict[str, Any]) -> None:
             old.copy_(value)
 
 
-def _module_state_dict() -> Any:
+def _module_class() -> Any:
     import torch  # noqa: PLC0415 - only called once torch is imported (a torchtitan job)
 
-    return torch.nn.Module.state_dict
+    return torch.nn.Module
+
+
+def _rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed)."""
+    import torch.distributed as dist  # noqa: PLC0415 - only called once torch is imported
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _local(t: Any) -> Any:

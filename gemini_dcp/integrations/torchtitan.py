@@ -42,7 +42,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.config import resolve_root
 from ..errors import ConfigError
+from ..local.job_dir import check_root, create_root
 from ..options import GeminiOptions
 from .model_states import ModelStatesCache
 from .resume import choose_resume, saves_at
@@ -124,7 +126,8 @@ def checkpoint_manager_class() -> Any:
             gemini_async: bool = True
             """Save through AsyncCheckpointer: the copy overlaps the next step (False: a blocking dcp.save)."""
             gemini_root: str | None = None
-            """Tier root (node tmpfs); default $GEMINI_DCP_ROOT, else /dev/shm/gemini_dcp."""
+            """Tier root (node tmpfs); default $GEMINI_DCP_ROOT, else /dev/shm/gemini_dcp. Created private (0700)
+            where missing; one of another user's, a link or group/other-writable is refused (docs/security.md)."""
             gemini_job_id: str | None = None
             """Job id; default $TORCHELASTIC_RUN_ID (torchrun --rdzv-id)."""
             gemini_replicas: int = 1
@@ -145,6 +148,7 @@ def checkpoint_manager_class() -> Any:
             if not self.enable:
                 return
             self.gemini = TitanGeminiSettings.from_config(config)
+            _prepare_root(config.gemini_root)
             self.gemini_writer: GeminiStorageWriter | None = None
             self.gemini_async: AsyncCheckpointer | None = None
             self.gemini_last_load: dict[str, Any] = {}
@@ -254,6 +258,18 @@ def checkpoint_manager_class() -> Any:
 
     GeminiCheckpointManager.__module__ = __name__
     return GeminiCheckpointManager
+
+
+def _prepare_root(root: str | None) -> None:
+    """The job's explicit ``gemini_root``: created private where missing (as torchtitan creates its dump folder),
+    then checked as every tier root is (TierRootError now, not at the first save or load). Every rank calls it
+    (one root per node). Nothing to do for the environment's or the default root (the tier's own rules)."""
+    if not root:
+        return
+    path = resolve_root(root)
+    if create_root(path):
+        log.info("gemini_dcp: created the tier root %s (mode 0700)", path)
+    check_root(path, explicit=True)
 
 
 def _save_planner() -> Any:

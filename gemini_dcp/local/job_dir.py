@@ -232,6 +232,27 @@ def check_root(root: Path, *, explicit: bool) -> Path:
     return root
 
 
+def create_root(root: Path) -> bool:
+    """Create a missing tier root private (mode 0700, missing parents too), as ``mkdir -m 0700 -p``; True when
+    it was missing. An existing root is left as it is, for :func:`check_root` to accept or refuse (another
+    user's, a link, group/other-writable); so is one made meanwhile by another rank. TierRootError when it
+    cannot be created. For a job's own explicit root setting only: ``check_root`` refuses a missing explicit
+    root (a typo must not put checkpoints elsewhere), readers and tools never create one."""
+    try:
+        os.lstat(root)
+        return False
+    except FileNotFoundError:
+        pass
+    try:
+        ensure_private_dir(root)
+    except OSError as exc:
+        raise TierRootError(
+            f"cannot create the tier root {root}: {exc.strerror}. Create it yourself (mkdir -m 0700 -p {root}) "
+            "or choose a root in a directory this user may write."
+        ) from exc
+    return True
+
+
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` (and missing parents) with mode 0700, or check and tighten it if it exists.
 
