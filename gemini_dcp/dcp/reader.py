@@ -117,9 +117,11 @@ class GeminiStorageReader(StorageReader):
         timeout_s: float = 300.0,
         process_group: Any = None,
         options: GeminiOptions | None = None,
+        peer_transport: str | None = None,
     ) -> None:
         """``root`` / ``job_id`` as the writer's; ``persistent``: the fsspec URL of the persistent
         tier to fall back to; ``timeout_s``: of the restore collectives and every store call;
+        ``peer_transport``: what moves chunks fetched from peers and parity rebuilds (as the writer's);
         ``options``: a :class:`gemini_dcp.options.GeminiOptions` instead of, or with, the keywords
         (a keyword left at its default takes the options' value; both set differently is a ConfigError)."""
         super().__init__()
@@ -130,7 +132,8 @@ class GeminiStorageReader(StorageReader):
         # Validated before any directory is touched: ``options`` merged with the keywords
         # (a keyword and an options field set to different values is a ConfigError).
         self.gemini_options: GeminiOptions = resolve_options(
-            options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s
+            options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s,
+            peer_transport=peer_transport,
         )
         cfg = self.gemini_options
         self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
@@ -277,6 +280,7 @@ class GeminiStorageReader(StorageReader):
             self._decision = rebuild_from_parity(
                 comm, self.tier, decision, record, mine if mine is not None and mine.fingerprint() == decision.fingerprint else None,
                 self._local, persisted if self.persistent is not None else None,
+                peer_transport=self.gemini_options.peer_transport,
             )
         self._adopt_lost_parts(views, comm.rank)
 
@@ -468,7 +472,7 @@ class GeminiStorageReader(StorageReader):
             from_persistent=None if self.persistent is None
             else (lambda items: self._stage_from_persistent(LoadPlan(items), planner)),
         )
-        transport = transport_for(comm)
+        transport = transport_for(comm, self.gemini_options.peer_transport)
         for key in remote:  # a chunk of a slot rebuilt from parity counts as "parity", not "peer"
             if rebuilt_tier(self._decision, key[0], "peer") == "parity":
                 counts["peer"] -= self._ref(by_key[key][0].storage_index).length

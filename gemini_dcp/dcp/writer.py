@@ -179,6 +179,7 @@ class GeminiStorageWriter(StorageWriter):
         options: GeminiOptions | None = None,
         incremental: bool = False,
         full_every: int | None = None,
+        peer_transport: str | None = None,
     ) -> None:
         super().__init__()
         # Every option is validated before anything is created (tier or persistent directories):
@@ -189,7 +190,7 @@ class GeminiStorageWriter(StorageWriter):
             capacity_bytes=capacity_bytes, timeout_s=timeout_s, on_peer_failure=on_peer_failure,
             persistent=persistent, persist_every=persist_every, persist_keep=persist_keep,
             persist_keep_every=persist_keep_every, parity_group=parity_group, incremental=incremental,
-            full_every=full_every,
+            full_every=full_every, peer_transport=peer_transport,
         )
         cfg = self.gemini_options
         ext_loader.preload()  # the extension mapped now, not inside a timed save or restore
@@ -497,7 +498,7 @@ class GeminiStorageWriter(StorageWriter):
     ) -> tuple[list[Any], dict[str, Any]]:
         """Step 4 of the protocol: the peer tier's replication, given only the narrow values it needs."""
         done = replicate(
-            comm, transport_for(comm), step, reports, options=self.options, tier=self.tier,
+            comm, transport_for(comm, self.gemini_options.peer_transport), step, reports, options=self.options, tier=self.tier,
             slot=self.slot_pool.slot, budget_check=self.slot_pool.budget_check,
             previous_order=self._node_order, pace=self.hooks.replication_pace, expand=expand,
             memory=self._replica_memory,
@@ -509,7 +510,7 @@ class GeminiStorageWriter(StorageWriter):
         """Step 4 with ``parity_group``: the XOR parity of every lane (gemini_dcp.peer.parity); collective."""
         assert self.parity_group is not None
         done = encode_parity(
-            comm, transport_for(comm), step, reports, group=self.parity_group, tier=self.tier,
+            comm, transport_for(comm, self.gemini_options.peer_transport), step, reports, group=self.parity_group, tier=self.tier,
             data_slot=self.slot_pool.slot, parity_slots=self.parity_slots, budget_check=self.slot_pool.budget_check,
             algo=self._algo, on_peer_failure=self.options.on_peer_failure, previous_order=self._node_order,
             pace=self.hooks.replication_pace,

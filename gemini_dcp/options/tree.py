@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from .checks import DEFAULT_TIMEOUT_S, check_timeout
 from .incremental import IncrementalOptions
 from .local import LocalOptions
-from .peer import PeerOptions
+from .peer import PeerOptions, PeerTransport, check_peer_transport, peer_transport_from_env
 from .persistent import DrainOptions, PersistentOptions
 from .tier import TierOptions
 
@@ -38,6 +38,7 @@ KEYWORDS: dict[str, tuple[str | None, str]] = {
     "incremental": ("incremental", "enabled"),
     "full_every": ("incremental", "full_every"),
     "timeout_s": (None, "timeout_s"),
+    "peer_transport": (None, "peer_transport"),
     "persistent": ("persistent", "url"),
     "persist_every": ("persistent", "every"),
     "persist_keep": ("persistent", "keep"),
@@ -56,6 +57,11 @@ class GeminiOptions:
     persistent: PersistentOptions = field(default_factory=PersistentOptions)
     incremental: IncrementalOptions = field(default_factory=IncrementalOptions)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    peer_transport: PeerTransport = "gloo"
+    """What moves the peer tier's bytes (replicas, parity stripes, lost-node restores): ``"gloo"``
+    (torch.distributed over TCP), ``"nixl"`` (NIXL one-sided WRITEs over UCX: RDMA, shared memory;
+    ConfigError at the first transfer when a rank cannot start it) or ``"auto"`` (NIXL where every
+    rank starts it, else gloo). The same on every rank. ``$GEMINI_DCP_PEER_TRANSPORT``."""
 
     def __post_init__(self) -> None:
         for name, kind in (("local", LocalOptions), ("peer", PeerOptions), ("persistent", PersistentOptions),
@@ -63,6 +69,7 @@ class GeminiOptions:
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: give a {kind.__name__}.")
         check_timeout(self.timeout_s)
+        check_peer_transport(self.peer_transport)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **keywords: Any) -> "GeminiOptions":
@@ -74,6 +81,7 @@ class GeminiOptions:
             peer=PeerOptions.from_env(environ),
             persistent=PersistentOptions.from_env(environ),
             incremental=IncrementalOptions.from_env(environ),
+            peer_transport=peer_transport_from_env(environ),
         )
         return base.with_keywords(**keywords)
 
@@ -142,6 +150,8 @@ def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> Gemini
     if options is None:
         # The drain settings matter (and a bad one fails) only where there is a store to drain to.
         drain = DrainOptions.from_env() if keywords.get("persistent") is not None else DrainOptions()
+        if keywords.get("peer_transport") is None:  # not given: $GEMINI_DCP_PEER_TRANSPORT, else gloo
+            keywords = {**keywords, "peer_transport": peer_transport_from_env()}
         return GeminiOptions(persistent=PersistentOptions(drain=drain)).with_keywords(**keywords)
     if not isinstance(options, GeminiOptions):
         raise ConfigError(
@@ -149,6 +159,8 @@ def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> Gemini
         )
     given: dict[str, Any] = {}
     for kw, value in keywords.items():
+        if kw == "peer_transport" and value is None:  # not given: the options' value
+            continue
         default = _default_of(kw)
         if _is_default(value, default):
             continue

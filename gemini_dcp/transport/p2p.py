@@ -21,7 +21,7 @@ The all-reduce sits here rather than beside the object collectives of
 transport (NCCL, a parity scheme) would run on its own group too; the object
 collectives stay pickled gloo calls on the control group whatever moves the bytes.
 
-:class:`GlooTransport` is today's one implementation: ``torch.distributed``
+:class:`GlooTransport` is the default implementation: ``torch.distributed``
 point-to-point on the dedicated gloo control group of a :class:`~gemini_dcp.transport.comm.Comm`
 (one per (ranks, ``timeout_s``), see :func:`get_transport`). It reads the comm's group at
 every call, so after :meth:`Comm.rebuild` it uses the replacement group. Ranks passed to a
@@ -33,6 +33,7 @@ operations or ``all_reduce``; another transport is another class here, chosen in
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerError
+from ..errors import ConfigError, PeerError
 from .comm import Comm, _transport_errors, get_comm, restart_required
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
     "messages",
     "transport_for",
 ]
+
+log = logging.getLogger(__name__)
 
 ReduceOp = Literal["min", "max", "sum"]
 RangeView = Callable[[int, int], torch.Tensor]  # (offset, length) -> a uint8 view of that byte range
@@ -223,9 +226,45 @@ class GlooTransport:
         return [int(v) for v in t.tolist()]
 
 
-def transport_for(comm: Comm) -> Transport:
-    """The transport over ``comm``'s control group (today always :class:`GlooTransport`)."""
-    return GlooTransport(comm)
+# (global ranks, timeout_s, requested kind) -> the kind every rank of that group agreed on.
+_CHOSEN: dict[tuple[tuple[int, ...], float, str], str] = {}
+
+
+def transport_for(comm: Comm, peer_transport: str = "gloo") -> Transport:
+    """The transport of peer-tier bytes over ``comm``'s control group.
+
+    ``peer_transport``: ``"gloo"`` (:class:`GlooTransport`), ``"nixl"``
+    (:class:`~gemini_dcp.transport.nixl.NixlTransport`, ConfigError on every rank when a rank
+    cannot start NIXL) or ``"auto"`` (NIXL where every rank starts it, else gloo; logged once).
+    With ``"nixl"`` or ``"auto"`` the first call per (group, kind) is **collective** (all ranks
+    of the group, the same ``peer_transport``): the ranks agree on whether every one of them
+    started NIXL (one all-reduce), so the two ends of a transfer always use the same transport.
+    """
+    if peer_transport == "gloo" or not comm.distributed:
+        return GlooTransport(comm)
+    key = (tuple(comm.ranks), float(comm.timeout_s or 0.0), peer_transport)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        from . import nixl  # noqa: PLC0415 - optional dependency, imported only when asked for
+
+        ok, why = nixl.probe()
+        everyone = GlooTransport(comm).all_reduce_ints([int(ok)], "min")[0] == 1
+        if not everyone and peer_transport == "nixl":
+            raise ConfigError(
+                f"peer_transport='nixl': {'this rank: ' + why if not ok else 'another rank could not start NIXL'}. "
+                "Install NIXL on every node (docs/deploying.md: `pip install --no-deps nixl-cu12 numpy`), set "
+                "UCX_TLS to transports UCX has there, or use peer_transport='gloo' (or 'auto')."
+            )
+        chosen = "nixl" if everyone else "gloo"
+        _CHOSEN[key] = chosen
+        if comm.rank == 0 or not ok:
+            log.info("peer_transport=%r: peer-tier bytes go over %s (%s)", peer_transport, chosen,
+                     why if ok else f"NIXL unavailable: {why}")
+    if chosen == "gloo":
+        return GlooTransport(comm)
+    from .nixl import NixlTransport, engine  # noqa: PLC0415
+
+    return NixlTransport(comm, engine())
 
 
 def get_transport(timeout_s: float, process_group: dist.ProcessGroup | None = None) -> Transport:

@@ -1,0 +1,465 @@
+"""The NIXL transport: peer-tier bytes as one-sided NIXL WRITEs, over UCX (RDMA, shared memory, TCP).
+
+:class:`NixlTransport` is a :class:`~gemini_dcp.transport.p2p.Transport` (chosen with
+``peer_transport="nixl"``, or ``"auto"`` where NIXL imports and its UCX backend starts:
+:func:`~gemini_dcp.transport.p2p.transport_for`). It keeps the message pairing of the
+gloo transport, so the peer tier's modules (replication, lost-node restore, parity,
+deltas) post exactly what they post over gloo:
+
+1. **post_recv** registers the caller's buffer with this process's NIXL agent and sends
+   the sender a *descriptor* (a random token, the buffer's address and length, and the
+   agent's partial metadata for that buffer, connection info included) as one small gloo
+   message on the control group: no new rendezvous, no port beyond UCX's own.
+2. **post_send** posts the gloo receive of that descriptor. The k-th send from A to B meets
+   the k-th receive of B from A, as gloo point-to-point messages between a pair are ordered.
+3. **progress** (run by every :meth:`NixlTransport.wait`, whatever it waits for): a send
+   whose descriptor arrived loads the peer's metadata, registers its own buffer and posts
+   one WRITE of it straight into the receiver's buffer, carrying the token as its
+   notification; a finished WRITE releases its registration.
+4. **wait** on a receive waits for the token's notification (NIXL delivers it after the
+   WRITE's bytes); on a send, for the WRITE's completion. Every wait is bounded by its
+   deadline (the group's ``timeout_s`` when none is given): a peer killed or stopped
+   mid-transfer ends in :class:`~gemini_dcp.errors.PeerError` (or, ``fatal``,
+   :class:`~gemini_dcp.errors.RestartRequiredError`), and the caller's usual fallback runs.
+
+Bytes are verified by the callers against the step record's checksums on arrival, as over gloo.
+A paced send (:meth:`NixlTransport.send_ranges` with ``pace``) writes its range in the
+``wire_chunk`` pieces the pacer sizes, the last one carrying the notification; unpaced,
+a whole range is one WRITE (the receiver always posts one receive per range).
+
+Tokens are random per transfer, so a late notification of a failed transfer never completes
+a later one. A WRITE still in flight when its wait gave up may land after it, as a late gloo
+message may; the writer replaces the control group and the slot is not committed.
+
+Registration is per transfer (about 0.5 ms on the CPU this was measured on; docs/benchmarks.md);
+registering the slot mappings once per writer is the next step. The ``nixl`` module (or the
+``nixl_cu12`` / ``nixl_cu13`` wheel's) is imported only here, lazily: ``import gemini_dcp``
+never needs it. One agent per process (:func:`engine`), created on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PeerError
+from .comm import Comm, _transport_errors, restart_required
+from .p2p import GlooTransport, Pending, RangeView, ReduceOp, messages
+
+__all__ = ["DESC_BYTES", "NIXL_MODULES", "NixlEngine", "NixlTransport", "engine", "load_nixl", "probe", "ucx_transports"]
+
+log = logging.getLogger(__name__)
+
+#: Where NIXL's Python API may be installed: the ``nixl`` meta package, or one CUDA variant's wheel.
+NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
+#: Bytes of one descriptor message (header + the receiver's partial agent metadata).
+DESC_BYTES = 8192
+_MAGIC = 0x4E49584C44435031  # "NIXLDCP1"
+_HEADER = 5  # int64s: magic, token, address, length, metadata length
+_POLL_MAX_S = 0.001  # the longest sleep between two progress rounds of a wait
+
+
+def load_nixl() -> ModuleType:
+    """NIXL's Python API (the first of :data:`NIXL_MODULES` that imports); ImportError naming each try."""
+    errors = []
+    for name in NIXL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if hasattr(mod, "nixl_agent"):
+            return mod
+        errors.append(f"{name}: no nixl_agent")
+    raise ImportError("NIXL is not installed (" + "; ".join(errors) + "). Install it with "
+                      "`pip install --no-deps nixl-cu12 numpy` (see docs/deploying.md).")
+
+
+def ucx_transports() -> str:
+    """The UCX transports NIXL's UCX backend may use: ``$UCX_TLS``, or UCX's own choice."""
+    return os.environ.get("UCX_TLS", "").strip() or "all (UCX chooses; set UCX_TLS)"
+
+
+class NixlEngine:
+    """This process's NIXL agent (UCX backend) and its transfers in flight (see the module docstring)."""
+
+    def __init__(self, mod: ModuleType, agent: Any, name: str) -> None:
+        self.mod = mod
+        self.agent = agent
+        self.name = name
+        self.lock = threading.RLock()  # agent calls and the lists below (the agent runs without its own locks)
+        self.sends: list[_Send] = []  # posted sends, progressed by every wait
+        self.arrived: set[bytes] = set()  # tokens notified and not yet waited for
+        self._waiters: dict[int, queue.SimpleQueue[_Send]] = {}  # peer -> its descriptor waiter's queue
+
+    def await_descriptor(self, peer: int, op: _Send) -> None:
+        """Have ``peer``'s waiter thread block on ``op``'s descriptor receive (gloo's receive work
+        reports completion only to a blocking ``wait``; descriptors of one peer arrive in order)."""
+        with self.lock:
+            q = self._waiters.get(peer)
+            if q is None:
+                q = self._waiters[peer] = queue.SimpleQueue()
+                threading.Thread(target=_wait_descriptors, args=(q,), name=f"gemini-dcp-nixl-desc-{peer}",
+                                 daemon=True).start()
+        q.put(op)
+
+    def register(self, buf: torch.Tensor) -> Any:
+        return self.agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
+
+    def release(self, reg: Any) -> None:
+        try:
+            self.agent.deregister_memory(reg)
+        except Exception as exc:  # noqa: BLE001 - cleanup: a failed deregistration only leaks the registration
+            log.debug("NIXL deregistration failed: %s", exc)
+
+    def poll_notifs(self) -> None:
+        for msgs in self.agent.get_new_notifs().values():
+            self.arrived.update(bytes(m) for m in msgs)
+
+    def progress(self) -> None:
+        """Advance every posted send one step (descriptor arrived -> WRITE posted -> WRITE done)."""
+        with self.lock:
+            for op in list(self.sends):
+                op.advance(self)
+                if op.state in ("done", "error"):
+                    self.sends.remove(op)
+            self.poll_notifs()
+
+
+def _wait_descriptors(q: queue.SimpleQueue[_Send]) -> None:
+    """A descriptor waiter: block on each queued send's descriptor receive in turn (GIL released)."""
+    while True:
+        op = q.get()
+        try:
+            op.work.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the op's wait
+            op.desc_error = exc
+        op.arrived.set()
+
+
+_ENGINE: NixlEngine | None = None
+_ENGINE_ERROR: str | None = None
+_ENGINE_LOCK = threading.Lock()
+
+
+def engine() -> NixlEngine:
+    """This process's :class:`NixlEngine`, created on first call; ImportError / RuntimeError saying why not."""
+    global _ENGINE, _ENGINE_ERROR
+    with _ENGINE_LOCK:
+        if _ENGINE is not None:
+            return _ENGINE
+        if _ENGINE_ERROR is not None:
+            raise RuntimeError(_ENGINE_ERROR)
+        mod = load_nixl()
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        name = f"gemini-dcp-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            agent = mod.nixl_agent(name, mod.nixl_agent_config(backends=["UCX"]))
+        except Exception as exc:  # noqa: BLE001 - any failure to start means "not usable here"
+            _ENGINE_ERROR = f"NIXL agent could not start: {type(exc).__name__}: {exc}"
+            raise RuntimeError(_ENGINE_ERROR) from exc
+        if "UCX" not in getattr(agent, "backends", {}):
+            _ENGINE_ERROR = f"NIXL's UCX backend did not start (UCX_TLS={ucx_transports()})"
+            raise RuntimeError(_ENGINE_ERROR)
+        _ENGINE = NixlEngine(mod, agent, name)
+        return _ENGINE
+
+
+def probe() -> tuple[bool, str]:
+    """Whether NIXL imports and its UCX backend starts in this process: (ok, what or why not)."""
+    try:
+        eng = engine()
+    except (ImportError, RuntimeError) as exc:
+        return False, str(exc)
+    return True, f"{eng.mod.__name__} agent {eng.name} with UCX (UCX_TLS={ucx_transports()})"
+
+
+class _Recv:
+    """A posted receive: registered buffer, descriptor sent, notification awaited."""
+
+    def __init__(self, token: bytes, reg: Any, desc_work: Any, nbytes: int) -> None:
+        self.token = token
+        self.reg = reg
+        self.desc_work = desc_work
+        self.nbytes = nbytes
+        self.done = nbytes == 0
+
+
+class _Send:
+    """A posted send: descriptor awaited, then WRITE(s) posted, then done (or error)."""
+
+    def __init__(self, buf: torch.Tensor, desc: torch.Tensor | None, work: Any) -> None:
+        self.buf = buf
+        self.desc = desc
+        self.work = work
+        self.state = "desc" if buf.numel() else "done"
+        self.error: BaseException | None = None
+        self.remote: tuple[str, int, bytes] | None = None  # (agent name, address, token)
+        self.reg: Any = None
+        self.xfers: list[Any] = []
+        self.written = 0  # bytes whose WRITE was posted
+        self.auto = True  # progress posts the whole buffer at once (False: a paced send_ranges does)
+        self.arrived = threading.Event()  # the descriptor receive returned (desc_error: with an error)
+        self.desc_error: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        self.state, self.error = "error", exc
+
+    def ready(self, eng: NixlEngine) -> bool:
+        """Whether the receiver's descriptor arrived and was loaded (raises nothing: errors go to state)."""
+        if self.remote is not None:
+            return True
+        if self.state != "desc" or not self.arrived.is_set():
+            return False
+        try:
+            if self.desc_error is not None:
+                raise self.desc_error
+            assert self.desc is not None
+            head = self.desc[: _HEADER * 8].view(torch.int64).tolist()
+            magic, token, addr, nbytes, md_len = (int(v) for v in head)
+            if magic != _MAGIC or nbytes != self.buf.numel() or not 0 < md_len <= DESC_BYTES - _HEADER * 8:
+                raise RuntimeError(f"descriptor mismatch (magic {magic:#x}, {nbytes} bytes announced, "
+                                   f"{self.buf.numel()} to send): the two ranks' messages do not pair up")
+            md = self.desc[_HEADER * 8 : _HEADER * 8 + md_len].numpy().tobytes()
+            name = eng.agent.add_remote_agent(md)
+            self.remote = (name.decode() if isinstance(name, bytes) else str(name), addr, token.to_bytes(8, "little"))
+            self.reg = eng.register(self.buf)
+            self.state = "write"
+        except Exception as exc:  # noqa: BLE001 - gloo failure or NIXL error: reported by wait
+            self.fail(exc)
+            return False
+        return True
+
+    def write(self, eng: NixlEngine, off: int, n: int, notify: bool) -> None:
+        """Post the WRITE of ``buf[off:off+n]`` into the receiver's buffer at the same offset."""
+        assert self.remote is not None
+        name, addr, token = self.remote
+        local = eng.agent.get_xfer_descs([(self.buf.data_ptr() + off, n, 0)], "DRAM")
+        remote = eng.agent.get_xfer_descs([(addr + off, n, 0)], "DRAM")
+        h = eng.agent.initialize_xfer("WRITE", local, remote, name, token if notify else b"")
+        if eng.agent.transfer(h) == "ERR":
+            eng.agent.release_xfer_handle(h)
+            raise RuntimeError("NIXL WRITE failed to post")
+        self.xfers.append(h)
+        self.written = off + n
+
+    def advance(self, eng: NixlEngine) -> None:
+        if self.state == "desc" and self.auto and self.ready(eng):
+            try:
+                self.write(eng, 0, self.buf.numel(), notify=True)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(exc)
+        if self.state == "write":
+            self.reap(eng)
+
+    def reap(self, eng: NixlEngine) -> None:
+        """Drop finished WRITEs; the send is done once all of its bytes were written and landed."""
+        try:
+            while self.xfers:
+                st = eng.agent.check_xfer_state(self.xfers[0])
+                if st == "PROC":
+                    return
+                eng.agent.release_xfer_handle(self.xfers.pop(0))
+                if st != "DONE":
+                    raise RuntimeError(f"NIXL WRITE ended in state {st}")
+        except Exception as exc:  # noqa: BLE001
+            self.fail(exc)
+        if self.state == "error" or self.written == self.buf.numel():
+            if self.reg is not None:
+                eng.release(self.reg)
+                self.reg = None
+            if self.state != "error":
+                self.state = "done"
+
+
+class NixlTransport:
+    """:class:`~gemini_dcp.transport.p2p.Transport` over NIXL WRITEs, descriptors on a :class:`Comm`'s gloo group."""
+
+    def __init__(self, comm: Comm, eng: NixlEngine) -> None:
+        self.comm = comm
+        self.eng = eng
+        self._gloo = GlooTransport(comm)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self.comm.timeout_s or 300.0)
+
+    def _raise(self, what: str, peer: int, exc: BaseException, t0: float, fatal: bool) -> None:
+        reason = self.comm.failure(what, exc, time.monotonic() - t0, peer=peer)
+        if fatal:
+            raise restart_required(reason) from exc
+        raise PeerError(reason) from exc
+
+    def post_recv(self, buf: torch.Tensor, src: int, what: str) -> Pending:
+        peer = self.comm.global_rank(src)
+        t0 = time.monotonic()
+        n = buf.numel() * buf.element_size()
+        if n == 0:
+            return Pending(work=_Recv(b"", None, None, 0), what=what, peer=peer, posted=t0)
+        if not buf.is_contiguous():
+            raise ValueError(f"{what}: NIXL receives into contiguous buffers only")
+        token = secrets.randbits(62) | 1
+        eng = self.eng
+        try:
+            with eng.lock:
+                reg = eng.register(buf)
+                md = bytes(eng.agent.get_partial_agent_metadata(reg, True))
+        except Exception as exc:  # noqa: BLE001 - NIXL errors are not PeerErrors of their own
+            self._raise(what, peer, exc, t0, False)
+        if len(md) > DESC_BYTES - _HEADER * 8:
+            eng.release(reg)
+            raise PeerError(f"{what}: NIXL metadata of {len(md)} bytes exceeds the {DESC_BYTES}-byte descriptor")
+        desc = torch.zeros(DESC_BYTES, dtype=torch.uint8)
+        desc[: _HEADER * 8] = torch.tensor([_MAGIC, token, buf.data_ptr(), n, len(md)], dtype=torch.int64).view(torch.uint8)
+        desc[_HEADER * 8 : _HEADER * 8 + len(md)] = torch.frombuffer(bytearray(md), dtype=torch.uint8)
+        try:
+            work = dist.isend(desc, dst=peer, group=self.comm.group)
+        except _transport_errors() as exc:
+            eng.release(reg)
+            self._raise(what, peer, exc, t0, False)
+        return Pending(work=_Recv(token.to_bytes(8, "little"), reg, work, n), what=what, peer=peer, posted=t0)
+
+    def post_send(self, buf: torch.Tensor, dst: int, what: str) -> Pending:
+        return self._post_send(buf, dst, what, auto=True)
+
+    def _post_send(self, buf: torch.Tensor, dst: int, what: str, *, auto: bool) -> Pending:
+        peer = self.comm.global_rank(dst)
+        t0 = time.monotonic()
+        flat = buf.reshape(-1).view(torch.uint8) if buf.numel() else buf
+        if flat.numel() == 0:
+            return Pending(work=_Send(flat, None, None), what=what, peer=peer, posted=t0)
+        if not buf.is_contiguous():
+            raise ValueError(f"{what}: NIXL sends from contiguous buffers only")
+        desc = torch.empty(DESC_BYTES, dtype=torch.uint8)
+        try:
+            work = dist.irecv(desc, src=peer, group=self.comm.group)
+        except _transport_errors() as exc:
+            self._raise(what, peer, exc, t0, False)
+        op = _Send(flat, desc, work)
+        op.auto = auto
+        with self.eng.lock:
+            self.eng.sends.append(op)
+        self.eng.await_descriptor(peer, op)
+        return Pending(work=op, what=what, peer=peer, posted=t0)
+
+    def recv_ranges(self, view: RangeView, nbytes: int, wire_chunk: int, src: int, what: str) -> list[Pending]:
+        return [self.post_recv(view(0, nbytes), src, what)]  # one descriptor per range, however it is paced
+
+    def send_ranges(
+        self,
+        view: RangeView,
+        nbytes: int,
+        wire_chunk: int,
+        dsts: Sequence[int],
+        what: str,
+        *,
+        pace: Callable[[int], None] | None = None,
+        deadline_s: float | None = None,
+    ) -> list[Pending]:
+        whole = view(0, nbytes)
+        if pace is None:
+            return [self.post_send(whole, d, what) for d in dsts]
+        sends = [self._post_send(whole, d, what, auto=False) for d in dsts]
+        for off, n in messages(nbytes, wire_chunk):
+            pace(n)  # into the next idle span of training communication (gemini_dcp.snapshot.interleave)
+            last = off + n == nbytes
+            for p in sends:
+                self._until(p, lambda op: op.ready(self.eng) or op.state == "error", deadline_s, False)
+                op = p.work
+                with self.eng.lock:
+                    try:
+                        op.write(self.eng, off, n, notify=last)
+                    except Exception as exc:  # noqa: BLE001
+                        op.fail(exc)
+            end = off + n
+            for p in sends:
+                self._until(p, lambda op: _landed(self.eng, op, end), deadline_s, False)  # noqa: B023 - used at once
+        for p in sends:
+            self.wait(p, deadline_s=deadline_s)
+        return []
+
+    def _until(self, pending: Pending, done: Callable[[Any], bool], deadline_s: float | None, fatal: bool) -> None:
+        """Run progress rounds until ``done(pending.work)``; PeerError past the deadline or on a failed op."""
+        op = pending.work
+        limit = self.timeout_s if deadline_s is None else deadline_s
+        t0 = time.monotonic()
+        nap = 0.00002
+        while True:
+            try:
+                self.eng.progress()
+                with self.eng.lock:
+                    finished = done(op)
+            except Exception as exc:  # noqa: BLE001 - a gloo failure of a descriptor, a NIXL error
+                self._abandon(op)
+                self._raise(pending.what, pending.peer, exc, pending.posted, fatal)
+            err = getattr(op, "error", None)
+            if err is not None:
+                with self.eng.lock:
+                    if op in self.eng.sends:
+                        self.eng.sends.remove(op)
+                self._raise(pending.what, pending.peer, err, pending.posted, fatal)
+            if finished:
+                return
+            if time.monotonic() - t0 > limit:
+                self._abandon(op)
+                self._raise(pending.what, pending.peer, TimeoutError(
+                    f"NIXL transfer not completed within the deadline of {limit:g} s (the peer is gone, "
+                    "stopped or unreachable over UCX)"), pending.posted, fatal)
+            time.sleep(nap)
+            nap = min(nap * 2, _POLL_MAX_S)
+
+    def _abandon(self, op: Any) -> None:
+        with self.eng.lock:
+            if isinstance(op, _Send):
+                if op in self.eng.sends:
+                    self.eng.sends.remove(op)
+                op.fail(TimeoutError("abandoned"))
+            elif isinstance(op, _Recv) and op.reg is not None:
+                self.eng.release(op.reg)
+                op.reg = None
+
+    def wait(self, pending: Pending, *, deadline_s: float | None = None, fatal: bool = False) -> None:
+        op = pending.work
+        if isinstance(op, _Recv):
+            self._until(pending, lambda r: _received(self.eng, r), deadline_s, fatal)
+        else:
+            self._until(pending, lambda s: s.state == "done", deadline_s, fatal)
+
+    def all_reduce_ints(self, values: Sequence[int], op: ReduceOp) -> list[int]:
+        return self._gloo.all_reduce_ints(values, op)
+
+
+def _landed(eng: NixlEngine, op: _Send, end: int) -> bool:
+    """Whether every WRITE of ``op`` posted so far (up to byte ``end``) has completed."""
+    op.reap(eng)
+    return op.state in ("done", "error") or (not op.xfers and op.written >= end)
+
+
+def _received(eng: NixlEngine, r: _Recv) -> bool:
+    """Whether the notification of ``r`` arrived (its registration is then released)."""
+    if r.done:
+        return True
+    if r.token in eng.arrived:
+        eng.arrived.discard(r.token)
+        if r.reg is not None:
+            eng.release(r.reg)
+            r.reg = None
+        r.done = True
+        r.desc_work = None  # delivered long ago: the notification follows the WRITE the descriptor started
+    return r.done
