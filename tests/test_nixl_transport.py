@@ -69,6 +69,46 @@ def test_peer_transport_option_keyword_env_and_tree(tmp_path: Path, monkeypatch)
         GeminiStorageWriter(root=tmp_path, job_id="d", options=opts, peer_transport="nixl")
 
 
+def _choose(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import gemini_dcp.transport.nixl as nixl
+    from gemini_dcp.transport.comm import get_comm
+    from gemini_dcp.transport.p2p import GlooTransport, transport_for
+
+    if rank == 1:  # this rank cannot start NIXL: every rank must fall back (auto) or refuse (nixl)
+        nixl.probe = lambda: (False, "no NIXL on this rank")
+    comm = get_comm(30.0)
+    out: dict[str, Any] = {"auto": type(transport_for(comm, "auto")).__name__,
+                           "gloo": isinstance(transport_for(comm, "gloo"), GlooTransport)}
+    try:
+        transport_for(comm, "nixl")
+        out["nixl"] = "chosen"
+    except ConfigError as exc:
+        out["nixl"] = str(exc)
+    return out
+
+
+def test_auto_falls_back_to_gloo_on_every_rank_when_one_cannot_start_nixl(tmp_path: Path) -> None:
+    out = run_ranks(_choose, 2, str(tmp_path))
+    assert [o["auto"] for o in out] == ["GlooTransport", "GlooTransport"] and all(o["gloo"] for o in out)
+    assert ("another rank could not start NIXL" if HAVE_NIXL else "NIXL is not installed") in out[0]["nixl"]
+    assert "no NIXL on this rank" in out[1]["nixl"]
+
+
+def test_doctor_reports_nixl(monkeypatch) -> None:  # noqa: ANN001
+    from gemini_dcp.ops import doctor as doc
+
+    monkeypatch.setenv("UCX_TLS", "sm,tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    check = doc._nixl_check()
+    if HAVE_NIXL:
+        assert check.status == "pass" and "would pick nixl" in check.detail and "UCX_TLS=sm,tcp" in check.detail
+        assert "tcp" in check.detail and "cma" in check.detail
+    else:
+        assert check.status == "info" and "would pick gloo" in check.detail and "--no-deps" in check.fix
+    monkeypatch.setattr(doc.importlib.util, "find_spec", lambda name: None)
+    assert doc._nixl_check().status == "info"
+
+
 # ---- the transport itself --------------------------------------------------------------------------------
 def _payload(seed: int, n: int = NBYTES) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

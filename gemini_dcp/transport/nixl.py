@@ -40,6 +40,8 @@ never needs it. One agent per process (:func:`engine`), created on first use.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import json
 import logging
 import os
 import queue
@@ -48,6 +50,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -58,7 +61,9 @@ from ..errors import PeerError
 from .comm import Comm, _transport_errors, restart_required
 from .p2p import GlooTransport, Pending, RangeView, ReduceOp, messages
 
-__all__ = ["DESC_BYTES", "NIXL_MODULES", "NixlEngine", "NixlTransport", "engine", "load_nixl", "probe", "ucx_transports"]
+__all__ = [
+    "DESC_BYTES", "NIXL_MODULES", "NixlEngine", "NixlTransport", "describe", "engine", "load_nixl", "probe", "ucx_transports",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +90,35 @@ def load_nixl() -> ModuleType:
         errors.append(f"{name}: no nixl_agent")
     raise ImportError("NIXL is not installed (" + "; ".join(errors) + "). Install it with "
                       "`pip install --no-deps nixl-cu12 numpy` (see docs/deploying.md).")
+
+
+def describe() -> dict[str, Any]:
+    """What this host has for ``peer_transport="nixl"`` (``gemini-dcp doctor``): NIXL's module and
+    version, the UCX transport modules its wheel ships, ``UCX_TLS`` / ``UCX_NET_DEVICES``, RDMA
+    devices, whether an agent with the UCX backend starts here, and what ``"auto"`` would pick."""
+    out: dict[str, Any] = {"installed": False, "module": None, "version": None, "ucx_modules": [],
+                           "ucx_tls": ucx_transports(), "ucx_net_devices": os.environ.get("UCX_NET_DEVICES") or "all",
+                           "rdma_devices": sorted(p.name for p in Path("/sys/class/infiniband").glob("*")),
+                           "backend": "", "auto": "gloo"}
+    try:
+        mod = load_nixl()
+    except ImportError as exc:
+        out["backend"] = str(exc)
+        return out
+    out.update(installed=True, module=mod.__name__)
+    for dist_name in (mod.__name__.replace("_", "-"), "nixl"):
+        try:
+            out["version"] = importlib.metadata.version(dist_name)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    libs = Path(mod.__file__ or ".").parent.parent / f"{mod.__name__}.libs" / "ucx"
+    names = {p.name.split(".so")[0].removeprefix("libuct_") for p in libs.glob("libuct_*.so*")}
+    out["ucx_modules"] = sorted({"self", "sm (posix, sysv)", "tcp"} | names)
+    ok, why = probe()
+    out["backend"] = why
+    out["auto"] = "nixl" if ok else "gloo"
+    return out
 
 
 def ucx_transports() -> str:
@@ -163,6 +197,8 @@ def engine() -> NixlEngine:
         if _ENGINE_ERROR is not None:
             raise RuntimeError(_ENGINE_ERROR)
         mod = load_nixl()
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         name = f"gemini-dcp-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
@@ -463,3 +499,7 @@ def _received(eng: NixlEngine, r: _Recv) -> bool:
         r.done = True
         r.desc_work = None  # delivered long ago: the notification follows the WRITE the descriptor started
     return r.done
+
+
+if __name__ == "__main__":  # ``gemini-dcp doctor`` runs this in a child process: a UCX crash cannot end it
+    print(json.dumps(describe()))
