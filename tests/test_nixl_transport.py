@@ -118,8 +118,7 @@ def _payload(seed: int, n: int = NBYTES) -> torch.Tensor:
 def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from gemini_dcp.errors import PeerError
     from gemini_dcp.transport.comm import get_comm
-    from gemini_dcp.transport.nixl import NixlTransport
-    from gemini_dcp.transport.p2p import transport_for
+    from gemini_dcp.transport.p2p import NixlTransport, transport_for
 
     out: dict[str, Any] = {}
     t = transport_for(get_comm(30.0), "nixl")

@@ -1,6 +1,8 @@
-"""The NIXL transport: peer-tier bytes as one-sided NIXL WRITEs, over UCX (RDMA, shared memory, TCP).
+"""The NIXL engine: peer-tier bytes as one-sided NIXL WRITEs, over UCX (RDMA, shared memory, TCP).
 
-:class:`NixlTransport` is a :class:`~gemini_dcp.transport.p2p.Transport` (chosen with
+This module holds this process's NIXL agent and its transfers in flight; the transport class
+over it, :class:`~gemini_dcp.transport.p2p.NixlTransport` (deadlines, errors, pacing), is a
+:class:`~gemini_dcp.transport.p2p.Transport` (chosen with
 ``peer_transport="nixl"``, or ``"auto"`` where NIXL imports and its UCX backend starts:
 :func:`~gemini_dcp.transport.p2p.transport_for`). It keeps the message pairing of the
 gloo transport, so the peer tier's modules (replication, lost-node restore, parity,
@@ -12,18 +14,18 @@ deltas) post exactly what they post over gloo:
    message on the control group: no new rendezvous, no port beyond UCX's own.
 2. **post_send** posts the gloo receive of that descriptor. The k-th send from A to B meets
    the k-th receive of B from A, as gloo point-to-point messages between a pair are ordered.
-3. **progress** (run by every :meth:`NixlTransport.wait`, whatever it waits for): a send
+3. **progress** (:meth:`NixlEngine.progress`, run by every wait of the transport, whatever it waits for): a send
    whose descriptor arrived loads the peer's metadata, registers its own buffer and posts
    one WRITE of it straight into the receiver's buffer, carrying the token as its
    notification; a finished WRITE releases its registration.
-4. **wait** on a receive waits for the token's notification (NIXL delivers it after the
+4. **wait** (the transport's) on a receive waits for the token's notification (NIXL delivers it after the
    WRITE's bytes); on a send, for the WRITE's completion. Every wait is bounded by its
    deadline (the group's ``timeout_s`` when none is given): a peer killed or stopped
    mid-transfer ends in :class:`~gemini_dcp.errors.PeerError` (or, ``fatal``,
    :class:`~gemini_dcp.errors.RestartRequiredError`), and the caller's usual fallback runs.
 
 Bytes are verified by the callers against the step record's checksums on arrival, as over gloo.
-A paced send (:meth:`NixlTransport.send_ranges` with ``pace``) writes its range in the
+A paced send (``send_ranges`` with ``pace``) writes its range in the
 ``wire_chunk`` pieces the pacer sizes, the last one carrying the notification; unpaced,
 a whole range is one WRITE (the receiver always posts one receive per range).
 
@@ -47,9 +49,7 @@ import os
 import queue
 import secrets
 import threading
-import time
 import uuid
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -57,12 +57,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerError
-from .comm import Comm, _transport_errors, restart_required
-from .p2p import GlooTransport, Pending, RangeView, ReduceOp, messages
-
 __all__ = [
-    "DESC_BYTES", "NIXL_MODULES", "NixlEngine", "NixlTransport", "describe", "engine", "load_nixl", "probe", "ucx_transports",
+    "DESC_BYTES", "NIXL_MODULES", "NixlEngine", "RecvOp", "SendOp", "describe", "engine", "landed", "load_nixl", "probe",
+    "received", "ucx_transports",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,7 +70,6 @@ NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
 DESC_BYTES = 8192
 _MAGIC = 0x4E49584C44435031  # "NIXLDCP1"
 _HEADER = 5  # int64s: magic, token, address, length, metadata length
-_POLL_MAX_S = 0.001  # the longest sleep between two progress rounds of a wait
 
 
 def load_nixl() -> ModuleType:
@@ -134,11 +130,11 @@ class NixlEngine:
         self.agent = agent
         self.name = name
         self.lock = threading.RLock()  # agent calls and the lists below (the agent runs without its own locks)
-        self.sends: list[_Send] = []  # posted sends, progressed by every wait
+        self.sends: list[SendOp] = []  # posted sends, progressed by every wait
         self.arrived: set[bytes] = set()  # tokens notified and not yet waited for
-        self._waiters: dict[int, queue.SimpleQueue[_Send]] = {}  # peer -> its descriptor waiter's queue
+        self._waiters: dict[int, queue.SimpleQueue[SendOp]] = {}  # peer -> its descriptor waiter's queue
 
-    def await_descriptor(self, peer: int, op: _Send) -> None:
+    def await_descriptor(self, peer: int, op: SendOp) -> None:
         """Have ``peer``'s waiter thread block on ``op``'s descriptor receive (gloo's receive work
         reports completion only to a blocking ``wait``; descriptors of one peer arrive in order)."""
         with self.lock:
@@ -148,6 +144,59 @@ class NixlEngine:
                 threading.Thread(target=_wait_descriptors, args=(q,), name=f"gemini-dcp-nixl-desc-{peer}",
                                  daemon=True).start()
         q.put(op)
+
+    def post_recv(self, buf: torch.Tensor, peer: int, group: Any) -> RecvOp:
+        """Register ``buf`` (contiguous) and send ``peer`` its descriptor over ``group`` (step 1 of the
+        module docstring). Raises what NIXL or gloo raise."""
+        n = buf.numel() * buf.element_size()
+        if n == 0:
+            return RecvOp(b"", None, None, 0)
+        if not buf.is_contiguous():
+            raise ValueError("NIXL receives into contiguous buffers only")
+        token = secrets.randbits(62) | 1
+        with self.lock:
+            reg = self.register(buf)
+            md = bytes(self.agent.get_partial_agent_metadata(reg, True))
+        if len(md) > DESC_BYTES - _HEADER * 8:
+            self.release(reg)
+            raise RuntimeError(f"NIXL metadata of {len(md)} bytes exceeds the {DESC_BYTES}-byte descriptor")
+        desc = torch.zeros(DESC_BYTES, dtype=torch.uint8)
+        desc[: _HEADER * 8] = torch.tensor([_MAGIC, token, buf.data_ptr(), n, len(md)], dtype=torch.int64).view(torch.uint8)
+        desc[_HEADER * 8 : _HEADER * 8 + len(md)] = torch.frombuffer(bytearray(md), dtype=torch.uint8)
+        try:
+            work = dist.isend(desc, dst=peer, group=group)
+        except BaseException:
+            self.release(reg)
+            raise
+        return RecvOp(token.to_bytes(8, "little"), reg, work, n)
+
+    def post_send(self, buf: torch.Tensor, peer: int, group: Any, *, auto: bool = True) -> SendOp:
+        """Post the receive of ``peer``'s descriptor for a send of ``buf`` (step 2); with ``auto``,
+        progress WRITEs it whole once the descriptor arrives, else the caller does (:meth:`SendOp.write`)."""
+        flat = buf.reshape(-1).view(torch.uint8) if buf.numel() else buf
+        if flat.numel() == 0:
+            return SendOp(flat, None, None)
+        if not buf.is_contiguous():
+            raise ValueError("NIXL sends from contiguous buffers only")
+        desc = torch.empty(DESC_BYTES, dtype=torch.uint8)
+        op = SendOp(flat, desc, dist.irecv(desc, src=peer, group=group))
+        op.auto = auto
+        with self.lock:
+            self.sends.append(op)
+        self.await_descriptor(peer, op)
+        return op
+
+    def abandon(self, op: RecvOp | SendOp) -> None:
+        """Stop progressing ``op`` after its wait gave up (its receive buffer is deregistered)."""
+        with self.lock:
+            if isinstance(op, SendOp):
+                if op in self.sends:
+                    self.sends.remove(op)
+                if op.error is None:
+                    op.fail(TimeoutError("abandoned"))
+            elif op.reg is not None:
+                self.release(op.reg)
+                op.reg = None
 
     def register(self, buf: torch.Tensor) -> Any:
         return self.agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
@@ -172,7 +221,7 @@ class NixlEngine:
             self.poll_notifs()
 
 
-def _wait_descriptors(q: queue.SimpleQueue[_Send]) -> None:
+def _wait_descriptors(q: queue.SimpleQueue[SendOp]) -> None:
     """A descriptor waiter: block on each queued send's descriptor receive in turn (GIL released)."""
     while True:
         op = q.get()
@@ -222,7 +271,7 @@ def probe() -> tuple[bool, str]:
     return True, f"{eng.mod.__name__} agent {eng.name} with UCX (UCX_TLS={ucx_transports()})"
 
 
-class _Recv:
+class RecvOp:
     """A posted receive: registered buffer, descriptor sent, notification awaited."""
 
     def __init__(self, token: bytes, reg: Any, desc_work: Any, nbytes: int) -> None:
@@ -233,7 +282,7 @@ class _Recv:
         self.done = nbytes == 0
 
 
-class _Send:
+class SendOp:
     """A posted send: descriptor awaited, then WRITE(s) posted, then done (or error)."""
 
     def __init__(self, buf: torch.Tensor, desc: torch.Tensor | None, work: Any) -> None:
@@ -320,174 +369,13 @@ class _Send:
                 self.state = "done"
 
 
-class NixlTransport:
-    """:class:`~gemini_dcp.transport.p2p.Transport` over NIXL WRITEs, descriptors on a :class:`Comm`'s gloo group."""
-
-    def __init__(self, comm: Comm, eng: NixlEngine) -> None:
-        self.comm = comm
-        self.eng = eng
-        self._gloo = GlooTransport(comm)
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def timeout_s(self) -> float:
-        return float(self.comm.timeout_s or 300.0)
-
-    def _raise(self, what: str, peer: int, exc: BaseException, t0: float, fatal: bool) -> None:
-        reason = self.comm.failure(what, exc, time.monotonic() - t0, peer=peer)
-        if fatal:
-            raise restart_required(reason) from exc
-        raise PeerError(reason) from exc
-
-    def post_recv(self, buf: torch.Tensor, src: int, what: str) -> Pending:
-        peer = self.comm.global_rank(src)
-        t0 = time.monotonic()
-        n = buf.numel() * buf.element_size()
-        if n == 0:
-            return Pending(work=_Recv(b"", None, None, 0), what=what, peer=peer, posted=t0)
-        if not buf.is_contiguous():
-            raise ValueError(f"{what}: NIXL receives into contiguous buffers only")
-        token = secrets.randbits(62) | 1
-        eng = self.eng
-        try:
-            with eng.lock:
-                reg = eng.register(buf)
-                md = bytes(eng.agent.get_partial_agent_metadata(reg, True))
-        except Exception as exc:  # noqa: BLE001 - NIXL errors are not PeerErrors of their own
-            self._raise(what, peer, exc, t0, False)
-        if len(md) > DESC_BYTES - _HEADER * 8:
-            eng.release(reg)
-            raise PeerError(f"{what}: NIXL metadata of {len(md)} bytes exceeds the {DESC_BYTES}-byte descriptor")
-        desc = torch.zeros(DESC_BYTES, dtype=torch.uint8)
-        desc[: _HEADER * 8] = torch.tensor([_MAGIC, token, buf.data_ptr(), n, len(md)], dtype=torch.int64).view(torch.uint8)
-        desc[_HEADER * 8 : _HEADER * 8 + len(md)] = torch.frombuffer(bytearray(md), dtype=torch.uint8)
-        try:
-            work = dist.isend(desc, dst=peer, group=self.comm.group)
-        except _transport_errors() as exc:
-            eng.release(reg)
-            self._raise(what, peer, exc, t0, False)
-        return Pending(work=_Recv(token.to_bytes(8, "little"), reg, work, n), what=what, peer=peer, posted=t0)
-
-    def post_send(self, buf: torch.Tensor, dst: int, what: str) -> Pending:
-        return self._post_send(buf, dst, what, auto=True)
-
-    def _post_send(self, buf: torch.Tensor, dst: int, what: str, *, auto: bool) -> Pending:
-        peer = self.comm.global_rank(dst)
-        t0 = time.monotonic()
-        flat = buf.reshape(-1).view(torch.uint8) if buf.numel() else buf
-        if flat.numel() == 0:
-            return Pending(work=_Send(flat, None, None), what=what, peer=peer, posted=t0)
-        if not buf.is_contiguous():
-            raise ValueError(f"{what}: NIXL sends from contiguous buffers only")
-        desc = torch.empty(DESC_BYTES, dtype=torch.uint8)
-        try:
-            work = dist.irecv(desc, src=peer, group=self.comm.group)
-        except _transport_errors() as exc:
-            self._raise(what, peer, exc, t0, False)
-        op = _Send(flat, desc, work)
-        op.auto = auto
-        with self.eng.lock:
-            self.eng.sends.append(op)
-        self.eng.await_descriptor(peer, op)
-        return Pending(work=op, what=what, peer=peer, posted=t0)
-
-    def recv_ranges(self, view: RangeView, nbytes: int, wire_chunk: int, src: int, what: str) -> list[Pending]:
-        return [self.post_recv(view(0, nbytes), src, what)]  # one descriptor per range, however it is paced
-
-    def send_ranges(
-        self,
-        view: RangeView,
-        nbytes: int,
-        wire_chunk: int,
-        dsts: Sequence[int],
-        what: str,
-        *,
-        pace: Callable[[int], None] | None = None,
-        deadline_s: float | None = None,
-    ) -> list[Pending]:
-        whole = view(0, nbytes)
-        if pace is None:
-            return [self.post_send(whole, d, what) for d in dsts]
-        sends = [self._post_send(whole, d, what, auto=False) for d in dsts]
-        for off, n in messages(nbytes, wire_chunk):
-            pace(n)  # into the next idle span of training communication (gemini_dcp.snapshot.interleave)
-            last = off + n == nbytes
-            for p in sends:
-                self._until(p, lambda op: op.ready(self.eng) or op.state == "error", deadline_s, False)
-                op = p.work
-                with self.eng.lock:
-                    try:
-                        op.write(self.eng, off, n, notify=last)
-                    except Exception as exc:  # noqa: BLE001
-                        op.fail(exc)
-            end = off + n
-            for p in sends:
-                self._until(p, lambda op: _landed(self.eng, op, end), deadline_s, False)  # noqa: B023 - used at once
-        for p in sends:
-            self.wait(p, deadline_s=deadline_s)
-        return []
-
-    def _until(self, pending: Pending, done: Callable[[Any], bool], deadline_s: float | None, fatal: bool) -> None:
-        """Run progress rounds until ``done(pending.work)``; PeerError past the deadline or on a failed op."""
-        op = pending.work
-        limit = self.timeout_s if deadline_s is None else deadline_s
-        t0 = time.monotonic()
-        nap = 0.00002
-        while True:
-            try:
-                self.eng.progress()
-                with self.eng.lock:
-                    finished = done(op)
-            except Exception as exc:  # noqa: BLE001 - a gloo failure of a descriptor, a NIXL error
-                self._abandon(op)
-                self._raise(pending.what, pending.peer, exc, pending.posted, fatal)
-            err = getattr(op, "error", None)
-            if err is not None:
-                with self.eng.lock:
-                    if op in self.eng.sends:
-                        self.eng.sends.remove(op)
-                self._raise(pending.what, pending.peer, err, pending.posted, fatal)
-            if finished:
-                return
-            if time.monotonic() - t0 > limit:
-                self._abandon(op)
-                self._raise(pending.what, pending.peer, TimeoutError(
-                    f"NIXL transfer not completed within the deadline of {limit:g} s (the peer is gone, "
-                    "stopped or unreachable over UCX)"), pending.posted, fatal)
-            time.sleep(nap)
-            nap = min(nap * 2, _POLL_MAX_S)
-
-    def _abandon(self, op: Any) -> None:
-        with self.eng.lock:
-            if isinstance(op, _Send):
-                if op in self.eng.sends:
-                    self.eng.sends.remove(op)
-                op.fail(TimeoutError("abandoned"))
-            elif isinstance(op, _Recv) and op.reg is not None:
-                self.eng.release(op.reg)
-                op.reg = None
-
-    def wait(self, pending: Pending, *, deadline_s: float | None = None, fatal: bool = False) -> None:
-        op = pending.work
-        if isinstance(op, _Recv):
-            self._until(pending, lambda r: _received(self.eng, r), deadline_s, fatal)
-        else:
-            self._until(pending, lambda s: s.state == "done", deadline_s, fatal)
-
-    def all_reduce_ints(self, values: Sequence[int], op: ReduceOp) -> list[int]:
-        return self._gloo.all_reduce_ints(values, op)
-
-
-def _landed(eng: NixlEngine, op: _Send, end: int) -> bool:
+def landed(eng: NixlEngine, op: SendOp, end: int) -> bool:
     """Whether every WRITE of ``op`` posted so far (up to byte ``end``) has completed."""
     op.reap(eng)
     return op.state in ("done", "error") or (not op.xfers and op.written >= end)
 
 
-def _received(eng: NixlEngine, r: _Recv) -> bool:
+def received(eng: NixlEngine, r: RecvOp) -> bool:
     """Whether the notification of ``r`` arrived (its registration is then released)."""
     if r.done:
         return True
