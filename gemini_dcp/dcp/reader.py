@@ -64,6 +64,7 @@ from ..options import GeminiOptions, resolve_options
 from ..peer.arena import ReceiveArena
 from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
 from ..transport.comm import Comm, get_comm
+from ..transport.nixl import prestart as nixl_prestart
 from ..transport.p2p import transport_for
 from .parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier, tier_bytes
 from .restore_stage import RestoreStage
@@ -136,6 +137,8 @@ class GeminiStorageReader(StorageReader):
             peer_transport=peer_transport,
         )
         cfg = self.gemini_options
+        if cfg.peer_transport != "gloo":  # NIXL's agent started now, not inside the first transfer
+            nixl_prestart()
         self.tier = LocalTier(cfg.local.root, cfg.local.job_id)
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id

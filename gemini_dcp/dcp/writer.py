@@ -68,6 +68,7 @@ from ..peer.delta import ReplicaMemory
 from ..peer.parity import ParitySlots, encode_parity
 from ..peer.push import replicate
 from ..transport.comm import Comm, get_comm
+from ..transport.nixl import prestart as nixl_prestart
 from ..transport.p2p import transport_for
 from .carry import CarryTracker, IncrementalOptions, SaveStats
 from .local_write import LocalWriter
@@ -193,6 +194,8 @@ class GeminiStorageWriter(StorageWriter):
             full_every=full_every, peer_transport=peer_transport,
         )
         cfg = self.gemini_options
+        if cfg.peer_transport != "gloo":  # NIXL's agent started now, not inside the first transfer
+            nixl_prestart()
         ext_loader.preload()  # the extension mapped now, not inside a timed save or restore
         self.options = cfg.tier_options()
         self.incremental: IncrementalOptions = cfg.incremental
