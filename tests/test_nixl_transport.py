@@ -94,6 +94,7 @@ def test_auto_falls_back_to_gloo_on_every_rank_when_one_cannot_start_nixl(tmp_pa
     assert "no NIXL on this rank" in out[1]["nixl"]
 
 
+@pytest.mark.slow  # with NIXL installed, doctor probes it in a child process
 def test_doctor_reports_nixl(monkeypatch) -> None:  # noqa: ANN001
     from gemini_dcp.ops import doctor as doc
 

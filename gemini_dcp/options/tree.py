@@ -1,7 +1,7 @@
 """``GeminiOptions``: the whole options tree, and how it merges with the writer's and reader's keywords.
 
 ``GeminiOptions.from_env()`` reads every ``GEMINI_DCP_*`` variable of the tiers (root, node id,
-drain); ``resolve_options(options, **keywords)`` is what ``GeminiStorageWriter`` /
+drain, peer transport); ``resolve_options(options, **keywords)`` is what ``GeminiStorageWriter`` /
 ``GeminiStorageReader`` call first, before any side effect. The async checkpointer's
 interleaving knobs stay :class:`gemini_dcp.snapshot.InterleaveOptions` (given to
 ``AsyncCheckpointer``, not to a storage writer). Torch-free.
@@ -49,8 +49,8 @@ KEYWORDS: dict[str, tuple[str | None, str]] = {
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GeminiOptions:
     """Every option of the tiers: ``local``, ``peer``, ``persistent`` (with its ``drain``), what a
-    save copies (``incremental``) and the ``timeout_s`` of checkpoint collectives, peer transfers and
-    store calls."""
+    save copies (``incremental``), the ``timeout_s`` of checkpoint collectives, peer transfers and
+    store calls, and what moves the peer tier's bytes (``peer_transport``)."""
 
     local: LocalOptions = field(default_factory=LocalOptions)
     peer: PeerOptions = field(default_factory=PeerOptions)
