@@ -14,12 +14,12 @@ deltas) post exactly what they post over gloo:
    message on the control group: no new rendezvous, no port beyond UCX's own.
 2. **post_send** posts the gloo receive of that descriptor. The k-th send from A to B meets
    the k-th receive of B from A, as gloo point-to-point messages between a pair are ordered.
-3. **progress** (:meth:`NixlEngine.progress`, run by every wait of the transport, whatever it waits for): a send
-   whose descriptor arrived loads the peer's metadata, registers its own buffer and posts
+3. **progress** (:meth:`NixlEngine.progress`, run by every wait of the transport, whatever it
+   waits for): a send whose descriptor arrived loads the peer's metadata, registers its own buffer and posts
    one WRITE of it straight into the receiver's buffer, carrying the token as its
    notification; a finished WRITE releases its registration.
-4. **wait** (the transport's) on a receive waits for the token's notification (NIXL delivers it after the
-   WRITE's bytes); on a send, for the WRITE's completion. Every wait is bounded by its
+4. **wait** (the transport's) on a receive waits for the token's notification (NIXL delivers
+   it after the WRITE's bytes); on a send, for the WRITE's completion. Every wait is bounded by its
    deadline (the group's ``timeout_s`` when none is given): a peer killed or stopped
    mid-transfer ends in :class:`~gemini_dcp.errors.PeerError` (or, ``fatal``,
    :class:`~gemini_dcp.errors.RestartRequiredError`), and the caller's usual fallback runs.
@@ -33,10 +33,14 @@ Tokens are random per transfer, so a late notification of a failed transfer neve
 a later one. A WRITE still in flight when its wait gave up may land after it, as a late gloo
 message may; the writer replaces the control group and the slot is not committed.
 
-Registration is per transfer (about 0.5 ms on the CPU this was measured on; docs/benchmarks.md);
-registering the slot mappings once per writer is the next step. The ``nixl`` module (or the
-``nixl_cu12`` / ``nixl_cu13`` wheel's) is imported only here, lazily: ``import gemini_dcp``
-never needs it. One agent per process (:func:`engine`), created on first use.
+Registration is per transfer (cheap over UCX shared memory and TCP, docs/benchmarks.md);
+registering the slot mappings once per writer is the next step, for RDMA NICs. gloo's receive
+work reports completion only to a blocking ``wait``, so one daemon thread per peer blocks on
+that peer's descriptors in turn (:meth:`NixlEngine.await_descriptor`). NIXL's own progress
+thread is off (it polls without pause and takes a core): the waits drive UCX's progress.
+The ``nixl`` module (or the ``nixl_cu12`` / ``nixl_cu13`` wheel's) is imported only here,
+lazily: ``import gemini_dcp`` never needs it. One agent per process (:func:`engine`), created
+on first use or ahead by :func:`prestart`.
 """
 
 from __future__ import annotations
