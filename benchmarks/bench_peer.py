@@ -3,6 +3,13 @@
     python benchmarks/bench_peer.py                 # 2 GiB over 2 simulated nodes, 5 rounds, 3 restores
     python benchmarks/bench_peer.py --gib 1 --rounds 3 --restores 2
     python benchmarks/bench_peer.py --quick         # 64 MiB smoke run (no files written unless --json/--png)
+    python benchmarks/bench_peer.py --transport gloo nixl   # the same run per peer_transport (issue 43)
+
+``--transport`` (run it with a python that has NIXL: scripts/nixl_venv.sh) repeats the save and
+restore runs once per ``peer_transport``, in the same invocation, and adds raw NIXL: one WRITE of
+the same bytes between the same processes, buffers registered and the transfer prepared once,
+outside the timing (``raw_nixl_swap``, ``raw_nixl_oneway``). UCX_TLS defaults to ``sm,tcp`` and
+UCX_NET_DEVICES to ``lo`` when unset. Writes benchmarks/results/peer_transport.json.
 
 Two simulated nodes × one rank (each rank its own tier root), gloo on
 127.0.0.1, one intra-op thread per rank, ``replicas=2`` (each node's shards
@@ -36,6 +43,7 @@ Writes benchmarks/results/peer.json and docs/img/bench_peer.png (full runs).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -49,6 +57,7 @@ from common import GIB, fmt, gbps, median, spread  # noqa: E402
 
 TARGET = 0.80
 SAVE_OPS = ("gemini_save", "raw_swap", "raw_oneway", "raw_oneway_fresh")
+NIXL_OPS = ("raw_nixl_swap", "raw_nixl_oneway")
 JOB = "bench"
 
 
@@ -97,6 +106,59 @@ def _raw_ops(rank: int, sizes: list[int], src: Any, touched: Any) -> dict[str, A
     return {"raw_swap": swap, "raw_oneway": oneway, "raw_oneway_fresh": oneway_fresh}
 
 
+def _raw_nixl_ops(rank: int, sizes: list[int], src: Any, touched: Any) -> dict[str, Any]:
+    """Raw NIXL: ``sizes[r]`` bytes WRITTEN from rank r into the other's buffer (the swap), or 0 -> 1 only.
+
+    Both buffers are registered, the metadata exchanged and the transfer prepared once, here (not timed):
+    each timed call is one posted WRITE and its wait, plus the wait for the peer's notification."""
+    import torch.distributed as dist
+
+    from gemini_dcp.transport import nixl
+
+    eng = nixl.engine()
+    agent = eng.agent
+    other = 1 - rank
+    send_buf, recv_buf = src[: sizes[rank]], touched[: sizes[other]]
+    regs = [eng.register(send_buf), eng.register(recv_buf)]
+    mine = (bytes(agent.get_partial_agent_metadata(regs[1], True)), recv_buf.data_ptr())
+    got: list[Any] = [None, None]
+    dist.all_gather_object(got, mine)
+    name = agent.add_remote_agent(got[other][0])
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    local = agent.get_xfer_descs([(send_buf.data_ptr(), sizes[rank], 0)], "DRAM")
+    remote = agent.get_xfer_descs([(got[other][1], sizes[rank], 0)], "DRAM")
+    handle = agent.initialize_xfer("WRITE", local, remote, name, b"warm")
+    seq = [0]
+
+    def write(tag: bytes) -> None:
+        if agent.transfer(handle, tag) == "ERR":
+            raise RuntimeError("NIXL WRITE failed")
+        while agent.check_xfer_state(handle) == "PROC":
+            pass
+
+    def notified(tag: bytes) -> None:
+        while not agent.check_remote_xfer_done(name, tag):
+            pass
+
+    def swap() -> None:
+        seq[0] += 1
+        tag = f"s{seq[0]}".encode()
+        write(tag)
+        notified(tag)
+
+    def oneway() -> None:
+        seq[0] += 1
+        tag = f"o{seq[0]}".encode()
+        if rank == 0:
+            write(tag)
+        else:
+            notified(tag)
+        dist.barrier()  # the next call starts together (rank 0 must not re-post before rank 1 saw this one)
+
+    swap()  # UCX's lazy wire-up, outside the timing
+    return {"raw_nixl_swap": swap, "raw_nixl_oneway": oneway, "_keep": (regs, handle)}
+
+
 def _sizes(n: int) -> list[int]:
     import torch
     import torch.distributed as dist
@@ -122,7 +184,8 @@ def _slot_source(writer: Any, step: int, rank: int, nbytes: int) -> Any:
     return torch.full((nbytes,), 7, dtype=torch.uint8)
 
 
-def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: int, roots: list[str]) -> dict[str, Any]:
+def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: int, roots: list[str],
+                transport: str = "gloo") -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -133,7 +196,7 @@ def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: i
     expect = common.fingerprint(sd)
     clock = common.PhaseClock()
     _instrument_peer(clock)
-    writer = GeminiStorageWriter(root=roots[rank], job_id=JOB, keep=keep, replicas=2)
+    writer = GeminiStorageWriter(root=roots[rank], job_id=JOB, keep=keep, replicas=2, peer_transport=transport)
     step = 0
     rows: list[dict[str, Any]] = []
 
@@ -152,9 +215,13 @@ def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: i
     touched.fill_(0)
     raw = _raw_ops(rank, sizes, src, touched)
     raw["raw_swap"]()  # warm gloo's pairs
-    ops: dict[str, list[float]] = {op: [] for op in SAVE_OPS}
+    names = SAVE_OPS
+    if transport == "nixl":
+        raw.update(_raw_nixl_ops(rank, sizes, src, touched))
+        names = SAVE_OPS + NIXL_OPS
+    ops: dict[str, list[float]] = {op: [] for op in names}
     for r in range(rounds):
-        order = SAVE_OPS[r % len(SAVE_OPS):] + SAVE_OPS[: r % len(SAVE_OPS)]
+        order = names[r % len(names):] + names[: r % len(names)]
         for op in order:
             if op == "gemini_save":
                 ops[op].append(timed(save))
@@ -180,7 +247,7 @@ def save_worker(rank: int, world: int, *, total_bytes: int, rounds: int, keep: i
 
 
 def restore_worker(rank: int, world: int, *, total_bytes: int, roots: list[str], expect_by_rank: list[dict[str, int]], extra_loads: int,
-                   before: bool = False) -> dict[str, Any]:
+                   before: bool = False, transport: str = "gloo") -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -203,7 +270,7 @@ def restore_worker(rank: int, world: int, *, total_bytes: int, roots: list[str],
 
     def load() -> None:
         clock.reset()
-        reader = GeminiStorageReader(root=roots[rank], job_id=JOB)
+        reader = GeminiStorageReader(root=roots[rank], job_id=JOB, peer_transport=transport)
         clock.wrap(reader, "_stage", "verify_copy")  # checksum of the stored bytes (before any copy)
         clock.wrap(reader, "_apply", "verify_copy")  # the copy into the live tensors, once every rank verified
         clock.wrap(reader, "read_metadata", "read_metadata")
@@ -239,6 +306,9 @@ def restore_worker(rank: int, world: int, *, total_bytes: int, roots: list[str],
     out["raw_oneway"] = [timed(raw["raw_oneway"]) for _ in range(2)]
     out["raw_oneway_fresh"] = [timed(raw["raw_oneway_fresh"]) for _ in range(2)]
     out["raw_bytes"] = nbytes
+    if transport == "nixl":
+        nx = _raw_nixl_ops(rank, [nbytes, nbytes], src, touched)
+        out["raw_nixl_oneway"] = [timed(nx["raw_nixl_oneway"]) for _ in range(2)]
     return out
 
 
@@ -263,6 +333,12 @@ def summarize(save: list[dict[str, Any]], restores: list[list[dict[str, Any]]], 
         b = {"gemini_save": s0["rank_bytes"] + save[1]["rank_bytes"], "raw_swap": payload}.get(op, sizes[1])
         rates = [gbps(b, x) for x in secs]
         figs[op] = {"bytes": b, "seconds": secs, "median_s": median(secs), "gbps": median(rates), "gbps_range": spread(rates)}
+    for op in NIXL_OPS:
+        if op in s0["ops"]:
+            secs = s0["ops"][op]
+            b = payload if op == "raw_nixl_swap" else sizes[1]
+            rates = [gbps(b, x) for x in secs]
+            figs[op] = {"bytes": b, "seconds": secs, "median_s": median(secs), "gbps": median(rates), "gbps_range": spread(rates)}
     # restore: bytes node 1 pulled from node 0's memory / wall time of the whole dcp.load
     rest_rows = []
     for run in restores:
@@ -298,6 +374,10 @@ def summarize(save: list[dict[str, Any]], restores: list[list[dict[str, Any]]], 
         "gbps": median(gbps(x["peer_bytes"], x["raw_oneway_s"]) for x in rest_rows),
         "gbps_range": spread([gbps(x["peer_bytes"], x["raw_oneway_s"]) for x in rest_rows]),
     }
+    if restores and "raw_nixl_oneway" in restores[0][0]:
+        figs["restore_raw_nixl_oneway"] = {
+            "gbps": median(gbps(x["peer_bytes"], median(run[0]["raw_nixl_oneway"])) for x, run in zip(rest_rows, restores)),
+        }
     figs["restore_raw_oneway_fresh"] = {
         "gbps": median(gbps(x["peer_bytes"], x["raw_oneway_fresh_s"]) for x in rest_rows),
         "gbps_range": spread([gbps(x["peer_bytes"], x["raw_oneway_fresh_s"]) for x in rest_rows]),
@@ -313,7 +393,7 @@ def summarize(save: list[dict[str, Any]], restores: list[list[dict[str, Any]]], 
     return {
         "benchmark": "peer",
         "machine": common.machine_info(),
-        "config": {"before_dlopen_fix": args.before, "gib": args.gib, "nodes": 2, "ranks_per_node": 1, "threads_per_rank": 1, "replicas": 2,
+        "config": {"peer_transport": getattr(args, "transport_now", "gloo"), "before_dlopen_fix": args.before, "gib": args.gib, "nodes": 2, "ranks_per_node": 1, "threads_per_rank": 1, "replicas": 2,
                    "keep": args.keep, "rounds": args.rounds, "restores": args.restores, "gb": "1e9 bytes",
                    "tier_dir": args.shm, "tier_mount": common.mount_options(args.shm)},
         "payload_bytes_per_rank": payload,
@@ -472,7 +552,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="also print the docs/benchmarks.md table")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="on a shared machine: first wait up to S seconds for CPU pressure (avg10) below 10%%")
+    ap.add_argument("--transport", nargs="+", choices=("gloo", "nixl"), default=None,
+                    help="run once per peer_transport, same invocation (writes benchmarks/results/peer_transport.json)")
     args = ap.parse_args(argv)
+    if args.transport:
+        return main_transports(args)
     if args.quick:
         args.gib = min(args.gib, 1 / 16)
         args.rounds, args.restores, args.extra_loads = min(args.rounds, 2), 1, min(args.extra_loads, 1)
@@ -524,6 +608,71 @@ def main(argv: list[str] | None = None) -> int:
     ok = s["ratios"]["replication_target_met"] and s["ratios"]["restore_target_met"]
     return 1 if args.check and not ok else 0
 
+
+
+
+def _run(args: argparse.Namespace, roots: list[Path], total: int, transport: str) -> dict[str, Any]:
+    """One save run and ``args.restores`` restores with ``peer_transport=transport``; its summary."""
+    t0 = time.time()
+    psi_total = common.cpu_pressure_total()
+    for r in roots:
+        wipe(r)
+    save = common.spawn(save_worker, 2, total_bytes=total, rounds=args.rounds, keep=args.keep,
+                        roots=[str(r) for r in roots], transport=transport)
+    restores = []
+    for _ in range(args.restores):
+        wipe(roots[1])
+        restores.append(common.spawn(restore_worker, 2, total_bytes=total, roots=[str(r) for r in roots],
+                                     expect_by_rank=[x["expect"] for x in save], extra_loads=args.extra_loads,
+                                     transport=transport))
+    args.transport_now = transport
+    s = summarize(save, restores, args)
+    s["wall_s"] = time.time() - t0
+    s["machine"]["cpu_pressure_during_run_pct"] = common.pressure_during(psi_total, s["wall_s"])
+    return s
+
+
+def main_transports(args: argparse.Namespace) -> int:
+    """``--transport gloo nixl``: the same runs per transport, one JSON (issue 43)."""
+    os.environ.setdefault("UCX_TLS", "sm,tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if args.quick:
+        args.gib = min(args.gib, 1 / 16)
+        args.rounds, args.restores, args.extra_loads = min(args.rounds, 2), 1, min(args.extra_loads, 1)
+    out_path = args.json or common.RESULTS / "peer_transport.json"
+    total = int(args.gib * GIB)
+    common.require_memory(int(total * (2 + 2 * (args.keep + 1))), "bench_peer", args.shm)
+    scratch = common.shm_dir("gemini-bench-peer-", args.shm)
+    roots = [scratch / "node0", scratch / "node1"]
+    runs: dict[str, Any] = {}
+    try:
+        for kind in args.transport:
+            runs[kind] = _run(args, roots, total, kind)
+            print(f"\n== peer_transport={kind} ==")
+            report(runs[kind])
+    finally:
+        common.remove_dir(scratch)
+    rows = []
+    for kind, s in runs.items():
+        f = s["figures"]
+        rows.append({"transport": kind, "replication_gbps": f["replication"]["gbps"], "raw_gloo_swap_gbps": f["raw_swap"]["gbps"],
+                     "raw_nixl_swap_gbps": f.get("raw_nixl_swap", {}).get("gbps"),
+                     "restore_gbps": f["restore"]["gbps"], "raw_gloo_oneway_gbps": f["restore_raw_oneway"]["gbps"],
+                     "raw_nixl_oneway_gbps": f.get("restore_raw_nixl_oneway", {}).get("gbps"),
+                     "replication_median_s": f["replication"]["median_s"], "bit_exact": s["bit_exact"],
+                     "cpu_pressure_pct": s["machine"].get("cpu_pressure_during_run_pct")})
+    print("\n| peer_transport | replication GB/s | raw gloo swap | raw NIXL swap | restore GB/s | raw gloo one-way | "
+          "raw NIXL one-way | bit-exact |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['transport']} | **{fmt(r['replication_gbps'])}** | {fmt(r['raw_gloo_swap_gbps'])} | "
+              f"{fmt(r['raw_nixl_swap_gbps'])} | **{fmt(r['restore_gbps'])}** | {fmt(r['raw_gloo_oneway_gbps'])} | "
+              f"{fmt(r['raw_nixl_oneway_gbps'])} | {r['bit_exact']} |")
+    doc = {"benchmark": "peer_transport", "ucx": {"UCX_TLS": os.environ["UCX_TLS"], "UCX_NET_DEVICES": os.environ["UCX_NET_DEVICES"]},
+           "summary": rows, "runs": runs}
+    common.write_json(out_path, doc)
+    print(f"wrote {out_path}")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -69,6 +69,7 @@ from ..restore.parity_restore import drop_rebuilt, held_lanes, rebuild_from_pari
 from ..restore.restore_stage import RestoreStage
 from ..restore.state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 from ..transport.comm import Comm, get_comm
+from ..transport.nixl import prestart as nixl_prestart
 from ..transport.p2p import transport_for
 
 log = logging.getLogger(__name__)
@@ -119,9 +120,11 @@ class GeminiStorageReader(StorageReader):
         timeout_s: float = 300.0,
         process_group: Any = None,
         options: GeminiOptions | None = None,
+        peer_transport: str | None = None,
     ) -> None:
         """``root`` / ``job_id`` as the writer's; ``persistent``: the fsspec URL of the persistent
         tier to fall back to; ``timeout_s``: of the restore collectives and every store call;
+        ``peer_transport``: what moves chunks fetched from peers and parity rebuilds (as the writer's);
         ``options``: a :class:`gemini_dcp.options.GeminiOptions` instead of, or with, the keywords
         (a keyword left at its default takes the options' value; both set differently is a ConfigError)."""
         super().__init__()
@@ -132,9 +135,12 @@ class GeminiStorageReader(StorageReader):
         # Validated before any directory is touched: ``options`` merged with the keywords
         # (a keyword and an options field set to different values is a ConfigError).
         self.options: GeminiOptions = resolve_options(
-            options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s
+            options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s,
+            peer_transport=peer_transport,
         )
         cfg = self.options
+        if cfg.peer_transport != "gloo":  # NIXL's agent started now, not inside the first transfer
+            nixl_prestart()
         tiers = open_tiers(cfg, writable=False)
         self.tier = tiers.tier
         self.root: Path = self.tier.root
@@ -281,6 +287,7 @@ class GeminiStorageReader(StorageReader):
             self._decision = rebuild_from_parity(
                 comm, self.tier, decision, record, mine if mine is not None and mine.fingerprint() == decision.fingerprint else None,
                 self._local, persisted if self.persistent is not None else None,
+                peer_transport=self.options.peer_transport,
             )
         self._adopt_lost_parts(views, comm.rank)
 
@@ -474,7 +481,7 @@ class GeminiStorageReader(StorageReader):
             from_persistent=None if self.persistent is None
             else (lambda items: self._stage_from_persistent(LoadPlan(items), planner)),
         )
-        transport = transport_for(comm)
+        transport = transport_for(comm, self.options.peer_transport)
         for key in remote:  # a chunk of a slot rebuilt from parity counts as "parity", not "peer"
             if rebuilt_tier(self._decision, key[0], "peer") == "parity":
                 counts["peer"] -= self._ref(by_key[key][0].storage_index).length

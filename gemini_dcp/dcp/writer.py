@@ -68,6 +68,7 @@ from ..peer.push import replicate
 from ..save.carry import CarryTracker, SaveStats
 from ..save.local_write import LocalWriter
 from ..transport.comm import Comm, get_comm
+from ..transport.nixl import prestart as nixl_prestart
 from ..transport.p2p import transport_for
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class GeminiStorageWriter(StorageWriter):
         incremental: bool = False,
         full_every: int | None = None,
         nonfinite: str = "mark",
+        peer_transport: str | None = None,
     ) -> None:
         super().__init__()
         # Every option is validated before anything is created (tier or persistent directories):
@@ -168,9 +170,11 @@ class GeminiStorageWriter(StorageWriter):
             capacity_bytes=capacity_bytes, timeout_s=timeout_s, on_peer_failure=on_peer_failure,
             persistent=persistent, persist_every=persist_every, persist_keep=persist_keep,
             persist_keep_every=persist_keep_every, parity_group=parity_group, incremental=incremental,
-            full_every=full_every, nonfinite=nonfinite,
+            full_every=full_every, nonfinite=nonfinite, peer_transport=peer_transport,
         )
         cfg = self.options
+        if cfg.peer_transport != "gloo":  # NIXL's agent started now, not inside the first transfer
+            nixl_prestart()
         ext_loader.preload()  # the extension mapped now, not inside a timed save or restore
         self._algo = resolve_algo(self.options.local.checksum)
         tiers = open_tiers(cfg, writable=True)
@@ -437,7 +441,7 @@ class GeminiStorageWriter(StorageWriter):
     ) -> tuple[list[Any], dict[str, Any]]:
         """Step 4 of the protocol: the peer tier's replication, given only the narrow values it needs."""
         done = replicate(
-            comm, transport_for(comm), step, reports, options=self.options, tier=self.tier,
+            comm, transport_for(comm, self.options.peer_transport), step, reports, options=self.options, tier=self.tier,
             slot=self.slot_pool.slot, budget_check=self.slot_pool.budget_check,
             previous_order=self._node_order, pace=self.hooks.replication_pace, expand=expand,
             memory=self._replica_memory,
@@ -450,7 +454,7 @@ class GeminiStorageWriter(StorageWriter):
         group = self.options.peer.parity_group
         assert group is not None
         done = encode_parity(
-            comm, transport_for(comm), step, reports, group=group, tier=self.tier,
+            comm, transport_for(comm, self.options.peer_transport), step, reports, group=group, tier=self.tier,
             data_slot=self.slot_pool.slot, parity_slots=self.parity_slots, budget_check=self.slot_pool.budget_check,
             algo=self._algo, on_peer_failure=self.options.peer.on_peer_failure, previous_order=self._node_order,
             pace=self.hooks.replication_pace,

@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import importlib.util
+import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,6 +306,7 @@ def doctor(
     checks.append(_torch_check())
     checks.append(_torchrec_check())
     checks.append(_ext_check(build_ext))
+    checks.append(_nixl_check())
     return DoctorReport(root=str(path), checks=checks)
 
 
@@ -443,3 +447,32 @@ def _ext_check(build: bool = False) -> Check:
     return Check("extension", "warn", f"gemini_dcp.ext not loaded ({status}); pure-Python fallbacks are used")
 
 
+
+
+_NIXL_INSTALL = "pip install --no-deps 'nixl-cu12>=1.5.1,<2' numpy (keeps your torch; docs/deploying.md)"
+
+
+def _nixl_check() -> Check:
+    """NIXL for ``peer_transport="nixl"``: installed?, its UCX transports, and what ``"auto"`` would pick.
+
+    The agent is started in a child process (``python -m gemini_dcp.transport.nixl``), so a UCX
+    failure cannot take doctor down; nothing is started where NIXL is not installed."""
+    from ..transport.nixl import NIXL_MODULES  # noqa: PLC0415
+
+    if not any(importlib.util.find_spec(m) is not None for m in NIXL_MODULES):
+        return Check("nixl", "info", "NIXL is not installed: peer_transport='auto' would pick gloo (the default)",
+                     f"for peer traffic over RDMA / shared memory: {_NIXL_INSTALL}")
+    try:
+        run = subprocess.run([sys.executable, "-m", "gemini_dcp.transport.nixl"], capture_output=True, text=True,
+                             timeout=120, check=False)
+        info = json.loads(run.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError, OSError) as exc:
+        return Check("nixl", "warn", f"NIXL is installed but its probe failed ({type(exc).__name__}); "
+                     "peer_transport='auto' would pick gloo", "run python -m gemini_dcp.transport.nixl to see why")
+    where = (f"{info['module']} {info['version'] or ''}; UCX transports shipped: {', '.join(info['ucx_modules'])}; "
+             f"UCX_TLS={info['ucx_tls']}; UCX_NET_DEVICES={info['ucx_net_devices']}; RDMA devices: "
+             f"{', '.join(info['rdma_devices']) or 'none'}")
+    if info["auto"] != "nixl":
+        return Check("nixl", "warn", f"{where}; the UCX backend does not start ({info['backend']}): "
+                     "peer_transport='auto' would pick gloo", "set UCX_TLS to transports this host has (e.g. sm,tcp)")
+    return Check("nixl", "pass", f"{where}; peer_transport='auto' would pick nixl")

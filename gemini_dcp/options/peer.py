@@ -12,11 +12,31 @@ from typing import Literal
 
 from ..errors import ConfigError
 from .checks import check_choice, check_int
-from .env import env_int, raw
+from .env import env_choice, env_int, raw
 
-__all__ = ["ENV_PARITY_GROUP", "OnPeerFailure", "PeerOptions", "PlacementStrategy"]
+__all__ = [
+    "ENV_PARITY_GROUP", "ENV_PEER_TRANSPORT", "PEER_TRANSPORTS", "OnPeerFailure", "PeerOptions", "PeerTransport",
+    "PlacementStrategy", "check_peer_transport", "peer_transport_from_env",
+]
 
 ENV_PARITY_GROUP = "GEMINI_DCP_PARITY_GROUP"  # XOR parity over groups of this many nodes (docs/parity.md)
+ENV_PEER_TRANSPORT = "GEMINI_DCP_PEER_TRANSPORT"  # what moves the peer tier's bytes (gloo | nixl | auto)
+
+PeerTransport = Literal["gloo", "nixl", "auto"]
+PEER_TRANSPORTS: tuple[str, ...] = ("gloo", "nixl", "auto")
+
+
+def check_peer_transport(value: object) -> None:
+    """ConfigError unless ``value`` is one of :data:`PEER_TRANSPORTS`."""
+    check_choice(value, "peer_transport", PEER_TRANSPORTS,
+                 "choose 'gloo' (default: torch.distributed over TCP), 'nixl' (NIXL one-sided transfers over UCX: "
+                 "RDMA, shared memory; pip install --no-deps nixl-cu12 numpy) or 'auto' (NIXL where every rank "
+                 "starts it, else gloo).")
+
+
+def peer_transport_from_env(environ: Mapping[str, str] | None = None) -> PeerTransport:
+    """``$GEMINI_DCP_PEER_TRANSPORT`` (gloo, nixl or auto; unset: gloo)."""
+    return env_choice(ENV_PEER_TRANSPORT, PEER_TRANSPORTS, "gloo", environ)  # type: ignore[return-value]
 
 PlacementStrategy = Literal["mixed", "group", "ring"]
 OnPeerFailure = Literal["raise", "degrade"]

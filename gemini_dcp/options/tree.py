@@ -1,7 +1,7 @@
 """``GeminiOptions``: the whole options tree, and how it merges with the writer's and reader's keywords.
 
 ``GeminiOptions.from_env()`` reads every ``GEMINI_DCP_*`` variable of the tiers (root, node id,
-drain); ``resolve_options(options, **keywords)`` is what ``GeminiStorageWriter`` /
+drain, peer transport); ``resolve_options(options, **keywords)`` is what ``GeminiStorageWriter`` /
 ``GeminiStorageReader`` call first, before any side effect. The async checkpointer's
 interleaving knobs stay :class:`gemini_dcp.snapshot.InterleaveOptions` (given to
 ``AsyncCheckpointer``, not to a storage writer). Torch-free.
@@ -19,7 +19,7 @@ from .checks import DEFAULT_TIMEOUT_S, check_timeout
 from .health import NonfiniteMode, check_nonfinite, nonfinite_from_env
 from .incremental import IncrementalOptions
 from .local import LocalOptions
-from .peer import PeerOptions
+from .peer import PeerOptions, PeerTransport, check_peer_transport, peer_transport_from_env
 from .persistent import DrainOptions, PersistentOptions
 
 __all__ = ["KEYWORDS", "GeminiOptions", "resolve_options"]
@@ -39,6 +39,7 @@ KEYWORDS: dict[str, tuple[str | None, str]] = {
     "full_every": ("incremental", "full_every"),
     "timeout_s": (None, "timeout_s"),
     "nonfinite": (None, "nonfinite"),
+    "peer_transport": (None, "peer_transport"),
     "persistent": ("persistent", "url"),
     "persist_every": ("persistent", "every"),
     "persist_keep": ("persistent", "keep"),
@@ -49,8 +50,8 @@ KEYWORDS: dict[str, tuple[str | None, str]] = {
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GeminiOptions:
     """Every option of the tiers: ``local``, ``peer``, ``persistent`` (with its ``drain``), what a
-    save copies (``incremental``) and the ``timeout_s`` of checkpoint collectives, peer transfers and
-    store calls."""
+    save copies (``incremental``), the ``timeout_s`` of checkpoint collectives, peer transfers and
+    store calls, and what moves the peer tier's bytes (``peer_transport``)."""
 
     local: LocalOptions = field(default_factory=LocalOptions)
     peer: PeerOptions = field(default_factory=PeerOptions)
@@ -60,6 +61,11 @@ class GeminiOptions:
     #: What a save does with NaN/Inf values: "mark" (default), "refuse" or "ignore"
     #: (:mod:`gemini_dcp.options.health`; ``GEMINI_DCP_NONFINITE``).
     nonfinite: NonfiniteMode = "mark"
+    peer_transport: PeerTransport = "gloo"
+    """What moves the peer tier's bytes (replicas, parity stripes, lost-node restores): ``"gloo"``
+    (torch.distributed over TCP), ``"nixl"`` (NIXL one-sided WRITEs over UCX: RDMA, shared memory;
+    ConfigError at the first transfer when a rank cannot start it) or ``"auto"`` (NIXL where every
+    rank starts it, else gloo). The same on every rank. ``$GEMINI_DCP_PEER_TRANSPORT``."""
 
     def __post_init__(self) -> None:
         for name, kind in (("local", LocalOptions), ("peer", PeerOptions), ("persistent", PersistentOptions),
@@ -68,6 +74,7 @@ class GeminiOptions:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: give a {kind.__name__}.")
         check_timeout(self.timeout_s)
         check_nonfinite(self.nonfinite)
+        check_peer_transport(self.peer_transport)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **keywords: Any) -> "GeminiOptions":
@@ -80,6 +87,7 @@ class GeminiOptions:
             persistent=PersistentOptions.from_env(environ),
             incremental=IncrementalOptions.from_env(environ),
             nonfinite=nonfinite_from_env(environ),
+            peer_transport=peer_transport_from_env(environ),
         )
         return base.with_keywords(**keywords)
 
@@ -142,6 +150,8 @@ def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> Gemini
         drain = DrainOptions.from_env() if keywords.get("persistent") is not None else DrainOptions()
         if keywords.get("nonfinite", "mark") == "mark":  # left at its default: the environment's
             keywords = {**keywords, "nonfinite": nonfinite_from_env()}
+        if keywords.get("peer_transport") is None:  # not given: $GEMINI_DCP_PEER_TRANSPORT, else gloo
+            keywords = {**keywords, "peer_transport": peer_transport_from_env()}
         return GeminiOptions(persistent=PersistentOptions(drain=drain)).with_keywords(**keywords)
     if not isinstance(options, GeminiOptions):
         raise ConfigError(
@@ -149,6 +159,8 @@ def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> Gemini
         )
     given: dict[str, Any] = {}
     for kw, value in keywords.items():
+        if kw == "peer_transport" and value is None:  # not given: the options' value
+            continue
         default = _default_of(kw)
         if _is_default(value, default):
             continue

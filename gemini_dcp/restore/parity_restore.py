@@ -53,11 +53,14 @@ def rebuild_from_parity(
     mine: StepRecord | None,
     local: dict[int, Path],
     persisted: Sequence[int] | None,
+    *,
+    peer_transport: str = "gloo",
 ) -> RestoreDecision:
     """Collective (all ranks, after the record broadcast): rebuild ``decision.rebuilt``'s ranks.
 
     ``mine``: this node's record of the step (None: this node holds none); ``local``: the reader's
     saving rank -> slot file map of this node, to which the rebuilt slots of this node are added.
+    ``peer_transport``: what moves the stripes and parities (:func:`~gemini_dcp.transport.p2p.transport_for`).
     Returns the decision to restore with (a failed rebuild moved to the persistent tier).
     Raises, on every rank, when a rank could not be rebuilt and the persistent tier does not hold
     the step: ShardUnavailableError when a survivor's data or parity file is missing or unreadable
@@ -67,7 +70,7 @@ def rebuild_from_parity(
     slot_of = {s.rank: s.slot for s in mine.slots} if mine is not None else {}
     layout = tier.layout
     out = rebuild_lost(
-        comm, transport_for(comm), record, decision.rebuilt, servers,
+        comm, transport_for(comm, peer_transport), record, decision.rebuilt, servers,
         slot_index=slot_of.get, slot_path=tier.slot_path, rank_dir=layout.rank_dir,
     )
     node_of = {r: n for n, rs in decision.node_ranks.items() for r in rs}

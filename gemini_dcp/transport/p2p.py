@@ -21,7 +21,7 @@ The all-reduce sits here rather than beside the object collectives of
 transport (NCCL, a parity scheme) would run on its own group too; the object
 collectives stay pickled gloo calls on the control group whatever moves the bytes.
 
-:class:`GlooTransport` is today's one implementation: ``torch.distributed``
+:class:`GlooTransport` is the default implementation: ``torch.distributed``
 point-to-point on the dedicated gloo control group of a :class:`~gemini_dcp.transport.comm.Comm`
 (one per (ranks, ``timeout_s``), see :func:`get_transport`). It reads the comm's group at
 every call, so after :meth:`Comm.rebuild` it uses the replacement group. Ranks passed to a
@@ -33,20 +33,24 @@ operations or ``all_reduce``; another transport is another class here, chosen in
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerError
+from ..errors import ConfigError, PeerError
+from . import nixl
 from .comm import Comm, get_comm, restart_required, transport_errors
+from .nixl import NixlEngine, RecvOp, landed, received
 
 __all__ = [
     "GlooTransport",
+    "NixlTransport",
     "Pending",
     "RangeView",
     "ReduceOp",
@@ -55,6 +59,10 @@ __all__ = [
     "messages",
     "transport_for",
 ]
+
+log = logging.getLogger(__name__)
+
+_NIXL_POLL_MAX_S = 0.001  # the longest sleep between two progress rounds of a NIXL wait
 
 ReduceOp = Literal["min", "max", "sum"]
 RangeView = Callable[[int, int], torch.Tensor]  # (offset, length) -> a uint8 view of that byte range
@@ -223,9 +231,157 @@ class GlooTransport:
         return [int(v) for v in t.tolist()]
 
 
-def transport_for(comm: Comm) -> Transport:
-    """The transport over ``comm``'s control group (today always :class:`GlooTransport`)."""
-    return GlooTransport(comm)
+class NixlTransport:
+    """:class:`Transport` over NIXL one-sided WRITEs (:mod:`gemini_dcp.transport.nixl`), descriptors
+    and the all-reduce on a :class:`Comm`'s gloo group. A receive is one descriptor per range; every
+    wait runs the engine's progress and is bounded by its deadline."""
+
+    def __init__(self, comm: Comm, eng: NixlEngine) -> None:
+        self.comm = comm
+        self.eng = eng
+        self._gloo = GlooTransport(comm)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self.comm.timeout_s or 300.0)
+
+    def _raise(self, pending: Pending, exc: BaseException, fatal: bool) -> NoReturn:
+        reason = self.comm.failure(pending.what, exc, time.monotonic() - pending.posted, peer=pending.peer)
+        if fatal:
+            raise restart_required(reason) from exc
+        raise PeerError(reason) from exc
+
+    def _post(self, post: Callable[[int], Any], peer_rank: int, what: str) -> Pending:
+        peer = self.comm.global_rank(peer_rank)
+        t0 = time.monotonic()
+        try:
+            op = post(peer)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a gloo or NIXL failure to post
+            raise PeerError(self.comm.failure(what, exc, time.monotonic() - t0, peer=peer)) from exc
+        return Pending(work=op, what=what, peer=peer, posted=t0)
+
+    def post_recv(self, buf: torch.Tensor, src: int, what: str) -> Pending:
+        return self._post(lambda peer: self.eng.post_recv(buf, peer, self.comm.group), src, what)
+
+    def post_send(self, buf: torch.Tensor, dst: int, what: str) -> Pending:
+        return self._post(lambda peer: self.eng.post_send(buf, peer, self.comm.group), dst, what)
+
+    def recv_ranges(self, view: RangeView, nbytes: int, wire_chunk: int, src: int, what: str) -> list[Pending]:
+        return [self.post_recv(view(0, nbytes), src, what)]  # one descriptor per range, however it is paced
+
+    def send_ranges(
+        self,
+        view: RangeView,
+        nbytes: int,
+        wire_chunk: int,
+        dsts: Sequence[int],
+        what: str,
+        *,
+        pace: Callable[[int], None] | None = None,
+        deadline_s: float | None = None,
+    ) -> list[Pending]:
+        whole = view(0, nbytes)
+        if pace is None:
+            return [self.post_send(whole, d, what) for d in dsts]
+        sends = [self._post(lambda peer: self.eng.post_send(whole, peer, self.comm.group, auto=False), d, what)
+                 for d in dsts]
+        eng = self.eng
+        for off, n in messages(nbytes, wire_chunk):
+            pace(n)  # into the next idle span of training communication (gemini_dcp.snapshot.interleave)
+            for p in sends:
+                self._until(p, lambda op: op.ready(eng) or op.state == "error", deadline_s, False)
+                with eng.lock:
+                    try:
+                        p.work.write(eng, off, n, notify=off + n == nbytes)  # the last piece notifies
+                    except Exception as exc:  # noqa: BLE001 - reported by the wait below
+                        p.work.fail(exc)
+            end = off + n
+            for p in sends:
+                self._until(p, lambda op: landed(eng, op, end), deadline_s, False)  # noqa: B023 - used at once
+        for p in sends:
+            self.wait(p, deadline_s=deadline_s)
+        return []
+
+    def _until(self, pending: Pending, done: Callable[[Any], bool], deadline_s: float | None, fatal: bool) -> None:
+        """Run the engine's progress until ``done(pending.work)``; the package's error past the deadline
+        or when the transfer failed."""
+        op = pending.work
+        limit = self.timeout_s if deadline_s is None else deadline_s
+        t0 = time.monotonic()
+        nap = 0.00002
+        while True:
+            try:
+                self.eng.progress()
+                with self.eng.lock:
+                    finished = done(op)
+            except Exception as exc:  # noqa: BLE001 - a gloo failure of a descriptor, a NIXL error
+                self.eng.abandon(op)
+                self._raise(pending, exc, fatal)
+            err = getattr(op, "error", None)
+            if err is not None:
+                self.eng.abandon(op)
+                self._raise(pending, err, fatal)
+            if finished:
+                return
+            if time.monotonic() - t0 > limit:
+                self.eng.abandon(op)
+                self._raise(pending, TimeoutError(
+                    f"NIXL transfer not completed within the deadline of {limit:g} s (the peer is gone, "
+                    "stopped or unreachable over UCX)"), fatal)
+            time.sleep(nap)
+            nap = min(nap * 2, _NIXL_POLL_MAX_S)
+
+    def wait(self, pending: Pending, *, deadline_s: float | None = None, fatal: bool = False) -> None:
+        if isinstance(pending.work, RecvOp):
+            self._until(pending, lambda r: received(self.eng, r), deadline_s, fatal)
+        else:
+            self._until(pending, lambda s: s.state == "done", deadline_s, fatal)
+
+    def all_reduce_ints(self, values: Sequence[int], op: ReduceOp) -> list[int]:
+        return self._gloo.all_reduce_ints(values, op)
+
+
+# (global ranks, timeout_s, requested kind) -> the kind every rank of that group agreed on.
+_CHOSEN: dict[tuple[tuple[int, ...], float, str], str] = {}
+
+
+def transport_for(comm: Comm, peer_transport: str = "gloo") -> Transport:
+    """The transport of peer-tier bytes over ``comm``'s control group.
+
+    ``peer_transport``: ``"gloo"`` (:class:`GlooTransport`), ``"nixl"``
+    (:class:`~gemini_dcp.transport.nixl.NixlTransport`, ConfigError on every rank when a rank
+    cannot start NIXL) or ``"auto"`` (NIXL where every rank starts it, else gloo; logged once).
+    With ``"nixl"`` or ``"auto"`` the first call per (group, kind) is **collective** (all ranks
+    of the group, the same ``peer_transport``): the ranks agree on whether every one of them
+    started NIXL (one all-reduce), so the two ends of a transfer always use the same transport.
+    """
+    if peer_transport == "gloo" or not comm.distributed:
+        return GlooTransport(comm)
+    key = (tuple(comm.ranks), float(comm.timeout_s or 0.0), peer_transport)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        ok, why = nixl.probe()
+        everyone = GlooTransport(comm).all_reduce_ints([int(ok)], "min")[0] == 1
+        if not everyone and peer_transport == "nixl":
+            raise ConfigError(
+                f"peer_transport='nixl': {'this rank: ' + why if not ok else 'another rank could not start NIXL'}. "
+                "Install NIXL on every node (docs/deploying.md: `pip install --no-deps nixl-cu12 numpy`), set "
+                "UCX_TLS to transports UCX has there, or use peer_transport='gloo' (or 'auto')."
+            )
+        chosen = "nixl" if everyone else "gloo"
+        _CHOSEN[key] = chosen
+        if comm.rank == 0 or not ok:
+            log.info("peer_transport=%r: peer-tier bytes go over %s (%s)", peer_transport, chosen,
+                     why if ok else f"NIXL unavailable: {why}")
+    if chosen == "gloo":
+        return GlooTransport(comm)
+    return NixlTransport(comm, nixl.engine())
 
 
 def get_transport(timeout_s: float, process_group: dist.ProcessGroup | None = None) -> Transport:
