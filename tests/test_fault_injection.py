@@ -146,9 +146,9 @@ def test_sibling_probe_of_a_dead_launch_is_not_a_live_launch(tmp_path) -> None:
     import multiprocessing as mp
     import threading
 
-    from gemini_dcp.core.launch import LaunchInfo
     from gemini_dcp.local.launch_lock import hold_launch_lock
     from gemini_dcp.local.tier import LocalTier
+    from gemini_dcp.transport.launch import LaunchInfo
 
     root = tmp_path / "root"
     root.mkdir(mode=0o700)
@@ -172,9 +172,9 @@ def test_sibling_probe_of_a_dead_launch_is_not_a_live_launch(tmp_path) -> None:
 
 
 def _hold_and_exit(root: str) -> None:
-    from gemini_dcp.core.launch import LaunchInfo
     from gemini_dcp.local.launch_lock import hold_launch_lock
     from gemini_dcp.local.tier import LocalTier
+    from gemini_dcp.transport.launch import LaunchInfo
 
     tier = LocalTier(root, "j")
     hold_launch_lock(tier, LaunchInfo("deadbeefdeadbeef", "crashed run", "vm", os.getpid(), 0.0), tier)

@@ -47,8 +47,8 @@ def _launches(rank: int, world_size: int, root: str, ports: list[int], meet: str
     import torch.distributed.checkpoint as dcp
 
     from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
-    from gemini_dcp.core import launch
     from gemini_dcp.errors import JobConflictError
+    from gemini_dcp.transport import launch
     from gemini_dcp.transport.comm import reset_groups
 
     pair, r = divmod(rank, 2)

@@ -4,7 +4,7 @@ machines sharing a node id, to a full tmpfs at the record write, or to an odd fi
 
 Multi-node cases run real gloo ranks (tests/mp_utils.run_ranks), each rank its own tier root
 (one simulated node each). Single-process cases tell launches apart through the environment
-that ``gemini_dcp.core.launch.current_launch`` reads.
+that ``gemini_dcp.transport.launch.current_launch`` reads.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from mp_utils import run_ranks
 from workloads import plain_state
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
-from gemini_dcp.core import launch as launch_mod
-from gemini_dcp.core.launch import current_launch
 from gemini_dcp.errors import ConfigError, InvalidStepError, JobConflictError
 from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.transport import launch as launch_mod
+from gemini_dcp.transport.launch import current_launch
 
 
 @pytest.fixture

@@ -88,7 +88,7 @@ def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> Non
     # the same save of step 6 again by the next launch (a torchrun restart retrying it): the store
     # already has it, nothing is rewritten. (A second save of one step within a launch is refused.)
     mtime = (step_dir / ".metadata").stat().st_mtime_ns
-    from gemini_dcp.core import launch as launch_mod
+    from gemini_dcp.transport import launch as launch_mod
 
     restart = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RESTART_COUNT": "1"}
     saved_env = {k: os.environ.get(k) for k in restart}

@@ -25,9 +25,9 @@ import torch.distributed.checkpoint as dcp
 from mp_utils import run_ranks
 
 from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, find_gemini_error
-from gemini_dcp.core.launch import LaunchInfo, current_launch
 from gemini_dcp.errors import CheckpointMismatchError, ChecksumMismatchError
 from gemini_dcp.local.tier import LocalTier
+from gemini_dcp.transport.launch import LaunchInfo, current_launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -54,7 +54,6 @@ from ..core.chunk_sink import describe_item
 from ..core.compat import failed_metadata, raise_if_failed
 from ..core.config import DEFAULT_JOB_IDS, parse_step
 from ..core.faults import fault_point
-from ..core.launch import current_launch
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
 from ..ext import loader as ext_loader
@@ -69,6 +68,7 @@ from ..restore.parity_restore import drop_rebuilt, held_lanes, rebuild_from_pari
 from ..restore.restore_stage import RestoreStage
 from ..restore.state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
 from ..transport.comm import Comm, get_comm
+from ..transport.launch import current_launch
 from ..transport.nixl import prestart as nixl_prestart
 from ..transport.p2p import transport_for
 
@@ -560,7 +560,7 @@ def _other_job(record: StepRecord, job_id: str, world_size: int, description: st
 
     This job's step: the same job id, not a shared default (``DEFAULT_JOB_IDS``: every job without
     one has it), the same world size, and the same torchrun run id (``--rdzv-id``, or ``none``
-    without it; what a restart keeps) in the launch descriptions (``core.launch``). Nothing else
+    without it; what a restart keeps) in the launch descriptions (``transport.launch``). Nothing else
     of a launch is compared: a restart gets a new rendezvous and launch id.
     """
     saved, mine = _run_id(getattr(record, "launch_description", "") or ""), _run_id(description)

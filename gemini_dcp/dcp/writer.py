@@ -54,7 +54,6 @@ from ..commit.protocol import CommitProtocol, LocalWrite, NodeIdentity, SaveSpec
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import resolve_algo
 from ..core.config import parse_step
-from ..core.launch import current_launch, launch_known
 from ..errors import ConfigError, InvalidStepError
 from ..ext import loader as ext_loader
 from ..local.launch_lock import hold_launch_lock
@@ -68,6 +67,7 @@ from ..peer.push import replicate
 from ..save.carry import CarryTracker, SaveStats
 from ..save.local_write import LocalWriter
 from ..transport.comm import Comm, get_comm
+from ..transport.launch import current_launch, launch_known
 from ..transport.nixl import prestart as nixl_prestart
 from ..transport.p2p import transport_for
 
@@ -130,7 +130,7 @@ class GeminiStorageWriter(StorageWriter):
 
     One live launch per job: constructing a writer holds a lock for this launch in the job
     directory while the writer lives (the ranks agree on the launch over the default group's
-    store, however the group was initialized: :mod:`gemini_dcp.core.launch`; a writer built
+    store, however the group was initialized: :mod:`gemini_dcp.transport.launch`; a writer built
     before ``init_process_group`` moves to the agreed launch at its first save); a second *live* launch with the same root and
     job id is refused with JobConflictError (a dead one, e.g. before a torchrun restart,
     never blocks). Records of steps newer than the one being saved are deleted only when a

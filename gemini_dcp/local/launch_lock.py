@@ -18,8 +18,8 @@ import time
 import weakref
 from pathlib import Path
 
-from ..core.launch import LaunchInfo
 from ..errors import JobConflictError
+from ..transport.launch import LaunchInfo
 from .job_dir import ensure_private_dir, open_private, remove_quietly
 from .tier import LocalTier, _warn_once
 

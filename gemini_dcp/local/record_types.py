@@ -239,7 +239,7 @@ class StepRecord:
     node_id: str = ""                    # the node that wrote this record
     created_unix: float = field(default_factory=time.time)
     complete: bool = True                # False: written without the coordinator's final metadata
-    launch_id: str = ""                  # the launch that saved it (gemini_dcp.core.launch.current_launch)
+    launch_id: str = ""                  # the launch that saved it (gemini_dcp.transport.launch.current_launch)
     launch_description: str = ""         # human-readable form of that launch, for messages
     parity: ParityLayout | None = None   # XOR parity of the step (parity_group; gemini_dcp.peer.parity)
     # Incremental saves: (item bytes copied, item bytes carried from the slot) per rank; () = all copied.

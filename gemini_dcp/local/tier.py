@@ -17,9 +17,9 @@ import shutil
 from pathlib import Path
 
 from ..core.config import resolve_job_id, resolve_root
-from ..core.launch import LaunchInfo
 from ..errors import ChecksumMismatchError, GeminiError, TierFullError, TierRootError
 from ..options.local import root_from_env
+from ..transport.launch import LaunchInfo
 from .job_dir import (
     JobLayout,
     atomic_write_bytes,
@@ -294,7 +294,7 @@ class LocalTier:
     def record_restore(self, step: int) -> None:
         """:meth:`note_restore` for this process's launch; a failure is logged, never raised
         (the restore goes on; newer steps are then simply kept)."""
-        from ..core.launch import current_launch  # noqa: PLC0415
+        from ..transport.launch import current_launch  # noqa: PLC0415
 
         try:
             self.note_restore(step, current_launch())
@@ -376,7 +376,7 @@ def _not_abandoned(tier: LocalTier, steps: list[int]) -> list[int]:
     """Those of ``steps`` that no restore in this launch abandoned."""
     if not steps:
         return []
-    from ..core.launch import current_launch  # noqa: PLC0415
+    from ..transport.launch import current_launch  # noqa: PLC0415
 
     gone = tier.abandoned_steps(current_launch().launch_id)
     return [s for s in steps if s not in gone]

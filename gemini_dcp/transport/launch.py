@@ -94,7 +94,7 @@ def _env_description() -> str:
 def _agree() -> LaunchInfo:
     import torch.distributed as dist  # noqa: PLC0415
 
-    from ..transport.comm import agree_on_default_store  # noqa: PLC0415 - the store lives in the transport
+    from .comm import agree_on_default_store  # noqa: PLC0415 - the store lives in the transport
 
     host, pid = socket.gethostname(), os.getpid()
     world = dist.get_world_size()
