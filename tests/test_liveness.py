@@ -143,3 +143,24 @@ def test_a_slot_removed_mid_save_fails_that_save_and_the_next_one_recreates_it(r
         out = {"w": torch.zeros(4096)}
         dcp.load(out, storage_reader=GeminiStorageReader(root=root, job_id="gone"))
         assert torch.equal(out["w"], _state(step)["w"]), step
+
+
+def test_job_id_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gemini_dcp.core.config import resolve_job_id
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "from-torchrun")
+    monkeypatch.setenv("GEMINI_DCP_JOB_ID", "slurm-4242")
+    assert resolve_job_id(None) == "slurm-4242" and resolve_job_id("explicit") == "explicit"
+    monkeypatch.delenv("GEMINI_DCP_JOB_ID")
+    assert resolve_job_id(None) == "from-torchrun"
+
+
+def test_a_failed_restore_is_not_logged_as_dcp_metadata_fallback(root: str, caplog: pytest.LogCaptureFixture) -> None:
+    """DCP logs "Global metadata is not found" with a traceback, on every rank, for any read_metadata
+    error; for ours the error itself reaches the caller, so that record is dropped."""
+    import logging
+
+    with caplog.at_level(logging.INFO), pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.zeros(4)}, storage_reader=GeminiStorageReader(root=root, job_id="never-saved"))
+    assert find_gemini_error(info.value) is not None
+    assert not [r for r in caplog.records if "Global metadata is not found" in r.getMessage()]
