@@ -29,6 +29,7 @@ import argparse
 import gc
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -586,21 +587,28 @@ def maybe_fail(step: int, args: argparse.Namespace, ctx: Ctx) -> None:
 
 # ---- the loop --------------------------------------------------------------------------------
 def run_loop(args: argparse.Namespace, ctx: Ctx, app: TrainState, ckpt: Checkpointer,
-             train_step: Callable[[int], torch.Tensor]) -> list[tuple[int, float]]:
+             train_step: Callable[[int], torch.Tensor],
+             on_nonfinite: Callable[[int, float], int] | None = None) -> list[tuple[int, float]]:
     """Resume, then train ``app.step+1 .. args.steps``, checkpointing as configured.
 
     ``train_step(step)`` runs forward/backward/optimizer step for ``step`` and
     returns the global mean loss (a 0-dim tensor, same on every rank); it must
     call ``maybe_fail(step, args, ctx)`` between backward and the optimizer step.
+    ``on_nonfinite(step, loss)``, when given, is called instead of recording a step whose loss
+    is not finite, and returns the step to train next (a rollback: the restored step + 1).
     """
     resume(ckpt, app, ctx, args)
     ctx.events.emit("ready", step=app.step)
     losses: list[tuple[int, float]] = []
-    for step in range(app.step + 1, args.steps + 1):
+    step = app.step + 1
+    while step <= args.steps:
         t0 = time.perf_counter()
         loss = float(train_step(step))
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if on_nonfinite is not None and not math.isfinite(loss):
+            step = on_nonfinite(step, loss)
+            continue
         app.step = step
         t_train = time.perf_counter() - t0
         ctx.events.emit("step_done", step=step, seconds=t_train, loss=loss)
@@ -612,6 +620,7 @@ def run_loop(args: argparse.Namespace, ctx: Ctx, app: TrainState, ckpt: Checkpoi
         if step % args.log_every == 0 or step == args.steps:
             extra = f"  ckpt {ckpt_s * 1e3:.1f} ms" if ckpt_s is not None else ""
             ctx.log(f"step {step:4d}  loss {loss:.6f}  iter {t_train * 1e3:.1f} ms{extra}")
+        step += 1
     ctx.events.emit("finished", step=app.step)
     return losses
 

@@ -42,7 +42,6 @@ import argparse  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -203,59 +202,37 @@ def main(argv: list[str] | None = None) -> int:
         return (avg / ctx.world_size).cpu()
 
     injected: list[int] = []
-    if args.inject_nan_at is None:
-        common.run_loop(args, ctx, app, ckpt, train_step)
-    else:
-        run_with_rollback(args, ctx, app, ckpt, train_step)
+    rollbacks = 0
+
+    def roll_back(step: int, loss: float) -> int:
+        """The loop's answer to a non-finite loss: restore the newest healthy step (the default choice of
+        every gemini restore) in-process, skip the batch that came right after it (the bad one), go on
+        from there. Saves after the rollback start a new timeline."""
+        nonlocal rollbacks
+        ctx.events.emit("nan", step=step)
+        if args.on_nan == "exit":
+            ctx.log(f"step {step}: loss {loss}: exiting; torchrun restarts the job from the newest restorable step")
+            raise SystemExit(3)
+        last = getattr(ckpt, "_last", None)  # --async-ckpt: the save in flight commits before the restore decides
+        if last is not None and hasattr(last, "wait"):
+            last.wait()
+        rollbacks += 1
+        if rollbacks > 3:
+            raise SystemExit(f"step {step}: loss {loss} after {rollbacks - 1} rollbacks: giving up")
+        info = ckpt.restore(app, ctx)  # in-process: the newest healthy step (fast_load)
+        if info is None:
+            raise SystemExit(f"step {step}: loss {loss} and no checkpoint to roll back to")
+        bad = app.data.pos + 1
+        app.data.pos += 1  # skip the batch that poisoned the weights
+        ctx.events.emit("rollback", step=step, to=info.step, seconds=info.seconds, skipped_batch=bad)
+        ctx.log(f"step {step}: loss {loss}: rolled back in-process to step {info.step} ({info.path}) in "
+                f"{info.seconds:.3f} s; skipping batch {bad}")
+        return app.step + 1
+
+    common.run_loop(args, ctx, app, ckpt, train_step, on_nonfinite=None if args.inject_nan_at is None else roll_back)
     common.finish_outputs(args, ctx, model)
     ckpt.close(ctx)
     return 0
-
-
-def run_with_rollback(args: argparse.Namespace, ctx: common.Ctx, app: common.TrainState, ckpt: common.Checkpointer,
-                      train_step: Any) -> None:
-    """``common.run_loop`` that survives a poisoned step in-process: on a non-finite loss it restores
-    the newest healthy step (the default choice of every gemini restore), skips the batch that came
-    right after it (the bad one) and trains on. Saves after the rollback start a new timeline."""
-    common.resume(ckpt, app, ctx, args)
-    ctx.events.emit("ready", step=app.step)
-    step, rollbacks = app.step + 1, 0
-    while step <= args.steps:
-        t0 = time.perf_counter()
-        loss = float(train_step(step))
-        if not math.isfinite(loss):
-            ctx.events.emit("nan", step=step)
-            if args.on_nan == "exit":
-                ctx.log(f"step {step}: loss {loss}: exiting; torchrun restarts the job from the newest restorable step")
-                raise SystemExit(3)
-            last = getattr(ckpt, "_last", None)  # --async-ckpt: the save in flight commits before the restore decides
-            if last is not None and hasattr(last, "wait"):
-                last.wait()
-            rollbacks += 1
-            if rollbacks > 3:
-                raise SystemExit(f"step {step}: loss {loss} after {rollbacks - 1} rollbacks: giving up")
-            info = ckpt.restore(app, ctx)  # in-process: the newest healthy step (fast_load)
-            if info is None:
-                raise SystemExit(f"step {step}: loss {loss} and no checkpoint to roll back to")
-            bad = app.data.pos + 1
-            app.data.pos += 1  # skip the batch that poisoned the weights
-            ctx.events.emit("rollback", step=step, to=info.step, seconds=info.seconds, skipped_batch=bad)
-            ctx.log(f"step {step}: loss {loss}: rolled back in-process to step {info.step} ({info.path}) in "
-                    f"{info.seconds:.3f} s; skipping batch {bad}")
-            step = app.step + 1
-            continue
-        app.step = step
-        t_train = time.perf_counter() - t0
-        ctx.events.emit("step_done", step=step, seconds=t_train, loss=loss)
-        ckpt_s = ckpt.maybe_save(step, app, ctx)
-        if ctx.rank == 0 and args.loss_log:
-            with open(args.loss_log, "a") as f:
-                f.write(f"{step} {loss.hex()}\n")
-        if step % args.log_every == 0 or step == args.steps:
-            extra = f"  ckpt {ckpt_s * 1e3:.1f} ms" if ckpt_s is not None else ""
-            ctx.log(f"step {step:4d}  loss {loss:.6f}  iter {t_train * 1e3:.1f} ms{extra}")
-        step += 1
-    ctx.events.emit("finished", step=app.step)
 
 
 if __name__ == "__main__":
