@@ -31,7 +31,7 @@ def losses(out: Path) -> dict[int, str]:
 
 
 def assert_same_final(a: Path, b: Path) -> None:
-    x, y = torch.load(a / "final.pt"), torch.load(b / "final.pt")
+    x, y = torch.load(a / "final.pt", weights_only=True), torch.load(b / "final.pt", weights_only=True)
     assert x.keys() == y.keys()
     for k in x:
         assert torch.equal(x[k], y[k]), k

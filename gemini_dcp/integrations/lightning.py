@@ -207,7 +207,9 @@ def strategy_class() -> Any:
                 set_optimizer_state_dict(self.model, o, optim_state_dict=state[f"optimizer_{i}"])
             set_rng_state(state[f"rng_{self.global_rank}"])
             self.gemini_restored = {"step": step, "tiers": dict(reader.restored_from)}
-            meta = torch.load(io.BytesIO(state["lightning"]), weights_only=weights_only)
+            # Lightning's own metadata (loops, callbacks, hparams), restricted to tensors and plain values
+            # unless the caller passed weights_only=False to Lightning, as for its own checkpoint files.
+            meta = torch.load(io.BytesIO(state["lightning"]), weights_only=weights_only is not False)
             return meta  # type: ignore[no-any-return]
 
     def _options(strict: bool) -> Any:
