@@ -13,11 +13,16 @@ DTensors (``--gib`` in all). In the same process, rounds in rotating order (medi
   its slots exist and are page-locked), whole call timed: DCP planning, the chunked D2H into the
   registered slot (``ext.copy_d2h_chunked``, the extension's low-priority stream), CRC of every
   piece while cache-warm, the record, the commit;
+* ``gemini_save_no_count`` the same with ``nonfinite="ignore"`` (the non-finite count's cost is
+  the difference); ``gemini_save_plan_cache`` with DCP's ``enable_plan_caching`` planner;
+  ``gemini_async_save`` ``AsyncCheckpointer.save`` (the replayed save) until the step is in the tier;
 * ``stock_save``  ``dcp.save`` + ``FileSystemWriter`` into a tmpfs directory (for comparison);
 * ``pinned_h2d``  the restore baseline: pinned buffers -> the GPU tensors;
-* ``gemini_load_registered`` / ``gemini_load_pageable``  ``dcp.load`` + ``GeminiStorageReader``
-  onto the GPU tensors with the slot mapping page-locked for the DMA (``GEMINI_DCP_H2D_REGISTER=1``)
-  or pageable (``=0``); ``gemini_load_auto`` with the default rule;
+* ``gemini_load_auto`` ``dcp.load`` + ``GeminiStorageReader`` onto the GPU tensors, defaults (the
+  slot mapping page-locked, the chunks verified on the GPU); ``gemini_load_cpu_verify`` verified
+  on the CPU (``GEMINI_DCP_H2D_VERIFY=cpu``, the earlier default); ``gemini_load_gpu_verify_pageable``
+  / ``_registered`` on the GPU with the mapping never / always page-locked; each load's
+  registration and verification seconds are kept (``landing``);
 * ``stock_load``  ``dcp.load`` + ``FileSystemReader`` of the stock directory.
 
 Also the checksum question of the issue: GPU ``xsum64`` vs CPU crc32c of a just-copied (warm)
@@ -191,14 +196,27 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=writer, checkpoint_id=1)  # the second slot of the ring (keep=1)
         second_save = time.perf_counter() - t0
-        # the same save with the checksum on the CPU (crc32c of each landed piece over 4 / 8 threads)
+        # the same save with the checksum on the CPU (crc32c of each landed piece over 4 threads)
         variants: dict[str, Any] = {}
-        for name, threads in (("gemini_save_cpu_crc4", 4), ("gemini_save_cpu_crc8", 8)):
-            vw = GeminiStorageWriter(root=str(base / "tier"), job_id=f"gpu-{threads}", keep=1)
-            vw.local_writer.device_copier = DeviceCopier(checksum_on="cpu", crc_threads=threads)
+        vw = GeminiStorageWriter(root=str(base / "tier"), job_id="gpu-4", keep=1)
+        vw.local_writer.device_copier = DeviceCopier(checksum_on="cpu", crc_threads=4)
+        variants["gemini_save_cpu_crc4"] = vw
+        # without the non-finite count (nonfinite="ignore"): the count's cost is the difference
+        variants["gemini_save_no_count"] = GeminiStorageWriter(root=str(base / "tier"), job_id="gpu-nc", keep=1,
+                                                                nonfinite="ignore")
+        # DCP's own plan cache (torch >= 2.7): planning off the per-save path
+        variants["gemini_save_plan_cache"] = GeminiStorageWriter(root=str(base / "tier"), job_id="gpu-pc", keep=1)
+        cached_planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
+        for name, vwr in variants.items():
             for i in range(2):
-                dcp.save(sd, storage_writer=vw, checkpoint_id=i)
-            variants[name] = vw
+                dcp.save(sd, storage_writer=vwr, checkpoint_id=i,
+                         planner=cached_planner if name == "gemini_save_plan_cache" else None)
+        from gemini_dcp import AsyncCheckpointer
+
+        ack = AsyncCheckpointer(GeminiStorageWriter(root=str(base / "tier"), job_id="gpu-async", keep=1))
+        for i in range(2):
+            ack.save(sd, step=i)
+            ack.wait()
         step = [2]
         target = zeroed_like(sd)
 
@@ -218,29 +236,43 @@ def main(argv: list[str] | None = None) -> None:
 
         def variant_save(name: str) -> Any:
             def run() -> None:
-                dcp.save(sd, storage_writer=variants[name], checkpoint_id=step[0])
+                dcp.save(sd, storage_writer=variants[name], checkpoint_id=step[0],
+                         planner=cached_planner if name == "gemini_save_plan_cache" else None)
                 step[0] += 1
             return run
+
+        def gemini_async() -> None:  # AsyncCheckpointer's replayed save, until the step is in the tier
+            ack.save(sd, step=step[0])
+            ack.wait()
+            step[0] += 1
 
         def stock_save() -> None:
             d = base / "stock"
             shutil.rmtree(d, ignore_errors=True)
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(d)))
 
-        def gemini_load(mode: str, job: str = "gpu") -> Any:
+        def gemini_load(mode: str, job: str = "gpu", verify: str = "auto") -> Any:
+            key = f"{mode}_{verify}_{job}"
+
             def run() -> None:
                 os.environ["GEMINI_DCP_H2D_REGISTER"] = mode
+                os.environ["GEMINI_DCP_H2D_VERIFY"] = verify
                 try:
                     r = GeminiStorageReader(root=str(base / "tier"), job_id=job)
                     dcp.load(target, storage_reader=r)
                     sync()
-                    extra["last_landing_" + mode] = {
-                        "bytes_registered": getattr(r._staging.last_lander, "bytes_registered", None),
-                        "bytes_to_device": getattr(r._staging.last_lander, "bytes_to_device", None),
-                        "register_failed": getattr(r._staging.last_lander, "register_failed", None),
-                    }
+                    st = r._staging
+                    extra.setdefault(key, []).append({
+                        "bytes_registered": getattr(st.last_lander, "bytes_registered", None),
+                        "bytes_to_device": getattr(st.last_lander, "bytes_to_device", None),
+                        "bytes_on_device": getattr(st.last_lander, "bytes_on_device", None),
+                        "register_failed": getattr(st.last_lander, "register_failed", None),
+                        "register_s": st.register_seconds, "device_verified": st.device_verified,
+                        "device_verify_s": st.device_verify_seconds,
+                    })
                 finally:
                     os.environ.pop("GEMINI_DCP_H2D_REGISTER", None)
+                    os.environ.pop("GEMINI_DCP_H2D_VERIFY", None)
             return run
 
         def stock_load() -> None:
@@ -249,10 +281,14 @@ def main(argv: list[str] | None = None) -> None:
 
         extra: dict[str, Any] = {}
         methods: dict[str, Any] = {"pinned_d2h": pinned_d2h, "gemini_save": gemini_save, "pinned_h2d": pinned_h2d,
-                                   "gemini_load_registered": gemini_load("1"), "gemini_load_pageable": gemini_load("0"),
                                    "gemini_load_auto": gemini_load("auto"),
+                                   "gemini_load_cpu_verify": gemini_load("auto", verify="cpu"),
+                                   "gemini_load_gpu_verify_pageable": gemini_load("0", verify="gpu"),
+                                   "gemini_load_gpu_verify_registered": gemini_load("1", verify="gpu"),
                                    "gemini_save_cpu_crc4": variant_save("gemini_save_cpu_crc4"),
-                                   "gemini_save_cpu_crc8": variant_save("gemini_save_cpu_crc8"),
+                                   "gemini_save_no_count": variant_save("gemini_save_no_count"),
+                                   "gemini_save_plan_cache": variant_save("gemini_save_plan_cache"),
+                                   "gemini_async_save": gemini_async,
                                    "gemini_load_auto_crc_items": gemini_load("auto", "gpu-4")}
         if not args.skip_stock:
             stock_save()
@@ -286,22 +322,13 @@ def main(argv: list[str] | None = None) -> None:
             "device_copier_variants": {k: {"gbps_inside_copier": gbps(v.local_writer.device_copier.bytes_copied,
                                                                        v.local_writer.device_copier.seconds)}
                                        for k, v in variants.items()},
+            "async_stats": _jsonable(ack.stats()),
             "first_save_s": first_save, "second_save_s": second_save,
             "methods": res, "bit_exact": exact, "landing": extra,
             "checksum": checksum_costs(min(nbytes, 1 << 30), max(3, args.rounds)),
-            "ratios": {
-                "gemini_save_over_pinned_d2h": res["gemini_save"]["gbps"] / res["pinned_d2h"]["gbps"],
-                "copier_inside_save_over_pinned_d2h": (gbps(dc.bytes_copied, dc.seconds) or 0.0) / res["pinned_d2h"]["gbps"],
-                "gemini_save_cpu_crc4_over_pinned_d2h": res["gemini_save_cpu_crc4"]["gbps"] / res["pinned_d2h"]["gbps"],
-                "gemini_save_cpu_crc8_over_pinned_d2h": res["gemini_save_cpu_crc8"]["gbps"] / res["pinned_d2h"]["gbps"],
-                "gemini_load_registered_over_pinned_h2d": res["gemini_load_registered"]["gbps"] / res["pinned_h2d"]["gbps"],
-                "gemini_load_pageable_over_pinned_h2d": res["gemini_load_pageable"]["gbps"] / res["pinned_h2d"]["gbps"],
-                "gemini_load_auto_over_pinned_h2d": res["gemini_load_auto"]["gbps"] / res["pinned_h2d"]["gbps"],
-                **({"gemini_save_over_stock_save": res["stock_save"]["median_s"] / res["gemini_save"]["median_s"],
-                    "stock_load_over_gemini_load_auto": res["stock_load"]["median_s"] / res["gemini_load_auto"]["median_s"]}
-                   if "stock_save" in res else {}),
-            },
+            "ratios": ratios(res),
         }
+        ack.close()
         print(f"{nbytes / MIB:.0f} MiB in {len(tensors)} tensors on {out['versions']['device']}; copy path {out['copy_path']}")
         for k, v in res.items():
             print(f"  {k:26s} {v['median_s'] * 1e3:9.1f} ms  {v['gbps']:7.2f} GB/s  [{v['min_s'] * 1e3:.1f}, {v['max_s'] * 1e3:.1f}]")
@@ -315,6 +342,32 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
         dist.destroy_process_group()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+
+
+def ratios(res: dict[str, Any]) -> dict[str, float]:
+    """Every save method's GB/s over pinned D2H, every load's over pinned H2D, the non-finite count's
+    share of a save, and gemini over stock where stock ran."""
+    out: dict[str, float] = {}
+    for k, v in res.items():
+        if k.startswith("gemini_save") or k == "gemini_async_save":
+            out[f"{k}_over_pinned_d2h"] = v["gbps"] / res["pinned_d2h"]["gbps"]
+        elif k.startswith("gemini_load"):
+            out[f"{k}_over_pinned_h2d"] = v["gbps"] / res["pinned_h2d"]["gbps"]
+    if "gemini_save_no_count" in res:
+        out["nonfinite_count_share_of_save"] = (res["gemini_save"]["median_s"] - res["gemini_save_no_count"]["median_s"]) \
+            / res["gemini_save"]["median_s"]
+    if "stock_save" in res:
+        out["gemini_save_over_stock_save"] = res["stock_save"]["median_s"] / res["gemini_save"]["median_s"]
+        out["stock_load_over_gemini_load_auto"] = res["stock_load"]["median_s"] / res["gemini_load_auto"]["median_s"]
+    return out
 
 
 def plot(out: dict[str, Any], path: Path) -> None:

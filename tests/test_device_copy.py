@@ -18,7 +18,7 @@ from gemini_dcp.core.checksum import checksum
 from gemini_dcp.errors import GeminiError
 from gemini_dcp.ext.cuda import DeviceCopyError
 from gemini_dcp.local.slots import SlotFile
-from gemini_dcp.save.device_copy import DeviceCopier, copy_path
+from gemini_dcp.save.device_copy import DeviceCopier, DeviceSums, Pending, copy_path
 
 
 class _Done:
@@ -158,5 +158,35 @@ def test_gpu_checksummed_items_queue_their_pieces_and_wait_once() -> None:
     c.wait()
     assert [line for line in log if line.startswith("wait")] == ["wait 4096"]  # the last piece, once
     c.wait()  # idempotent
+    sums = c.resolve(sums)  # the checksums were read back once, by the first wait
     assert sums == [checksum(s, "xsum64") for s in srcs] and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     assert c.bytes_copied == sum(s.numel() for s in srcs)
+
+
+def test_gpu_checksummed_counts_come_back_with_the_checksums_in_one_read() -> None:
+    """``copy_counted`` on the xsum64 path: the non-finite count is summed with the checksum (one
+    kernel per tensor, on the device), and both are numbers only after ``wait`` + ``resolve``."""
+    c = DeviceCopier(chunk_bytes=4096, copy_fn=_fake_copy([]))
+    srcs = [torch.randn(3000), torch.randn(1000).to(torch.bfloat16), torch.randn(7, dtype=torch.float64)]
+    srcs[0][[5, 17, 2999]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    srcs[1][0] = float("nan")
+    kinds = [1, 4, 2]
+    dsts = [torch.empty(s.nbytes, dtype=torch.uint8) for s in srcs]
+    got = [c.copy_counted(d, s, "xsum64", k) for d, s, k in zip(dsts, srcs, kinds)]
+    assert all(isinstance(v, Pending) for pair in got for v in pair)
+    c.wait()
+    values = c.resolve([v for pair in got for v in pair])
+    want = [checksum(s.view(torch.uint8), "xsum64") for s in srcs]
+    assert values == [want[0], 3, want[1], 1, want[2], 0]
+    again = c.copy_counted(dsts[0], srcs[0], "xsum64", 1)  # the next write starts from zeroed rows
+    c.wait()
+    assert c.resolve(list(again)) == [want[0], 3]
+
+
+def test_device_sums_grow_past_their_first_array() -> None:
+    sums = DeviceSums()
+    ts = [torch.full((16,), i, dtype=torch.uint8) for i in range(150)]
+    pend = [sums.add(t, t.nbytes) for t in ts]
+    assert sums.pending == 150
+    got = sums.read()
+    assert [got[p.row][0] for p in pend] == [checksum(t, "xsum64") for t in ts]

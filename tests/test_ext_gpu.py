@@ -154,3 +154,28 @@ def test_gpu_info_lists_the_device() -> None:
     g = info[0]
     assert g["name"] and g["memory_total_bytes"] and g["memory_total_bytes"] > 1 << 30
     assert 4 << 20 <= gpuinfo.suggest_chunk_bytes(0, info) <= 64 << 20
+
+
+@pytest.mark.parametrize("dtype,kind", [(torch.uint8, 0), (torch.float32, 1), (torch.float64, 2),
+                                        (torch.float16, 3), (torch.bfloat16, 4)])
+def test_xsum64_accumulate_sums_and_counts_with_no_readback(loaded: bool, dtype: torch.dtype, kind: int) -> None:
+    """The kernel a save runs per CUDA tensor: S of xsum64 and the non-finite count, added into a device
+    array, equal to the CPU reference (odd sizes and offsets: unaligned and tail words)."""
+    from gemini_dcp.ext.cuda import has_accumulate, xsum64_accumulate, xsum64_finish, xsum64_reference
+    from gemini_dcp.health.count import count_nonfinite
+
+    if not loaded or not has_accumulate():
+        pytest.skip("the extension's CUDA ops are not built")
+    acc = torch.zeros((8, 2), dtype=torch.int64, device="cuda")
+    want = []
+    for row, n in enumerate((1, 7, 4097, 1 << 20, (1 << 20) + 3)):
+        t = (torch.randn(n + 1, device="cuda") * 100).to(dtype)[1:] if dtype != torch.uint8 else \
+            torch.randint(0, 256, (n + 1,), dtype=torch.uint8, device="cuda")[1:]
+        if kind and n > 5:
+            t[[0, 3, n - 1]] = torch.tensor([float("nan"), float("inf"), -float("inf")], device="cuda").to(dtype)
+        xsum64_accumulate(t.contiguous(), acc, row, kind)
+        want.append((xsum64_reference(t.contiguous().cpu()), count_nonfinite(t.cpu()) if kind else 0, t.nbytes))
+    host = acc.cpu().tolist()
+    for row, (ref, count, nbytes) in enumerate(want):
+        assert xsum64_finish(host[row][0] & ((1 << 64) - 1), nbytes) == ref
+        assert host[row][1] == count

@@ -487,11 +487,11 @@ class GeminiStorageReader(StorageReader):
                 counts["peer"] -= self._ref(by_key[key][0].storage_index).length
                 counts["parity"] += self._ref(by_key[key][0].storage_index).length
         first = start_transfer(staging, transport, routes)
-        for key, items in by_key.items():
-            if key in remote:
-                continue
-            ref = self._ref(items[0].storage_index)
-            buf = self._local_bytes(ref)
+        local = [(key, items, self._ref(items[0].storage_index)) for key, items in by_key.items() if key not in remote]
+        bufs = [self._local_bytes(ref) for _, _, ref in local]
+        # Chunks bound for CUDA tensors: their slot mappings page-locked before they are verified (on the GPU).
+        self._staging.prepare_device([(items, buf) for (_, items, _), buf in zip(local, bufs) if buf is not None])
+        for (key, items, ref), buf in zip(local, bufs):
             if buf is None:
                 failed[key] = "missing"
                 continue

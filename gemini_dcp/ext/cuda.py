@@ -5,6 +5,8 @@
     host_register(t) / host_unregister(t)    cudaHostRegister bookkeeping      fallback: torch.cuda.cudart()
     copy_d2h_chunked(dst, src, chunk)        chunked D2H on a low-priority stream  fallback: non_blocking copies
     gpu_checksum(t)                          xsum64 (CUDA and CPU kernels)     fallback: xsum64_reference (numpy)
+    xsum64_accumulate(t, acc, i, kind)       xsum64's sum and the non-finite count into a device array, no readback
+                                                                               fallback: reference + torch count
 
 Importing this module touches no CUDA API: on a CPU machine every wrapper checks its
 arguments and then does nothing (registration) or uses its fallback. Each call asks
@@ -28,8 +30,10 @@ __all__ = [
     "byte_view",
     "copy_d2h_chunked",
     "gpu_checksum",
+    "has_accumulate",
     "host_register",
     "host_unregister",
+    "xsum64_accumulate",
     "xsum64_finish",
     "xsum64_reference",
     "xsum64_sum_reference",
@@ -236,3 +240,46 @@ def gpu_checksum(t: torch.Tensor) -> int:
     if loader.load() and ((t.is_cuda and loader.has_cuda_ext()) or t.device.type == "cpu"):
         return int(torch.ops.gemini_dcp.xsum64(t)) & _MASK64
     return xsum64_reference(t)
+
+
+_KIND_DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.float16, 4: torch.bfloat16}  # health.count.KINDS
+
+
+def has_accumulate() -> bool:
+    """Whether the extension's ``xsum64_accumulate`` CUDA op is loaded (an extension built from older
+    sources has ``xsum64`` only)."""
+    return _cuda_ops() and hasattr(torch.ops.gemini_dcp, "xsum64_accumulate")
+
+
+def _signed64(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def xsum64_accumulate(t: torch.Tensor, acc: torch.Tensor, index: int, kind: int = 0) -> None:
+    """Add ``S`` of ``t``'s bytes (:func:`xsum64_sum_reference`; ``xsum64`` is
+    ``xsum64_finish(S, t.nbytes)``) into ``acc[index, 0]`` and the count of its non-finite values of
+    ``kind`` (1 float32, 2 float64, 3 float16, 4 bfloat16; 0 none) into ``acc[index, 1]``.
+
+    ``acc`` is an int64 ``[k, 2]`` tensor on ``t``'s device (S mod 2**64, as a signed value). On a
+    CUDA tensor with the extension this queues one kernel on the current stream and reads nothing
+    back: many tensors are summed into one array that is copied to the host once. Elsewhere (CPU
+    tensors, no extension) the reference computes both and adds them in place.
+    """
+    if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+        raise ConfigError("xsum64_accumulate: expected a contiguous tensor")
+    if not isinstance(kind, int) or not 0 <= kind <= 4:
+        raise ConfigError(f"xsum64_accumulate: kind must be 0..4, got {kind!r}")
+    if t.is_cuda and has_accumulate():
+        torch.ops.gemini_dcp.xsum64_accumulate(t, acc, index, kind)
+        return
+    s = xsum64_sum_reference(t)
+    count = 0
+    if kind and t.nbytes:
+        b = byte_view(t.detach())
+        size = _KIND_DTYPES[kind].itemsize
+        vals = b[: b.numel() - b.numel() % size].view(_KIND_DTYPES[kind])
+        count = int(torch.isfinite(vals).logical_not().sum())
+    cur = int(acc[index, 0])
+    acc[index, 0] = _signed64(cur + s)
+    acc[index, 1] += count

@@ -85,6 +85,7 @@ class DeviceLander:
         self.register_failed: str | None = None  # why the last refused registration was refused
         self.devices: set[torch.device] = set()  # CUDA devices that got asynchronous copies
         self.bytes_to_device = 0
+        self.bytes_on_device = 0  # landed device-to-device from staging buffers verified on the GPU
         self.bytes_registered = 0
 
     # ---- before the landing ------------------------------------------------------------------
@@ -109,9 +110,10 @@ class DeviceLander:
                 if lo <= ptr < hi:
                     to_device[i] += stored.nbytes
                     break
+        held = {r.data_ptr() for r in self._registered}
         for i, n in enumerate(to_device):
             m = mappings[i]
-            if not n or (mode == "auto" and (n < self.min_bytes or 2 * n < m.nbytes)):
+            if not n or m.data_ptr() in held or (mode == "auto" and (n < self.min_bytes or 2 * n < m.nbytes)):
                 continue
             try:
                 self._register(m)
@@ -127,11 +129,15 @@ class DeviceLander:
 
     # ---- the landing -------------------------------------------------------------------------
     def copy(self, dest: torch.Tensor, src: torch.Tensor) -> None:
-        """``dest.copy_(src)``: asynchronous when ``dest`` is a CUDA tensor (finished by :meth:`finish`)."""
-        if dest.is_cuda and src.device.type == "cpu":
-            dest.copy_(src, non_blocking=True)
+        """``dest.copy_(src)``: asynchronous when ``dest`` is a CUDA tensor (finished by :meth:`finish`);
+        ``src`` on the host (a tier mapping) or on the device (a chunk verified there)."""
+        if dest.is_cuda:
+            dest.copy_(src, non_blocking=True)  # from the host: a DMA; from a GPU staging buffer: on the device
             self.devices.add(dest.device)
-            self.bytes_to_device += src.nbytes
+            if src.device.type == "cpu":
+                self.bytes_to_device += src.nbytes
+            else:
+                self.bytes_on_device += src.nbytes
             return
         dest.copy_(src)
 

@@ -4,7 +4,15 @@
 needs is verified (:mod:`gemini_dcp.core.chunk_sink`) where it lies — a local chunk in its
 mmap'd slot file (zero copy), a peer chunk in its receive buffer, a persistent chunk in its
 mapped data file (zero copy; read into a tensor from a remote store) — and held here, outside the state dict. *Land*: only once every rank holds a
-verified copy of every chunk it needs are they copied into the live tensors. A
+verified copy of every chunk it needs are they copied into the live tensors.
+
+A chunk bound for a CUDA tensor and checksummed on the GPU when it was saved (``xsum64``) is verified
+on the GPU (``GEMINI_DCP_H2D_VERIFY``, :class:`~gemini_dcp.options.device.DeviceOptions`): copied
+host-to-device into a staging buffer of its own on the destination's device, checksummed there, and
+held there; the landing is then a device-to-device copy. The CPU never reads its bytes, so such a
+restore is bounded by the host-to-device DMA, not by a CPU checksum. The staging buffers of one
+restore take at most half the device's free memory (measured at the first one); a chunk that does not
+fit is verified on the CPU as before. The rule stays: nothing lands before every chunk is verified. A
 :class:`RestoreStage` owns what the first phase leaves behind (slot mappings, receive
 buffers, verified chunks, the destinations the key/shape check resolved) and lets it go:
 after the landing off the critical path, after a failure at once.
@@ -15,8 +23,10 @@ pure); the peer transfers live in :mod:`gemini_dcp.peer`.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +44,7 @@ from ..core.faults import fault_point
 from ..errors import GeminiError, IncompatibleCheckpointError
 from ..local.record_types import ShardRef
 from ..local.slots import ReadOnlySlot
+from ..options.device import DeviceOptions
 from .device_land import DeviceLander
 
 if TYPE_CHECKING:
@@ -42,6 +53,9 @@ if TYPE_CHECKING:
     from ..persistent.store import PersistentTier
 
 __all__ = ["RestoreStage"]
+
+log = logging.getLogger(__name__)
+GPU_ALGO = "xsum64"  # the checksum of chunks saved from CUDA tensors (gemini_dcp.save.device_copy)
 
 
 class RestoreStage:
@@ -63,12 +77,35 @@ class RestoreStage:
         self.error: GeminiError | None = None  # raised after the agreement round
         self.lander: DeviceLander | None = None  # the landing's CUDA copies and page-locked mappings, until released
         self.last_lander: DeviceLander | None = None  # the last released one (its byte counts: benchmarks, tests)
+        self._gpu_verify: bool | None = None  # this load's GEMINI_DCP_H2D_VERIFY, decided at its first CUDA chunk
+        self._device_room: dict[torch.device, int] = {}  # staging bytes this load may still take per device
+        self.device_verified = 0  # bytes of this load verified on a GPU (statistics: benchmarks, tests)
+        self.device_verify_seconds = 0.0  # wall time of those host-to-device copies and checksums
+        self.register_seconds = 0.0  # wall time of page-locking the slot mappings for the GPU
 
     def begin(self) -> None:
         """Start a load: nothing staged, no destination resolved, no error yet."""
         self.chunks.clear()
         self.dests = {}
         self.error = None
+        self._drop_lander()  # a landing's registrations, if a load ended without release()
+        self._gpu_verify = None
+        self._device_room = {}
+        self.device_verified = 0
+        self.device_verify_seconds = 0.0
+        self.register_seconds = 0.0
+
+    def prepare_device(self, chunks: list[tuple[list[ReadItem], torch.Tensor]]) -> None:
+        """Before the chunks (``(items, stored bytes)``) are verified: page-lock the slot mappings
+        enough of them lie in that go to CUDA tensors (:meth:`DeviceLander.prepare`'s rule), so the
+        verification's host-to-device copies and the landing are DMA from the tier's pages."""
+        if not chunks or not any(d.is_cuda for d in self.dests.values()):
+            return
+        t0 = time.perf_counter()
+        if self.lander is None:
+            self.lander = DeviceLander()
+        self.lander.prepare([m.tensor for m in self.maps.values()], chunks, self.dests)
+        self.register_seconds += time.perf_counter() - t0
 
     # ---- staging -------------------------------------------------------------------------------
     def local_bytes(self, path: Path | None, ref: ShardRef) -> torch.Tensor | None:
@@ -94,7 +131,12 @@ class RestoreStage:
         fields. A record that cannot say what the chunk is becomes this rank's error (raised
         after the agreement round) and counts as staged: no other copy can fix the record.
         """
-        if not verify_chunk(buf, ref):
+        on_device = self._verify_on_device(items, ref, buf)
+        if on_device is False:
+            return False
+        if isinstance(on_device, torch.Tensor):
+            buf = on_device  # verified on the GPU: held there, landed device-to-device
+        elif not verify_chunk(buf, ref):
             return False
         if items[0].type == LoadItemType.BYTE_IO:
             self.chunks.add(items, buf)
@@ -107,6 +149,51 @@ class RestoreStage:
             return True
         self.chunks.add(items, stored)
         return True
+
+    def _verify_on_device(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor) -> torch.Tensor | bool | None:
+        """A GPU-checksummed chunk bound for a CUDA tensor (module docstring): its bytes in a staging
+        buffer on that device once they match (False: they do not); None where it is verified on the CPU."""
+        if ref.algo != GPU_ALGO or items[0].type == LoadItemType.BYTE_IO or buf.device.type != "cpu":
+            return None
+        dest = self.dests.get(id(items[0]))
+        if dest is None or not dest.is_cuda or not self._verify_on_gpu():
+            return None
+        n = buf.numel()
+        device = dest.device
+        room = self._device_room.get(device)
+        if room is None:
+            free, _total = torch.cuda.mem_get_info(device)
+            room = free // 2
+        if n > room:
+            return None
+        self._device_room[device] = room - n
+        from ..ext.cuda import gpu_checksum
+
+        t0 = time.perf_counter()
+        staging = torch.empty(n, dtype=torch.uint8, device=device)
+        with torch.cuda.device(device):
+            staging.copy_(buf.reshape(-1), non_blocking=True)  # DMA from a page-locked mapping (prepare_device)
+            ok = gpu_checksum(staging) == ref.checksum  # the kernel runs after the copy (same stream); one readback
+        self.device_verify_seconds += time.perf_counter() - t0
+        if not ok:
+            self._device_room[device] += n
+            return False
+        self.device_verified += n
+        return staging
+
+    def _verify_on_gpu(self) -> bool:
+        if self._gpu_verify is None:
+            mode = DeviceOptions.from_env().h2d_verify
+            on = mode != "cpu"
+            if on:
+                from ..ext import loader
+
+                on = bool(loader.load() and loader.has_cuda_ext())
+                if not on and mode == "gpu":
+                    log.warning("gemini_dcp: GEMINI_DCP_H2D_VERIFY=gpu but the extension's CUDA ops are not loaded; "
+                                "chunks are verified on the CPU (gemini-dcp doctor says why the ops are missing).")
+            self._gpu_verify = on
+        return self._gpu_verify
 
     def stage_persistent(self, persistent: PersistentTier, step: int, plan: LoadPlan, planner: LoadPlanner) -> int:
         """Read and verify ``plan``'s items of ``step`` from the persistent tier into the stage; bytes read.
@@ -126,10 +213,13 @@ class RestoreStage:
         mappings where enough of a mapping goes to the GPU (:mod:`gemini_dcp.restore.device_land`);
         this returns once every copy is done.
         """
-        self._drop_lander()
-        lander = self.lander = DeviceLander()
+        lander = self.lander
+        if lander is None:
+            lander = self.lander = DeviceLander()
         try:
-            lander.prepare([m.tensor for m in self.maps.values()], self.chunks, self.dests)
+            t0 = time.perf_counter()
+            lander.prepare([m.tensor for m in self.maps.values()], self.chunks, self.dests)  # those not yet locked
+            self.register_seconds += time.perf_counter() - t0
             self.chunks.land_all(planner, self.dests, after_first=lambda: fault_point("load.mid_copy"),
                                  copy=lander.copy)
         finally:

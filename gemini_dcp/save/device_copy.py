@@ -41,7 +41,7 @@ from ..core.checksum import new_hasher
 from ..errors import GeminiError
 from ..options.device import DeviceOptions
 
-__all__ = ["DeviceCopier", "copy_path"]
+__all__ = ["DeviceCopier", "DeviceSums", "Pending", "copy_path"]
 
 log = logging.getLogger(__name__)
 Pacer = Callable[[int], None]
@@ -85,6 +85,76 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
+class Pending:
+    """A number of the current write that is still on the device: row ``row`` of its
+    :class:`DeviceSums` (the checksum, or with ``count`` the non-finite count); :meth:`DeviceCopier.resolve`
+    replaces it after :meth:`DeviceCopier.wait`."""
+
+    __slots__ = ("count", "row")
+
+    def __init__(self, row: int, count: bool = False) -> None:
+        self.row = row
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"Pending({self.row}{', count' if self.count else ''})"
+
+
+class DeviceSums:
+    """One write's ``xsum64`` sums and non-finite counts, accumulated on the device by one kernel per
+    tensor (:func:`gemini_dcp.ext.cuda.xsum64_accumulate`) and read back in one copy per device.
+
+    Rows are numbered across devices in the order of :meth:`add`; each device has an int64 ``[k, 2]``
+    array (kept from write to write, zeroed on its first use in a write, doubled when full), written
+    on the current stream, so the readback is ordered after every kernel.
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[torch.device, torch.Tensor] = {}
+        self._used: dict[torch.device, int] = {}  # rows used this write, per device
+        self._rows: list[tuple[torch.device, int, int]] = []  # (device, row in its array, nbytes)
+
+    def add(self, t: torch.Tensor, nbytes: int, kind: int = 0) -> Pending:
+        """Queue the kernel over ``t`` (flat bytes on a CUDA device); its :class:`Pending` checksum."""
+        from ..ext.cuda import xsum64_accumulate
+
+        dev = t.device
+        used = self._used.get(dev, 0)
+        acc = self._arrays.get(dev)
+        if acc is None or used >= acc.shape[0]:
+            grown = torch.zeros((max(64, 2 * used), 2), dtype=torch.int64, device=dev)
+            if acc is not None and used:
+                grown[:used].copy_(acc[:used])
+            acc = self._arrays[dev] = grown
+        elif used == 0:
+            acc.zero_()
+        xsum64_accumulate(t, acc, used, kind)
+        self._used[dev] = used + 1
+        self._rows.append((dev, used, nbytes))
+        return Pending(len(self._rows) - 1)
+
+    @property
+    def pending(self) -> int:
+        """Rows added since the last :meth:`read`."""
+        return len(self._rows)
+
+    def read(self) -> list[tuple[int, int]]:
+        """Every row's (``xsum64``, count) of this write, in :meth:`add` order, with one host copy per
+        device (it waits for the kernels); the next :meth:`add` starts a new write."""
+        from ..ext.cuda import xsum64_finish
+
+        rows, used = self._rows, self._used
+        self._rows, self._used = [], {}
+        if not rows:
+            return []
+        host = {dev: self._arrays[dev][:k].cpu().tolist() for dev, k in used.items()}
+        out = []
+        for dev, row, nbytes in rows:
+            s, count = host[dev][row]
+            out.append((xsum64_finish(s & ((1 << 64) - 1), nbytes), int(count)))
+        return out
+
+
 class DeviceCopier:
     """One writer's device-to-host copies (module docstring). Not thread-safe: one save at a time
     per writer, as the slot lock already ensures."""
@@ -108,6 +178,8 @@ class DeviceCopier:
         self.chunks_copied = 0
         self.seconds = 0.0  # wall time inside copy() and wait(): bytes_copied / seconds is the GPU -> tier rate
         self._in_flight: _Waitable | None = None  # the last queued piece of the GPU-checksummed path
+        self._sums = DeviceSums()  # this write's xsum64 sums and non-finite counts, on the device
+        self._values: list[tuple[int, int]] = []  # the last write's, read back by wait()
 
     # ---- page-locking the slot mappings -----------------------------------------------------------
     def ensure_registered(self, slot: _Slot) -> None:
@@ -166,13 +238,14 @@ class DeviceCopier:
         return GPU_ALGO if self._gpu_checksum else slot_algo
 
     # ---- the copy ---------------------------------------------------------------------------------
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, algo: str, pace: Pacer | None = None) -> int:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, algo: str, pace: Pacer | None = None) -> int | Pending:
         """Copy CUDA tensor ``src`` into ``dst`` (a flat uint8 CPU view of the slot, ``src``'s byte
         size) piece by piece, and return the checksum (``algo``) of the bytes as they landed.
 
-        With the slot's own algorithm this returns once every piece is in ``dst``; with ``xsum64``
-        (the GPU checksum) once every piece is queued: call :meth:`wait` before ``dst`` is read or
-        the save is called done (``LocalWriter`` does, once per write).
+        With the slot's own algorithm this returns the checksum once every piece is in ``dst``; with
+        ``xsum64`` (the GPU checksum) a :class:`Pending` once every piece and the checksum kernel are
+        queued: call :meth:`wait` before ``dst`` is read or the save is called done (``LocalWriter``
+        does, once per write), then :meth:`resolve` for the numbers.
         """
         t0 = time.perf_counter()
         try:
@@ -180,12 +253,20 @@ class DeviceCopier:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def _copy_all(self, dst: torch.Tensor, src: torch.Tensor, algo: str, pace: Pacer | None) -> int:
-        s = _flat_bytes(src.detach())
-        n = s.numel()
+    @staticmethod
+    def _check_dst(dst: torch.Tensor, n: int) -> None:
         if dst.numel() != n or dst.dtype != torch.uint8 or dst.device.type != "cpu":
             raise GeminiError(f"device copy: destination of {dst.numel()} {dst.dtype} on {dst.device} does not take "
                               f"{n} bytes (an internal error: report it)")
+
+    def counts_on_device(self, algo: str) -> bool:
+        """Whether :meth:`copy_counted` counts in the checksum's kernel (no readback of its own)."""
+        return algo == GPU_ALGO
+
+    def _copy_all(self, dst: torch.Tensor, src: torch.Tensor, algo: str, pace: Pacer | None) -> int | Pending:
+        s = _flat_bytes(src.detach())
+        n = s.numel()
+        self._check_dst(dst, n)
         chunk = self.chunk_bytes or DEFAULT_CHUNK_BYTES
         if algo == GPU_ALGO:
             return self._copy_gpu_checksummed(dst, s, n, chunk, pace)
@@ -204,10 +285,10 @@ class DeviceCopier:
         self.bytes_copied += n
         return h.value()
 
-    def _copy_gpu_checksummed(self, dst: torch.Tensor, s: torch.Tensor, n: int, chunk: int, pace: Pacer | None) -> int:
-        """The pieces on the copy stream, the ``xsum64`` kernel on the current stream meanwhile; no CPU pass."""
-        from ..ext.cuda import gpu_checksum
-
+    def _copy_gpu_checksummed(self, dst: torch.Tensor, s: torch.Tensor, n: int, chunk: int, pace: Pacer | None,
+                              kind: int = 0) -> Pending:
+        """The pieces on the copy stream, the ``xsum64`` kernel on the current stream meanwhile; no CPU pass,
+        no readback: the kernel adds into this write's device array, read back once by :meth:`wait`."""
         last: _Waitable | None = None
         for start in range(0, n, chunk):
             m = min(chunk, n - start)
@@ -215,22 +296,53 @@ class DeviceCopier:
                 pace(m)
             last = self._copy(dst[start : start + m], s[start : start + m], m)
             self.chunks_copied += 1
-        value = gpu_checksum(s)  # of the device bytes the copies read (same stream order: nothing wrote them since)
+        # Of the device bytes the copies read (same stream order: nothing wrote them since).
+        pending = self._sums.add(s, n, kind)
         if last is not None:
             # No wait here: the next tensor's pieces queue behind these on the same stream, so the copy
             # engine never idles between tensors; wait() (once per local write) waits for the last one.
             self._in_flight = last
         self.bytes_copied += n
-        return value
+        return pending
+
+    def copy_counted(self, dst: torch.Tensor, src: torch.Tensor, algo: str, kind: int,
+                     pace: Pacer | None = None) -> tuple[int | Pending, int | Pending]:
+        """:meth:`copy` plus the count of ``src``'s non-finite values of ``kind`` (``health.count.KINDS``).
+
+        With ``xsum64`` both come from one kernel pass over the device bytes and are read back with
+        every other tensor's at :meth:`wait` (two :class:`Pending` values); otherwise the count is
+        taken on the device now (one readback)."""
+        if algo != GPU_ALGO:
+            from ..health.count import count_nonfinite
+
+            return self.copy(dst, src, algo, pace), count_nonfinite(src) if kind else 0
+        t0 = time.perf_counter()
+        try:
+            s = _flat_bytes(src.detach())
+            self._check_dst(dst, s.numel())
+            pending = self._copy_gpu_checksummed(dst, s, s.numel(), self.chunk_bytes or DEFAULT_CHUNK_BYTES, pace, kind)
+            return pending, Pending(pending.row, count=True)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
     def wait(self) -> None:
-        """Wait until every piece queued by :meth:`copy` is in the slot (the local write calls this
-        before it returns, also on an error: no DMA may outlive the write)."""
+        """Wait until every piece queued by :meth:`copy` is in the slot and read this write's device
+        checksums back (one copy per device), for :meth:`resolve`. The local write calls this before
+        it returns, also on an error: no DMA may outlive the write."""
         last, self._in_flight = self._in_flight, None
-        if last is not None:
-            t0 = time.perf_counter()
-            last.synchronize()
+        t0 = time.perf_counter()
+        try:
+            if last is not None:
+                last.synchronize()
+        finally:
+            if self._sums.pending:
+                self._values = self._sums.read()
             self.seconds += time.perf_counter() - t0
+
+    def resolve(self, values: list[Any]) -> list[int]:
+        """``values`` with every :class:`Pending` of the last write replaced by its number (after :meth:`wait`)."""
+        got = self._values
+        return [(got[v.row][1] if v.count else got[v.row][0]) if type(v) is Pending else v for v in values]
 
     def _land(self, h: Any, dst: torch.Tensor, ev: _Waitable, start: int, m: int) -> None:
         ev.synchronize()

@@ -44,7 +44,7 @@ from ..commit.protocol import LocalWrite
 from ..commit.slot_pool import SlotPool
 from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
-from ..health.count import copy_checksum_count, copy_group_counted, count_bytes, count_nonfinite, kind_of, kinds_of
+from ..health.count import copy_checksum_count, copy_group_counted, count_bytes, kind_of, kinds_of
 from ..local.record_types import ShardRef
 from .batch_copy import copy_group, fused_available
 from .carry import CarryPlan, CarryTracker, note_plain_write
@@ -153,6 +153,9 @@ class LocalWriter:
                     counts = _count_in_slot(prog, entries, sizes, slot)
             finally:
                 self.device_copier.wait()  # CUDA items: every queued device-to-host piece is in the slot
+            sums = self.device_copier.resolve(sums)  # CUDA items' checksums and counts: read back once, above
+            if counts is not None:
+                counts = self.device_copier.resolve(counts)
             if plan_c is not None:
                 assert self.carry is not None
                 if skip is not None:
@@ -391,7 +394,8 @@ def _copy_one(t: torch.Tensor, slot: Any, offset: int, n: int, algo: str, block:
     dst = slot.view(offset, n)
     if t.is_cuda and n:  # issue 20: chunked D2H into the registered slot, paced, CRC while warm
         device_copier.ensure_registered(slot)
-        return device_copier.copy(dst, t, algo, pace)
+        # A CUDA item checksummed on the device: a Pending the write resolves after its one readback.
+        return device_copier.copy(dst, t, algo, pace)  # type: ignore[return-value]
     src = as_bytes(t)
     if src is not None:
         return copy_and_checksum(dst, src, algo, block, pace=pace)
@@ -407,9 +411,11 @@ def _copy_one_counted(t: torch.Tensor, slot: Any, offset: int, n: int, algo: str
     """:func:`_copy_one` plus the item's non-finite values: (checksum, count). A CPU item is counted in
     the copy's own pass (:func:`gemini_dcp.health.count.copy_checksum_count`); a CUDA item on the device."""
     kind = kind_of(t.dtype)
+    if t.is_cuda and kind and n:  # counted on the device, in the checksum's kernel where it can
+        device_copier.ensure_registered(slot)
+        return device_copier.copy_counted(slot.view(offset, n), t, algo, kind, pace)  # type: ignore[return-value]
     if t.is_cuda or not kind:
-        count = count_nonfinite(t) if kind and n else 0
-        return _copy_one(t, slot, offset, n, algo, block, pace, device_copier), count
+        return _copy_one(t, slot, offset, n, algo, block, pace, device_copier), 0
     src = as_bytes(t)
     if src is None:
         value = _copy_one(t, slot, offset, n, algo, block, pace, device_copier)
