@@ -210,3 +210,35 @@ def test_the_drains_write_checks_what_it_wrote(tmp_path: Path) -> None:
     torch.save(t, f)
     with pytest.raises(ChecksumMismatchError, match="took the memory slot"):
         f.check(item, "step 1", lambda: None)
+
+
+def test_a_step_due_while_the_server_warms_is_drained_by_a_bridge_in_the_trainer(root: str, tmp_path: Path) -> None:
+    """The first due step of a process does not wait for the drain server's torch import: while a
+    server holds ``warming.lock`` (here: this test), the trainer serves the request in a thread of its
+    own (the bridge: its pid in daemon.pid), and gives the node's server the lock once it is warm."""
+    import fcntl
+
+    from gemini_dcp.persistent.drain import client
+
+    store = tmp_path / "store"
+    p = Paths(Path(root) / "j" / "persist")
+    p.dir.mkdir(parents=True, mode=0o700)
+    warming = os.open(p.warming_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(warming, fcntl.LOCK_EX)  # "a server is importing its upload side"
+    try:
+        w = GeminiStorageWriter(root=root, job_id="j", persistent=f"file://{store}", persist_every=1)
+        dcp.save(_state(1), storage_writer=w, checkpoint_id=1)
+        assert w.wait_persisted(1, timeout_s=120) == 1
+        assert int(p.pid.read_text()) == os.getpid()  # served in this process, not by a detached server
+    finally:
+        os.close(warming)  # "the server is warm"
+    bridge = client._THREADS.get(str(p.dir))
+    assert bridge is not None
+    bridge.join(timeout=30)
+    assert not bridge.is_alive()  # it handed over (nothing pending, its server is warm)
+    dcp.save(_state(2), storage_writer=w, checkpoint_id=2)
+    assert w.wait_persisted(2, timeout_s=240) == 2
+    assert int(p.pid.read_text()) != os.getpid()  # a detached server drained the next one
+    back = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    dcp.load(back, checkpoint_id=str(store / "j" / "step-1"))  # the bridge's upload: stock layout, bit-exact
+    assert all(torch.equal(back[k], v) for k, v in _state(1).items())

@@ -117,7 +117,7 @@ class Drainer:
         rank0_node = bool(record.rank_nodes and record.rank_nodes[0] == record.node_id)
         write_request(self.paths, self.tier, record, slots, self.store, rank0_node=rank0_node,
                       holds=tuple(str(h) for h in holds))
-        self.ensure_server()
+        ensure_server(self.paths.dir, self.mode, options=self.options, bridge=True)
         return True
 
     def start_early(self) -> None:
@@ -125,7 +125,7 @@ class Drainer:
         first due step then finds it running with its upload side imported. Any rank may call it;
         one server per node runs (the others exit at the lock)."""
         if self.mode == "process":
-            self.ensure_server()
+            ensure_server(self.paths.dir, self.mode, options=self.options, warm_first=True)
 
     def wait_persisted(self, step: int | None = None, timeout_s: float | None = None, poll_s: float = 0.02) -> int | None:
         """Block until ``step`` (default: the newest step this process submitted as due) is durable.
@@ -246,12 +246,16 @@ def write_request(
 
 def ensure_server(
     persist_dir: str | os.PathLike[str], mode: str = "process", *, standby: bool = False,
-    options: DrainOptions | None = None,
+    options: DrainOptions | None = None, bridge: bool = False, warm_first: bool = False,
 ) -> None:
     """Start a drain server for ``persist_dir`` unless one holds its lock.
 
     With ``standby=True`` (process mode), a held lock still gets a standby server: it waits
     for the lock while requests are pending, for a holder that is dying rather than serving.
+    ``warm_first`` (the writer, when it is built): the process imports its upload side before
+    it takes the lock (:func:`~.server.warm_then_serve`). ``bridge`` (a request was just written):
+    while such a process still imports, serve in a thread of this process (it has torch) until
+    that process is warm, so the first due step does not wait for the import.
     ``options`` None: :meth:`DrainOptions.from_env`.
     """
     opts = DrainOptions.from_env() if options is None else options
@@ -262,25 +266,33 @@ def ensure_server(
         if standby and mode == "process" and lock_free(p.standby_lock, p.dir):
             _spawn(p, opts, standby=True)
         return
-    if mode == "thread":
+    warming = mode == "process" and not lock_free(p.warming_lock, p.dir)
+    if warming and not bridge:
+        return  # a server is starting; it takes the lock once warm
+    if mode == "thread" or warming:
         key = str(p.dir)
         with _THREADS_LOCK:
-            t = threading.Thread(target=serve, args=(str(p.dir),), kwargs={"options": opts, "idle_s": 0.0},
-                                 name="gemini-dcp-drain", daemon=False)
+            t = _THREADS.get(key)
+            if warming and t is not None and t.is_alive():
+                return  # our bridge serves already (it may be between the lock and its loop)
+            t = threading.Thread(target=serve, args=(str(p.dir),),
+                                 kwargs={"options": opts, "idle_s": 0.0, "bridge": warming},
+                                 name="gemini-dcp-drain-bridge" if warming else "gemini-dcp-drain", daemon=False)
             _THREADS[key] = t
             t.start()
         return
-    _spawn(p, opts)
+    _spawn(p, opts, warm_first=warm_first)
 
 
-def server_command(persist_dir: str | os.PathLike[str], options: DrainOptions, *, standby: bool = False) -> list[str]:
+def server_command(persist_dir: str | os.PathLike[str], options: DrainOptions, *, standby: bool = False,
+                   warm_first: bool = False) -> list[str]:
     """The command line of a detached drain server (started by module name)."""
     return [sys.executable, "-m", SERVER_MODULE, str(persist_dir), "--options", options.to_json()] + (
         ["--standby"] if standby else []
-    )
+    ) + (["--warm-first"] if warm_first else [])
 
 
-def _spawn(p: Paths, options: DrainOptions, *, standby: bool = False) -> None:
+def _spawn(p: Paths, options: DrainOptions, *, standby: bool = False, warm_first: bool = False) -> None:
     """Start a detached drain process (own session: a kill of the worker group does not reach it)."""
     pkg_parent = str(Path(__file__).resolve().parents[3])  # this copy of gemini_dcp, whatever the cwd
     env = dict(os.environ)
@@ -288,7 +300,7 @@ def _spawn(p: Paths, options: DrainOptions, *, standby: bool = False) -> None:
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with open(p.log, "ab") as logf:
         subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            server_command(p.dir, options, standby=standby),
+            server_command(p.dir, options, standby=standby, warm_first=warm_first),
             stdin=subprocess.DEVNULL,
             stdout=logf,
             stderr=logf,

@@ -31,17 +31,18 @@ from typing import Any
 from ...errors import ChecksumMismatchError, GeminiError, PersistentTierError, UntrustedDataError
 from ...local.slot_holds import HOLD_S, refresh_holds, release_holds
 from ...options.persistent import DrainOptions
-from .lock import STANDBY_S, take_lock
+from .lock import STANDBY_S, lock_free, take_lock, try_flock
 from .paths import Paths, private_dir, write_atomic
 from .request import DrainRequest
 from .stage import copy_prefix
 from .status import StatusBook
 
-__all__ = ["POLL_S", "classify", "main", "serve"]
+__all__ = ["POLL_S", "classify", "main", "serve", "warm_then_serve"]
 
 log = logging.getLogger("gemini_dcp.persistent.drain")
 
 POLL_S = 0.05
+BRIDGE_HANDOVER_S = 60.0  # how long a warm server waits for a bridge to hand the lock over
 AWAIT_POLL_S = 0.5
 
 
@@ -54,14 +55,65 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("persist_dir", help="the job's drain state directory, <tier root>/<job_id>/persist[/adopt]")
     parser.add_argument("--options", default=None, help="the trainer's validated DrainOptions, as JSON")
     parser.add_argument("--standby", action="store_true", help="wait for a dying server's lock while requests are pending")
+    parser.add_argument("--warm-first", action="store_true",
+                        help="import the upload side before taking the lock (started with the writer)")
     args = parser.parse_args(argv)
     options = DrainOptions.from_json(args.options) if args.options else DrainOptions()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s drain[{os.getpid()}] %(levelname)s %(message)s")
     lower_priority(options.nice)
     # A server that waits for requests readies its upload side (torch) in the background; one that
     # exits as soon as it is idle (idle_s 0) has nothing to wait for and stays light to the end.
+    if args.warm_first:
+        warm_then_serve(args.persist_dir, options)
+        return
     serve(args.persist_dir, options=options, idle_s=options.idle_s, standby_s=STANDBY_S if args.standby else 0.0,
           prewarm=options.idle_s > 0)
+
+
+def warm_then_serve(persist_dir: str, options: DrainOptions) -> None:
+    """The server a writer starts when it is built: import the upload side first (holding
+    ``warming.lock``), then take the server lock — waiting for it while a *bridge* holds it.
+
+    A due step that comes while this process still imports torch does not wait for the import:
+    the trainer finds ``warming.lock`` held and the server lock free, and serves the request in
+    a thread of its own process, which has torch already (:func:`serve` with ``bridge=True``,
+    started by :func:`gemini_dcp.persistent.drain.client.ensure_server`). The bridge gives the lock
+    up as soon as this process is warm and it has no upload running; this process then takes it
+    and serves every later step. Returns at once if a server already holds the lock or another
+    process is warming.
+    """
+    p = Paths(persist_dir)
+    try:
+        private_dir(p.dir)
+        wfd = os.open(p.warming_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return
+    try:
+        if not try_flock(wfd) or not lock_free(p.lock, p.dir):
+            return  # another server warms, or one already serves
+        _prewarm()
+    finally:
+        os.close(wfd)  # warm (or failed to be): a bridge hands over now
+    try:
+        fd = os.open(p.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return
+    deadline = time.monotonic() + max(options.idle_s, BRIDGE_HANDOVER_S)
+    while not try_flock(fd):
+        if time.monotonic() >= deadline or not p.dir.is_dir():
+            os.close(fd)  # another server serves (it was not a bridge): nothing for this one to do
+            return
+        time.sleep(POLL_S)
+    try:
+        write_atomic(p.pid, str(os.getpid()).encode())
+        _Server(p, fd, options.idle_s, options).run()
+    except Exception:  # noqa: BLE001
+        log.exception("drain server for %s failed", persist_dir)
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def lower_priority(setting: int | str) -> None:
@@ -77,14 +129,16 @@ def lower_priority(setting: int | str) -> None:
 
 def serve(
     persist_dir: str, *, options: DrainOptions | None = None, idle_s: float = 60.0, standby_s: float = 0.0,
-    prewarm: bool = False,
+    prewarm: bool = False, bridge: bool = False,
 ) -> None:
     """Run the drain server of ``persist_dir`` until idle.
 
     Returns at once if another server holds the lock, unless ``standby_s > 0``: then it waits
     for the lock (up to ``standby_s``) while requests are pending and no other standby waits.
     ``prewarm`` (the detached process only): once the lock is ours, ready the upload side in
-    the background (:func:`_prewarm`).
+    the background (:func:`_prewarm`). ``bridge`` (a thread of the training process, while the
+    node's server imports its upload side: :func:`warm_then_serve`): return as soon as that
+    server is warm and no upload of ours runs.
     """
     p = Paths(persist_dir)
     try:
@@ -99,7 +153,7 @@ def serve(
         threading.Thread(target=_prewarm, name="gemini-drain-prewarm", daemon=True).start()
     try:
         write_atomic(p.pid, str(os.getpid()).encode())
-        _Server(p, fd, idle_s, options or DrainOptions()).run()
+        _Server(p, fd, idle_s, options or DrainOptions(), bridge=bridge).run()
     except Exception:  # noqa: BLE001 - a server error must not escape into a training thread
         log.exception("drain server for %s failed", persist_dir)
     finally:
@@ -143,8 +197,9 @@ def _uploader_module() -> ModuleType:
 
 
 class _Server:
-    def __init__(self, p: Paths, lock_fd: int, idle_s: float, options: DrainOptions) -> None:
+    def __init__(self, p: Paths, lock_fd: int, idle_s: float, options: DrainOptions, *, bridge: bool = False) -> None:
         self.p = p
+        self.bridge = bridge
         self.lock_fd = lock_fd
         self.idle_s = idle_s
         self.options = options
@@ -172,6 +227,8 @@ class _Server:
             if not self.p.dir.is_dir():
                 log.info("drain state %s is gone; exiting", self.p.dir)
                 return
+            if self.bridge and self.upload_thread is None and not self.awaiting and lock_free(self.p.warming_lock, self.p.dir):
+                return  # the node's server is warm: it takes the lock (and what is pending) from here
             reqs = self._requests()
             busy = self.upload_thread is not None
             for step, req in sorted(reqs.items()):
