@@ -7,6 +7,8 @@ GPU test below (skipped without CUDA) and by benchmarks/bench_gpu_save.py on a l
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -117,9 +119,10 @@ def test_cpu_destinations_land_with_a_plain_copy() -> None:
     assert torch.equal(dst, src) and lander.bytes_to_device == 0 and not lander.devices
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_load_onto_cuda_tensors_lands_from_the_registered_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def _saved_and_loaded_on_gpu(tmp_path: Path, job: str) -> Iterator[tuple[dict[str, torch.Tensor], Any]]:
+    """One rank's group; a state on the GPU (a large float32, a small float16, a CPU int tensor) saved
+    and loaded back by a fresh reader: yields (state, reader) with the load checked bit-exact."""
     import os
 
     import torch.distributed as dist
@@ -128,29 +131,44 @@ def test_a_load_onto_cuda_tensors_lands_from_the_registered_slot(tmp_path: Path,
 
     from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
 
-    monkeypatch.setenv("GEMINI_DCP_H2D_REGISTER", "1")
-    monkeypatch.setenv("GEMINI_DCP_H2D_VERIFY", "cpu")  # this test: the host-to-device landing from the slot
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         sd = {"w": torch.randn(1 << 22, device="cuda"), "h": torch.randn(33, 7, device="cuda").half(),
               "cpu": torch.arange(10)}
-        dcp.save(sd, storage_writer=GeminiStorageWriter(root=str(tmp_path), job_id="gpu"), checkpoint_id=1)
+        dcp.save(sd, storage_writer=GeminiStorageWriter(root=str(tmp_path), job_id=job), checkpoint_id=1)
         back = {k: torch.zeros_like(v) for k, v in sd.items()}
-        reader = GeminiStorageReader(root=str(tmp_path), job_id="gpu")
+        reader = GeminiStorageReader(root=str(tmp_path), job_id=job)
         dcp.load(back, storage_reader=reader)
         assert all(torch.equal(back[k], sd[k]) for k in sd)
+        yield sd, reader
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_converted(tmp_path: Path, job: str, sd: dict[str, torch.Tensor]) -> None:
+    """Another dtype on the GPU: converted values, as stock DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    from gemini_dcp import GeminiStorageReader
+
+    conv = {"w": torch.zeros(1 << 22, device="cuda", dtype=torch.float64), "h": torch.zeros(33, 7, device="cuda"),
+            "cpu": torch.zeros(10, dtype=torch.int64)}
+    dcp.load(conv, storage_reader=GeminiStorageReader(root=str(tmp_path), job_id=job))
+    assert torch.equal(conv["w"], sd["w"].double()) and torch.equal(conv["h"], sd["h"].float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_load_onto_cuda_tensors_lands_from_the_registered_slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEMINI_DCP_H2D_REGISTER", "1")
+    monkeypatch.setenv("GEMINI_DCP_H2D_VERIFY", "cpu")  # this test: the host-to-device landing from the slot
+    with _saved_and_loaded_on_gpu(tmp_path, "gpu") as (sd, reader):
         landed = reader._staging.last_lander
         assert landed is not None and reader._staging.lander is None  # released after the load
         assert landed.bytes_registered >= sd["w"].nbytes  # the slot mapping was page-locked for the DMA
         assert landed.bytes_to_device == sd["w"].nbytes + sd["h"].nbytes
-        # another dtype on the GPU: converted values, as stock DCP
-        conv = {"w": torch.zeros(1 << 22, device="cuda", dtype=torch.float64), "h": torch.zeros(33, 7, device="cuda"),
-                "cpu": torch.zeros(10, dtype=torch.int64)}
-        dcp.load(conv, storage_reader=GeminiStorageReader(root=str(tmp_path), job_id="gpu"))
-        assert torch.equal(conv["w"], sd["w"].double()) and torch.equal(conv["h"], sd["h"].float())
-    finally:
-        dist.destroy_process_group()
+        _load_converted(tmp_path, "gpu", sd)
 
 
 @pytest.mark.gpu
@@ -160,37 +178,21 @@ def test_a_load_onto_cuda_tensors_verifies_on_the_gpu_and_lands_nothing_corrupt(
     """GEMINI_DCP_H2D_VERIFY=gpu: chunks saved from CUDA tensors (xsum64) are copied into staging buffers on
     the GPU, checksummed there and landed device-to-device; a flipped byte in the slot fails the load
     before anything lands."""
-    import os
-
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from mp_utils import free_port
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    from gemini_dcp import GeminiStorageReader, GeminiStorageWriter
+    from gemini_dcp import GeminiStorageReader
     from gemini_dcp.ext import loader
 
     if not (loader.load() and loader.has_cuda_ext()):
         pytest.skip("the extension's CUDA ops are not built")
     monkeypatch.setenv("GEMINI_DCP_H2D_VERIFY", "gpu")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        sd = {"w": torch.randn(1 << 22, device="cuda"), "h": torch.randn(33, 7, device="cuda").half(),
-              "cpu": torch.arange(10)}
-        dcp.save(sd, storage_writer=GeminiStorageWriter(root=str(tmp_path), job_id="gpuv"), checkpoint_id=1)
-        back = {k: torch.zeros_like(v) for k, v in sd.items()}
-        reader = GeminiStorageReader(root=str(tmp_path), job_id="gpuv")
-        dcp.load(back, storage_reader=reader)
-        assert all(torch.equal(back[k], sd[k]) for k in sd)
+    with _saved_and_loaded_on_gpu(tmp_path, "gpuv") as (sd, reader):
         on_gpu = sd["w"].nbytes + sd["h"].nbytes
         assert reader._staging.device_verified == on_gpu
         landed = reader._staging.last_lander
         assert landed is not None and landed.bytes_on_device == on_gpu and landed.bytes_to_device == 0
-        # another dtype: converted on the device
-        conv = {"w": torch.zeros(1 << 22, device="cuda", dtype=torch.float64), "h": torch.zeros(33, 7, device="cuda"),
-                "cpu": torch.zeros(10, dtype=torch.int64)}
-        dcp.load(conv, storage_reader=GeminiStorageReader(root=str(tmp_path), job_id="gpuv"))
-        assert torch.equal(conv["w"], sd["w"].double()) and torch.equal(conv["h"], sd["h"].float())
+        _load_converted(tmp_path, "gpuv", sd)
         # one flipped byte in the middle of the slot (inside "w"): refused, nothing landed
         slot = max((p for p in tmp_path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
         with open(slot, "r+b") as f:
@@ -199,10 +201,6 @@ def test_a_load_onto_cuda_tensors_verifies_on_the_gpu_and_lands_nothing_corrupt(
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0x40]))
         fresh = {k: torch.zeros_like(v) for k, v in sd.items()}
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
         with pytest.raises(CheckpointException, match="failed its xsum64 checksum"):
             dcp.load(fresh, storage_reader=GeminiStorageReader(root=str(tmp_path), job_id="gpuv"))
         assert not fresh["w"].any() and not fresh["h"].any()
-    finally:
-        dist.destroy_process_group()

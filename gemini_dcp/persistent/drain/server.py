@@ -104,16 +104,7 @@ def warm_then_serve(persist_dir: str, options: DrainOptions) -> None:
             os.close(fd)  # another server serves (it was not a bridge): nothing for this one to do
             return
         time.sleep(POLL_S)
-    try:
-        write_atomic(p.pid, str(os.getpid()).encode())
-        _Server(p, fd, options.idle_s, options).run()
-    except Exception:  # noqa: BLE001
-        log.exception("drain server for %s failed", persist_dir)
-    finally:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    _serve_locked(p, fd, options.idle_s, options)
 
 
 def lower_priority(setting: int | str) -> None:
@@ -151,11 +142,16 @@ def serve(
         return
     if prewarm:
         threading.Thread(target=_prewarm, name="gemini-drain-prewarm", daemon=True).start()
+    _serve_locked(p, fd, idle_s, options or DrainOptions(), bridge=bridge)
+
+
+def _serve_locked(p: Paths, fd: int, idle_s: float, options: DrainOptions, *, bridge: bool = False) -> None:
+    """Serve with the lock held on ``fd`` (closed at the end, which drops the lock)."""
     try:
         write_atomic(p.pid, str(os.getpid()).encode())
-        _Server(p, fd, idle_s, options or DrainOptions(), bridge=bridge).run()
+        _Server(p, fd, idle_s, options, bridge=bridge).run()
     except Exception:  # noqa: BLE001 - a server error must not escape into a training thread
-        log.exception("drain server for %s failed", persist_dir)
+        log.exception("drain server for %s failed", p.dir)
     finally:
         try:
             os.close(fd)
