@@ -50,8 +50,7 @@ from torch.futures import Future
 
 from ..commit.agreement import AgreedValues, PlannedValues, combine_planned, take_agreed
 from ..commit.hooks import NO_HOOKS, SaveHooks
-from ..commit.protocol import CommitProtocol, LocalWrite, NodeIdentity, SaveSpec
-from ..commit.slot_pool import SlotPool
+from ..commit.protocol import LocalWrite, SaveSpec
 from ..core.checksum import resolve_algo
 from ..core.config import parse_step
 from ..errors import ConfigError, InvalidStepError
@@ -59,12 +58,11 @@ from ..ext import loader as ext_loader
 from ..local.launch_lock import hold_launch_lock
 from ..local.record_types import ShardRef, StepRecord
 from ..local.slots import SlotFile
-from ..node import open_tiers
+from ..node import open_save_node
 from ..options import GeminiOptions, resolve_options
-from ..peer.delta import ReplicaMemory
-from ..peer.parity import ParitySlots, encode_parity
+from ..peer.parity import encode_parity
 from ..peer.push import replicate
-from ..save.carry import CarryTracker, SaveStats
+from ..save.carry import SaveStats
 from ..save.local_write import LocalWriter
 from ..transport.comm import Comm, get_comm
 from ..transport.launch import current_launch, launch_known
@@ -177,37 +175,21 @@ class GeminiStorageWriter(StorageWriter):
             nixl_prestart()
         ext_loader.preload()  # the extension mapped now, not inside a timed save or restore
         self._algo = resolve_algo(self.options.local.checksum)
-        tiers = open_tiers(cfg, writable=True)
-        self.tier = tiers.tier
+        # tier, launch lock, commit protocol, copy engine, drain
+        node = open_save_node(cfg, owner=self, launch=current_launch())
+        self.tier = node.tiers.tier
         self.root: Path = self.tier.root
         self.job_id: str = self.tier.job_id
-        self.node_id = tiers.node_id
-        self.launch = current_launch()
-        # JobConflictError if another live launch uses the job. The ranks agree on the launch's
-        # identity over the default group's store; a writer built before the group exists holds the
-        # lock of its process (or torchrun's environment) and moves to the agreed one at its first
-        # save (_bind_launch).
-        self._launch_release = hold_launch_lock(self.tier, self.launch, self)
-        self._launch_bound = launch_known()
-        st = os.stat(self.root)
-        node = NodeIdentity(
-            node_id=self.node_id, host=self.launch.host, root_id=(st.st_dev, st.st_ino),
-            launch_id=self.launch.launch_id, launch_description=self.launch.description,
-        )
-        self.commit = CommitProtocol(self.tier, node, self.options)
-        self.commit.parity = cfg.peer.parity_group is not None
-        self.commit.nonfinite = cfg.nonfinite  # the health check of each step (gemini_dcp.health)
-        self.parity_slots = ParitySlots(self.tier.layout.rank_dir)
+        self.node_id = node.tiers.node_id
+        self.persistent = node.tiers.persistent
+        self.launch, self._launch_release, self._launch_bound = node.launch, node.launch_release, node.launch_bound
+        self.commit, self.slot_pool, self.local_writer = node.commit, node.slot_pool, node.local_writer
+        self.parity_slots, self._replica_memory, self._drainer = node.parity_slots, node.replica_memory, node.drainer
+        self.persist_every = cfg.persistent.every
         self._node_order: list[str] | None = None  # the placement's node positions, kept across saves
-        self.slot_pool = SlotPool(self.tier, keep=self.options.local.keep, capacity_bytes=self.options.local.capacity_bytes)
-        carry = CarryTracker(cfg.incremental, history=cfg.local.keep + 2) if cfg.incremental.enabled else None
-        # Delta replication of incremental saves (peer/delta.py): this writer's name and save count as a
-        # sender, and what this node's replica slots hold as a receiver.
-        self._replica_memory = ReplicaMemory() if carry is not None and self.options.peer.replicas > 1 else None
+        # Delta replication of incremental saves (peer/delta.py): this writer's name and save count as a sender.
         self._delta_token = os.urandom(8).hex()
         self._save_seq = 0
-        self.local_writer = LocalWriter(self.slot_pool, carry)  # step 2, with its per-plan programs
-        self.local_writer.count_nonfinite = cfg.nonfinite != "ignore"
         self.last_save: SaveStats | None = None  # this rank's last committed save (bytes written / carried)
         self._pending_save: SaveStats | None = None
         self._planned_total: tuple[SavePlan, int] | None = None  # (plan, its tensor bytes), for _check_space
@@ -217,16 +199,6 @@ class GeminiStorageWriter(StorageWriter):
         self._step: int | None = None
         self._is_coordinator = True
         self._rank = 0
-        self.persistent = tiers.persistent
-        pcfg = cfg.persistent
-        self.persist_every = pcfg.every
-        self._drainer = None
-        if self.persistent is not None:
-            from ..persistent.drain.client import Drainer  # noqa: PLC0415 - optional tier
-
-            self._drainer = Drainer(self.tier, self.persistent, pcfg.every, options=pcfg.drain, keep=self.options.local.keep)
-            self._drainer.resume()  # drains left pending by a previous worker generation
-            self._drainer.start_early()  # the first due step finds its drain running (torch imported)
 
     # ---- what the last save did (read-only; the commit protocol keeps it) ----------------
     @property
