@@ -127,7 +127,7 @@ def copy_group_counted(
     spans: list[tuple[int, int]],
     hasher: Callable[[Any], int],
 ) -> tuple[list[int], list[int]]:
-    """:func:`gemini_dcp.save.batch_copy.copy_group` that also counts each item's non-finite values:
+    """:func:`gemini_dcp.save.local_write.copy_group` that also counts each item's non-finite values:
     (checksums, counts). Fused (``copy_crc32c_count`` per item) when both byte-view lists are given
     and the extension loads; else one ``torch._foreach_copy_``, ``hasher`` and a count per item."""
     if dst_bytes is not None and src_bytes is not None and ext_loader.load():
