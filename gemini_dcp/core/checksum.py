@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import crc32c as _crc32c_pkg
@@ -166,19 +166,6 @@ def _xsum64_of_buffer(buf: Any) -> int:
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(mv, dtype=torch.uint8)
     return checksum(t, "xsum64")
-
-
-def copy_crc32c_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> list[int] | None:
-    """Copy each ``srcs[i]`` into ``dsts[i]`` and return the CRC-32C of each, one fused pass per
-    pair (the extension's ``copy_with_crc32c``, one thread, the GIL released); None when the
-    extension is not loaded (nothing is copied then). Every tensor must be a 1-D contiguous
-    ``uint8`` CPU tensor, each pair of equal size and not overlapping: the op checks each pair
-    itself and raises RuntimeError otherwise (the per-call Python checks of
-    :func:`gemini_dcp.ext.cpu.copy_with_crc32c` cost more than copying a small item)."""
-    if not ext_loader.load():
-        return None
-    op = torch.ops.gemini_dcp.copy_with_crc32c
-    return [op(d, s, 1, 0) for d, s in zip(dsts, srcs, strict=True)]
 
 
 def resolve_algo(algo: str) -> str:

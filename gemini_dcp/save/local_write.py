@@ -18,7 +18,8 @@ grouped into blocks of at most ``block`` bytes. A save then:
 2. checks the resolved tensors against the program with C-level maps (shape, dtype,
    device, layout: any difference builds a new program); the offsets are the program's
    unless a pickled item changed size,
-3. copies each group (one pacer call per group) with :func:`copy_group`,
+3. copies each group (one pacer call per group) with :func:`copy_group` (:func:`copy_group_counted`
+   when the save counts non-finite values),
 4. hands back the results as :class:`WriteResults`, built from the templates only if read
    (a compact commit report never reads them).
 
@@ -65,9 +66,10 @@ from torch.distributed.tensor import DTensor
 from ..commit.hooks import block_bytes
 from ..commit.protocol import LocalWrite
 from ..commit.slot_pool import SlotPool
-from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum, copy_crc32c_many
+from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
-from ..health.count import copy_checksum_count, copy_group_counted, count_bytes, kind_of, kinds_of
+from ..ext import loader as ext_loader
+from ..health.count import copy_checksum_count, count_bytes, kind_of, kinds_of
 from ..local.record_types import ShardRef
 from ..local.slots import align
 from .carry import CarryPlan, CarryTracker, note_plain_write
@@ -87,7 +89,7 @@ _is_contiguous = torch.Tensor.is_contiguous
 
 def fused_available(algo: str) -> bool:
     """Whether the grouped copy of ``algo`` runs fused (copy + CRC in one pass per item)."""
-    return algo == "crc32c" and copy_crc32c_many([], []) is not None
+    return algo == "crc32c" and ext_loader.load()
 
 
 class SourceViews:
@@ -133,16 +135,52 @@ def copy_group(
 ) -> list[int]:
     """Copy one group's ``srcs`` into their slot views ``dsts`` and return each item's checksum.
 
-    Fused when both byte-view lists are given (``copy_with_crc32c`` per item); else one
+    Fused when both byte-view lists are given and the extension loads: the extension's
+    ``copy_with_crc32c`` per pair (one thread, the GIL released), called as the op itself, which
+    checks each pair (1-D contiguous ``uint8`` CPU tensors of equal size, not overlapping) and
+    raises RuntimeError otherwise: the per-call Python checks of
+    :func:`gemini_dcp.ext.cpu.copy_with_crc32c` cost more than copying a small item. Else one
     ``torch._foreach_copy_`` and ``hasher`` over each item's ``(offset, length)`` span of
     ``slot_view``.
     """
-    if dst_bytes is not None and src_bytes is not None:
-        sums = copy_crc32c_many(dst_bytes, src_bytes)
-        if sums is not None:
-            return sums
+    if dst_bytes is not None and src_bytes is not None and ext_loader.load():
+        op = torch.ops.gemini_dcp.copy_with_crc32c
+        return [op(d, s, 1, 0) for d, s in zip(dst_bytes, src_bytes, strict=True)]
     torch._foreach_copy_(dsts, list(srcs))
     return [hasher(slot_view[o : o + n]) for o, n in spans]
+
+
+_ONES = [1] * 4096
+_ZEROS = [0] * 4096
+
+
+def copy_group_counted(
+    dsts: list[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    kinds: list[int],
+    *,
+    dst_bytes: list[torch.Tensor] | None,
+    src_bytes: list[torch.Tensor] | None,
+    slot_view: memoryview,
+    spans: list[tuple[int, int]],
+    hasher: Callable[[Any], int],
+) -> tuple[list[int], list[int]]:
+    """:func:`copy_group` that also counts each item's non-finite values:
+    (checksums, counts). Fused (``copy_crc32c_count`` per item) when both byte-view lists are given
+    and the extension loads; else one ``torch._foreach_copy_``, ``hasher`` and a count per item."""
+    if dst_bytes is not None and src_bytes is not None and ext_loader.load():
+        op = torch.ops.gemini_dcp.copy_crc32c_count
+        pairs = list(map(op, dst_bytes, src_bytes, kinds, _ONES[: len(kinds)] if len(kinds) <= 4096 else [1] * len(kinds),
+                         _ZEROS[: len(kinds)] if len(kinds) <= 4096 else [0] * len(kinds)))
+        got_sums, got_counts = zip(*pairs) if pairs else ((), ())
+        return list(got_sums), list(got_counts)
+    torch._foreach_copy_(dsts, list(srcs))
+    sums = [hasher(slot_view[o : o + n]) for o, n in spans]
+    counts = [0] * len(dsts)
+    for j, (k, d) in enumerate(zip(kinds, dsts)):
+        if k:
+            counts[j] = count_bytes(d.reshape(-1).view(torch.uint8), k)
+    return sums, counts
 
 
 # ---- the program of a plan: what a save of the same items does, computed once, and the cheap
