@@ -74,7 +74,7 @@ from ..local.record_types import ShardRef
 from ..local.slots import align
 from .carry import CarryPlan, CarryTracker, note_plain_write
 from .device_copy import DeviceCopier
-from .row_delta import RowDelta, copy_changed_rows, is_row_item, row_geometry
+from .row_delta import RowDelta, copy_changed_rows, row_items
 
 __all__ = ["LocalWriter", "Program", "SourceViews", "WriteResults", "copy_group", "direct_lookup", "fused_available"]
 
@@ -592,7 +592,7 @@ class LocalWriter:
             assert prog is not None
             plan_c = None
             if self.carry is not None:
-                plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos, _row_items(prog, flat, entries))
+                plan_c = self.carry.plan(rank, slot_idx, slot, prog, entries, prog.tensor_pos, row_items(flat, entries, prog.tensor_pos, prog.fqns, prog.single))
             if plan_c is None:
                 note_plain_write(slot)
             skip = plan_c.carry if plan_c is not None and plan_c.any else None
@@ -765,21 +765,6 @@ class LocalWriter:
                     fault_point("save.mid_copy")
                 _copy_bytes(prog.byte_pos, entries, prog.offsets, slot, algo, prog.block, pace, sums)
         return sums
-
-
-def _row_items(prog: Program, flat: dict[str, Any] | None, entries: list[torch.Tensor]) -> list[int] | None:
-    """Per item: 0, or a sharded embedding table (``row_delta.is_row_item``: a ``ShardedTensor`` or a
-    DTensor over torchrec's ``LocalShardsWrapper``), never carried on its version counter: 2 when it
-    is written as a row delta (a plain CPU tensor copied alone: ``block`` bytes or more), 1 when it
-    is copied whole (small tables, grouped). None when there is none, or no flat state dict to ask."""
-    if flat is None:
-        return None
-    out = [0] * len(entries)
-    single = set(prog.single)
-    for i in prog.tensor_pos:
-        if is_row_item(flat.get(prog.fqns[i])):
-            out[i] = 2 if i in single and row_geometry(entries[i]) is not None else 1
-    return out if any(out) else None
 
 
 def _copy_changed(prog: Program, dsts: list[list[torch.Tensor]], entries: list[torch.Tensor], sizes: list[int],
