@@ -1,4 +1,4 @@
-"""Issue 27: the batched copy of many small items (save/batch_copy.py, save/copy_program.py).
+"""Issue 27: the batched copy of many small items (save/local_write.py).
 
 A save of a plan the writer has seen resolves its items with a few C-level maps, copies each
 group fused (the extension's copy+CRC per item, through source views kept while the sources
@@ -65,7 +65,7 @@ def _check_step(writer: Any, root: Any, job: str, sd: dict[str, Any], step: int,
 @pytest.mark.parametrize("algo", ["crc32c", "xxh3"])
 def test_moved_sources_are_copied_from_where_they_are_now(tmp_path: Any, algo: str) -> None:
     from gemini_dcp import GeminiStorageWriter
-    from gemini_dcp.save.batch_copy import fused_available
+    from gemini_dcp.save.local_write import fused_available
 
     writer = GeminiStorageWriter(root=tmp_path, job_id="moves", keep=2, checksum=algo)
     g = torch.Generator().manual_seed(0)
@@ -107,7 +107,7 @@ def test_write_results_are_built_when_read_and_pickle_as_a_tuple(tmp_path: Any) 
     from torch.distributed.checkpoint.storage import WriteResult
 
     from gemini_dcp import GeminiStorageWriter
-    from gemini_dcp.save.copy_program import WriteResults
+    from gemini_dcp.save.local_write import WriteResults
     from gemini_dcp.snapshot.replay import PlanReplay
 
     writer = GeminiStorageWriter(root=tmp_path, job_id="results", keep=2)

@@ -420,7 +420,7 @@ def test_byte_memo_serialize_many_reuses_only_the_same_immutable_values() -> Non
 
 
 def test_replayed_saves_keep_every_non_tensor_value_exact(tmp_path: Any) -> None:
-    from gemini_dcp.save.copy_program import direct_lookup
+    from gemini_dcp.save.local_write import direct_lookup
     from gemini_dcp.snapshot.replay import RecordingSavePlanner
 
     planner = RecordingSavePlanner()

@@ -41,7 +41,7 @@ REPORT_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("gemini_dcp.local.record_types", "ChecksumOverlay"),
         ("torch.distributed.checkpoint.storage", "WriteResult"),
         ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-        # save.copy_program.WriteResults pickles as tuple(list): called with decoded values
+        # save.local_write.WriteResults pickles as tuple(list): called with decoded values
         # (only allow-listed classes and plain data), tuple() only builds a value
         ("builtins", "tuple"),
     }

@@ -14,20 +14,24 @@ saving (and replicas) only: a load verifies a chunk's stored bytes *before* any 
 them may reach the live tensors (``GeminiStorageReader.read_data``), so it hashes
 with :func:`checksum` and copies afterwards; there is no copy-then-verify into a
 destination here on purpose.
+
+The extension's ops are called here as ``torch.ops.gemini_dcp.*`` on the views this module's
+callers made (each op checks its tensors in C++): :mod:`gemini_dcp.ext.cpu` is their typed face,
+with Python argument checks, for code outside the copy path.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import crc32c as _crc32c_pkg
 import torch
 import xxhash
 
-from ..ext import cpu as ext_cpu, loader as ext_loader
+from ..ext import loader as ext_loader
 from ..ext.cuda import xsum64_finish, xsum64_sum_reference
 
 # 1 MiB: with 4 MiB blocks two ranks' blocks (8 MiB) fill this machine's 8 MiB L3 and the
@@ -45,7 +49,9 @@ def _u8_buffer(t: torch.Tensor) -> memoryview:
 
 def _crc32c_update(value: int, buf: torch.Tensor, threads: int = 1) -> int:
     if ext_loader.load():
-        return ext_cpu.crc32c(buf, value, threads)
+        if threads == 1:
+            return int(torch.ops.gemini_dcp.crc32c(buf, value))
+        return int(torch.ops.gemini_dcp.crc32c(buf, value, threads))
     return _crc32c_pkg.crc32c(_u8_buffer(buf), value)
 
 
@@ -124,7 +130,7 @@ class _Hasher:
         """Copy ``src`` into ``dst`` (flat uint8, same length) and hash the bytes copied: one fused
         pass for crc32c with the extension, else the copy and then the hash of ``dst``."""
         if self.algo == "crc32c" and ext_loader.load():
-            self._v = ext_cpu.copy_with_crc32c(dst, src, 1, self._v)
+            self._v = int(torch.ops.gemini_dcp.copy_with_crc32c(dst, src, 1, self._v))
             return
         dst.copy_(src)
         self.update(dst)
@@ -160,19 +166,6 @@ def _xsum64_of_buffer(buf: Any) -> int:
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(mv, dtype=torch.uint8)
     return checksum(t, "xsum64")
-
-
-def copy_crc32c_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> list[int] | None:
-    """Copy each ``srcs[i]`` into ``dsts[i]`` and return the CRC-32C of each, one fused pass per
-    pair (the extension's ``copy_with_crc32c``, one thread, the GIL released); None when the
-    extension is not loaded (nothing is copied then). Every tensor must be a 1-D contiguous
-    ``uint8`` CPU tensor, each pair of equal size and not overlapping: the op checks each pair
-    itself and raises RuntimeError otherwise (the per-call Python checks of
-    :func:`gemini_dcp.ext.cpu.copy_with_crc32c` cost more than copying a small item)."""
-    if not ext_loader.load():
-        return None
-    op = torch.ops.gemini_dcp.copy_with_crc32c
-    return [op(d, s, 1, 0) for d, s in zip(dsts, srcs, strict=True)]
 
 
 def resolve_algo(algo: str) -> str:
@@ -227,7 +220,7 @@ def copy_and_checksum(
         raise ValueError(f"copy_and_checksum: size mismatch {src.numel()} vs {dst.numel()}")
     fused = algo == "crc32c" and ext_loader.load()
     if fused and pace is None:
-        return ext_cpu.copy_with_crc32c(dst, src)
+        return int(torch.ops.gemini_dcp.copy_with_crc32c(dst, src, 0, 0))
     h = None if fused else _Hasher(algo)
     value = 0  # the running CRC of the fused path (the extension carries it across blocks)
     for start in range(0, n, block):
@@ -237,7 +230,7 @@ def copy_and_checksum(
             pace(m)
         d, s = dst[start : start + m], src[start : start + m]
         if h is None:
-            value = ext_cpu.copy_with_crc32c(d, s, 1, value)
+            value = int(torch.ops.gemini_dcp.copy_with_crc32c(d, s, 1, value))
         else:
             d.copy_(s)
             h.update(d)

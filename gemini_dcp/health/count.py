@@ -5,7 +5,8 @@ A save reads every byte of every item once, to copy and checksum it into the tie
 
 - CPU with the C++ extension and ``crc32c``: ``copy_crc32c_count`` copies, checksums and counts
   in one pass (each 64 KiB block is counted from the source, then copied and checksummed while
-  it is in cache);
+  it is in cache): :func:`copy_checksum_count` for an item copied alone, the writer's grouped
+  copy (``local_write.copy_group_counted``) for small items;
 - otherwise (no extension, ``xxh3``, incremental saves, pickled layouts): the item's bytes in the
   slot are counted right after the copy, by the extension's ``count_nonfinite`` when it loads,
   else by a vectorized torch expression (``GEMINI_DCP_EXT=0``);
@@ -17,16 +18,14 @@ A value is non-finite when its exponent bits are all ones; a ``kind`` names the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from ..core.checksum import copy_and_checksum
 from ..ext import loader as ext_loader
 
-__all__ = ["KINDS", "count_bytes", "count_nonfinite", "copy_checksum_count", "copy_group_counted", "kind_of",
-           "kind_of_name", "kinds_of"]
+__all__ = ["KINDS", "count_bytes", "count_nonfinite", "copy_checksum_count", "kind_of", "kind_of_name", "kinds_of"]
 
 #: dtype -> kind of the extension's counting ops: 1 float32, 2 float64, 3 float16, 4 bfloat16
 #: (complex items count their real and imaginary parts).
@@ -110,36 +109,3 @@ def copy_checksum_count(
         return int(value), total
     value = copy_and_checksum(dst, src, algo, block, pace=pace)
     return value, count_bytes(dst, kind)
-
-
-_ONES = [1] * 4096
-_ZEROS = [0] * 4096
-
-
-def copy_group_counted(
-    dsts: list[torch.Tensor],
-    srcs: Sequence[torch.Tensor],
-    kinds: list[int],
-    *,
-    dst_bytes: list[torch.Tensor] | None,
-    src_bytes: list[torch.Tensor] | None,
-    slot_view: memoryview,
-    spans: list[tuple[int, int]],
-    hasher: Callable[[Any], int],
-) -> tuple[list[int], list[int]]:
-    """:func:`gemini_dcp.save.batch_copy.copy_group` that also counts each item's non-finite values:
-    (checksums, counts). Fused (``copy_crc32c_count`` per item) when both byte-view lists are given
-    and the extension loads; else one ``torch._foreach_copy_``, ``hasher`` and a count per item."""
-    if dst_bytes is not None and src_bytes is not None and ext_loader.load():
-        op = torch.ops.gemini_dcp.copy_crc32c_count
-        pairs = list(map(op, dst_bytes, src_bytes, kinds, _ONES[: len(kinds)] if len(kinds) <= 4096 else [1] * len(kinds),
-                         _ZEROS[: len(kinds)] if len(kinds) <= 4096 else [0] * len(kinds)))
-        got_sums, got_counts = zip(*pairs) if pairs else ((), ())
-        return list(got_sums), list(got_counts)
-    torch._foreach_copy_(dsts, list(srcs))
-    sums = [hasher(slot_view[o : o + n]) for o, n in spans]
-    counts = [0] * len(dsts)
-    for j, (k, d) in enumerate(zip(kinds, dsts)):
-        if k:
-            counts[j] = count_bytes(d.reshape(-1).view(torch.uint8), k)
-    return sums, counts

@@ -11,12 +11,13 @@ hash collision can hide a change) and blind to *how* a row changed — torchrec'
 optimizers update rows inside the backward kernel without bumping ``tensor._version`` (measured
 on torchrec 1.8 CPU), which the version rule of :mod:`gemini_dcp.save.carry` cannot see.
 
-:func:`is_row_item` says which state-dict values are tables. Pure local work, no collective.
+:func:`is_row_item` says which state-dict values are tables, :func:`row_items` which items of a
+save are written as row deltas. Pure local work, no collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 
 from ..core.checksum import new_hasher
 
-__all__ = ["RowDelta", "copy_changed_rows", "is_row_item", "row_geometry"]
+__all__ = ["RowDelta", "copy_changed_rows", "is_row_item", "row_geometry", "row_items"]
 
 #: Rows compared and written per pass (the slot's block is hashed while it is in cache).
 ROW_BLOCK_BYTES = 1 << 20
@@ -78,6 +79,24 @@ def row_geometry(t: torch.Tensor) -> tuple[int, int] | None:
         return None
     rows = int(t.shape[0])
     return rows, t.numel() * t.element_size() // rows
+
+
+def row_items(flat: dict[str, Any] | None, entries: Sequence[Any], tensor_pos: Sequence[int], fqns: Sequence[str],
+              single: Iterable[int]) -> list[int] | None:
+    """Per item of a save: 0, or a sharded embedding table (:func:`is_row_item`: a ``ShardedTensor``
+    or a DTensor over torchrec's ``LocalShardsWrapper``), never carried on its version counter: 2
+    when it is written as a row delta (a plain CPU tensor copied alone: ``block`` bytes or more,
+    among ``single``), 1 when it is copied whole (small tables, grouped). ``entries`` are the
+    resolved items, ``fqns`` their FQNs, ``tensor_pos`` the tensor items' positions. None when
+    there is none, or no flat state dict (``flat``) to ask."""
+    if flat is None:
+        return None
+    out = [0] * len(entries)
+    alone = set(single)
+    for i in tensor_pos:
+        if is_row_item(flat.get(fqns[i])):
+            out[i] = 2 if i in alone and row_geometry(entries[i]) is not None else 1
+    return out if any(out) else None
 
 
 def _words(flat: torch.Tensor, rows: int, row_bytes: int) -> np.ndarray:

@@ -161,7 +161,7 @@ class ByteMemo:
     def serialize_many(self, fqns: list[str], objs: list[Any], missing: Any) -> list[Any]:
         """The ``torch.save`` bytes of each value (None where not plain, or where ``objs`` holds
         ``missing``): :meth:`serialize` for a whole save's values in one call (the writer's
-        ``copy_program._bytes_known``)."""
+        ``local_write._bytes_known``)."""
         last = self._many
         if last is not None and last[0] is fqns and len(last[1]) == len(objs):
             # Values that are the same immutable objects as at the last call keep their bytes: one
