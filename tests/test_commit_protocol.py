@@ -174,10 +174,34 @@ class Job:
                 return mine, {"sent_bytes": 0}
 
             spec = SaveSpec(step=step, planned=_PLANNED if r == 0 else None, use_basis=True)
-            return self.protocols[r].save(comm, spec, write, hooks=hooks, replicate=repl if replicate else None)
+            return self.protocols[r].save(comm, spec, _Steps(write, repl if replicate else None), hooks=hooks)
 
         self.comms = []
         return _run_ranks(len(self.nodes), body)
+
+
+class _Steps:
+    """The caller's steps of one save (commit.protocol.SaveSteps): a write, replicas or none, no parity."""
+
+    protects = False
+
+    def __init__(self, write: Callable[[], LocalWrite], repl: Callable[..., Any] | None) -> None:
+        self.write_local = write
+        self.replicates = repl is not None
+        self._repl = repl
+
+    def check_space(self) -> None:
+        pass
+
+    def replicate(self, step: int, reports: list[RankReport], expand: Any) -> Any:
+        assert self._repl is not None
+        return self._repl(step, reports, expand)
+
+    def protect(self, step: int, reports: list[RankReport]) -> Any:
+        raise AssertionError("no parity here")
+
+    def after_commit(self, record: Any, rank: int) -> None:
+        pass
 
 
 def _touch(path: Path) -> None:

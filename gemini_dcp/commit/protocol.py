@@ -91,9 +91,34 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Layout = Mapping[MetadataIndex, ShardRef]
 Expand = Callable[[RankReport], "RankReport | None"]
-#: Step 4: ``(step, reports, expand) -> (replica slots this rank stored, stats)``; collective.
-Replicate = Callable[[int, list[RankReport], "Expand | None"], tuple[tuple[RankSlot, ...], dict[str, Any]]]
-Protect = Callable[[int, list[RankReport]], tuple[Any, dict[str, Any]]]  #: step 4 as XOR parity: (layout, stats)
+
+
+class SaveSteps(Protocol):
+    """The steps of one save that the protocol's caller does itself (the writer, for one plan).
+
+    :meth:`CommitProtocol.save` calls them in order; it never reaches into its caller otherwise.
+    """
+
+    replicates: bool
+    """Whether step 4 runs as peer replicas (:meth:`replicate`; ignored for a single process)."""
+    protects: bool
+    """Whether step 4 runs as XOR parity instead (:meth:`protect`)."""
+
+    def check_space(self) -> None:
+        """Before step 2: refuse a save the tier has no room for (raises; every rank learns it at the gather)."""
+
+    def write_local(self) -> LocalWrite:
+        """Step 2: copy and checksum this rank's items into a slot."""
+
+    def replicate(self, step: int, reports: list[RankReport],
+                  expand: Expand | None) -> tuple[tuple[RankSlot, ...], dict[str, Any]]:
+        """Step 4 (collective): the replica slots this rank stored for others, and the stats."""
+
+    def protect(self, step: int, reports: list[RankReport]) -> tuple[Any, dict[str, Any]]:
+        """Step 4 as XOR parity (collective): the parity layout and the stats."""
+
+    def after_commit(self, record: StepRecord, rank: int) -> None:
+        """Step 8 (local): hand the committed record on (the persistent drain's request)."""
 
 
 class Collectives(GatherGroup, Protocol):
@@ -296,20 +321,15 @@ class CommitProtocol:
         self,
         comm: Collectives,
         spec: SaveSpec,
-        write_local: Callable[[], LocalWrite],
+        steps: SaveSteps,
         *,
-        check_space: Callable[[], object] | None = None,
         hooks: SaveHooks = NO_HOOKS,
-        replicate: Replicate | None = None,
-        after_commit: Callable[[StepRecord, int], None] | None = None,
-        protect: Protect | None = None,
     ) -> Sequence[WriteResult]:
         """Run steps 1-8 for ``spec.step``; returns this rank's write results.
 
-        Collective over the control group: all ranks call it together. ``write_local`` is
-        step 2; ``check_space`` (a replayed save) runs just before it, inside the part
-        whose errors every rank learns at the gather. ``replicate`` is step 4 (None: local
-        copies only; ``protect``: its XOR-parity form); ``after_commit(record, rank)`` is step 8.
+        Collective over the control group: all ranks call it together. ``steps`` does this
+        rank's own parts (:class:`SaveSteps`): its ``check_space`` runs just before step 2,
+        inside the part whose errors every rank learns at the gather.
         """
         t0 = time.perf_counter()
         step, rank = spec.step, comm.rank
@@ -332,10 +352,9 @@ class CommitProtocol:
             if planned is not None and comm.distributed:
                 planned_blob = metadata_shell_blob(planned)
                 digest = xxhash.xxh3_128_digest(planned_blob)
-            if check_space is not None:
-                check_space()
+            steps.check_space()
             fault_point("save.before_copy")
-            local = write_local()
+            local = steps.write_local()
             fault_point("save.after_copy")
             # Unchanged since rank 0's last save: every rank probably holds it (checked after the gather).
             inline = rp.inline_metadata(planned_blob, comm.world_size) and digest != self.known_metadata[0]
@@ -384,15 +403,15 @@ class CommitProtocol:
         # ---- step 4: replicate
         if self.options.peer.replicas > 1:
             self._warn_replicas_capped(len({rep.node_id for rep in reports}))
-        if self.options.peer.replicas > 1 and comm.distributed and replicate is not None:
+        if self.options.peer.replicas > 1 and comm.distributed and steps.replicates:
             expand = (lambda rep: rp.expand(rep, layouts)) if overlay is not None else None  # type: ignore[arg-type]
-            replica_slots, self.last_replication = replicate(step, reports, expand)
+            replica_slots, self.last_replication = steps.replicate(step, reports, expand)
             # Only the replica slots are new: every rank already has every report.
             gathered = comm.all_gather_object(replica_slots)
             reports = [dataclasses.replace(rep, replica_slots=rs) for rep, rs in zip(reports, gathered)]
             fault_point("replicate.after")
-        if protect is not None and comm.distributed:  # step 4 as XOR parity instead of replicas (peer/parity)
-            parity, self.last_replication = protect(step, reports)
+        if steps.protects and comm.distributed:  # step 4 as XOR parity instead of replicas (peer/parity)
+            parity, self.last_replication = steps.protect(step, reports)
         # ---- step 5: build the record (after the replicas: holders name them)
         record = build_record(
             job_id=self.tier.job_id, step=step, world_size=comm.world_size, reports=reports, meta=meta,
@@ -400,7 +419,7 @@ class CommitProtocol:
             launch=(self.node.launch_id, self.node.launch_description), health=health,
             timeline=self.tier.timeline(self.node.launch_id),
         )
-        if protect is not None and comm.distributed and parity is not None:
+        if steps.protects and comm.distributed and parity is not None:
             record = dataclasses.replace(record, parity=parity)
         self.committed_layout = record.metadata.storage_data
         self._remember_basis(step, overlay, record.metadata.storage_data)
@@ -411,8 +430,7 @@ class CommitProtocol:
         if health is not None and health.healthy:
             self.health_baseline = totals(health.counts)
         # ---- step 8: hand off to the drain
-        if after_commit is not None:
-            after_commit(self.pending_record or record, rank)
+        steps.after_commit(self.pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0
         return report.results
 

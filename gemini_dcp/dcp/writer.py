@@ -317,22 +317,15 @@ class GeminiStorageWriter(StorageWriter):
         """
         comm = get_comm(self.options.timeout_s, self.process_group)
         spec = SaveSpec(step=self._require_step(), known=metadata, layout=layout, agreed=agreed)
-        return self._save(comm, plan, planner, spec, check_space=lambda: self._check_space(plan))
+        return self._save(comm, plan, planner, spec, check_space=True)
 
     def _save(
-        self, comm: Comm, plan: SavePlan, planner: SavePlanner, spec: SaveSpec,
-        check_space: Callable[[], object] | None = None,
+        self, comm: Comm, plan: SavePlan, planner: SavePlanner, spec: SaveSpec, check_space: bool = False,
     ) -> Sequence[WriteResult]:
         """One save through the commit protocol (collective: all ranks call it together)."""
-        rank = comm.rank
         self._pending_save = None
-        results = self.commit.save(
-            comm, spec, lambda: self._write_local(plan, planner, spec.step, rank),
-            check_space=check_space, hooks=self.hooks,
-            replicate=lambda step, reports, expand: self._replicate(comm, step, reports, expand),
-            after_commit=self._after_commit,
-            protect=(lambda step, reports: self._protect(comm, step, reports)) if self.options.peer.parity_group else None,
-        )
+        steps = _PlanSteps(self, comm, plan, planner, spec.step, check_space)
+        results = self.commit.save(comm, spec, steps, hooks=self.hooks)
         self.last_save = self._pending_save
         return results
 
@@ -469,6 +462,33 @@ class GeminiStorageWriter(StorageWriter):
     def _next_seq(self) -> int:
         self._save_seq += 1
         return self._save_seq
+
+
+class _PlanSteps:
+    """The writer's own steps of one save of ``plan`` (:class:`~gemini_dcp.commit.protocol.SaveSteps`)."""
+
+    def __init__(self, writer: GeminiStorageWriter, comm: Comm, plan: SavePlan, planner: SavePlanner, step: int,
+                 check_space: bool) -> None:
+        self.writer, self.comm, self.plan, self.planner, self.step = writer, comm, plan, planner, step
+        self.check_space_first = check_space  # a replayed save: DCP's prepare_local_plan did not check it
+        self.replicates = True
+        self.protects = writer.options.peer.parity_group is not None
+
+    def check_space(self) -> None:
+        if self.check_space_first:
+            self.writer._check_space(self.plan)
+
+    def write_local(self) -> LocalWrite:
+        return self.writer._write_local(self.plan, self.planner, self.step, self.comm.rank)
+
+    def replicate(self, step: int, reports: list[Any], expand: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return self.writer._replicate(self.comm, step, reports, expand)
+
+    def protect(self, step: int, reports: list[Any]) -> tuple[Any, dict[str, Any]]:
+        return self.writer._protect(self.comm, step, reports)
+
+    def after_commit(self, record: StepRecord, rank: int) -> None:
+        self.writer._after_commit(record, rank)
 
 
 def _save_stats(step: int, done: LocalWrite, local_writer: LocalWriter) -> SaveStats:
