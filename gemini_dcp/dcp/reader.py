@@ -63,7 +63,7 @@ from ..local.record_types import ShardRef, StepRecord
 from ..node import open_tiers
 from ..options import GeminiOptions, resolve_options
 from ..peer.arena import ReceiveArena
-from ..peer.fetch import Staging, Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
+from ..peer.fetch import Tally, assign_sources, fetch_remote, refs_by_key, start_transfer
 from ..restore.parity_restore import drop_rebuilt, held_lanes, rebuild_from_parity, rebuilt_tier, tier_bytes
 from ..restore.restore_stage import RestoreStage
 from ..restore.state_dict_check import Mismatch, find_mismatch, planner_set_up_with, resolve_destinations, saved_by
@@ -475,12 +475,7 @@ class GeminiStorageReader(StorageReader):
         # Post the peer sends and receives first: gloo moves them while this rank
         # verifies its own chunks below (a serving rank feeds its requesters at once).
         assert self._decision is not None
-        staging = Staging(
-            decision=self._decision, record=self._record, refs=refs_by_key(self._record), node_id=self.node_id,
-            local_bytes=self._local_bytes, stage=self._stage, keep_arena=self._arenas.append, rank_ok=lambda: self._rank_ok,
-            from_persistent=None if self.persistent is None
-            else (lambda items: self._stage_from_persistent(LoadPlan(items), planner)),
-        )
+        staging = _RestoreSide(self, planner)
         transport = transport_for(comm, self.options.peer_transport)
         for key in remote:  # a chunk of a slot rebuilt from parity counts as "parity", not "peer"
             if rebuilt_tier(self._decision, key[0], "peer") == "parity":
@@ -553,6 +548,33 @@ class GeminiStorageReader(StorageReader):
             return None
         step = self._decision.step if self._decision is not None else self._requested
         return mismatch.error(step=step, job_id=self.job_id, saved_by=saved_by(self._record))
+
+
+class _RestoreSide:
+    """The reader's side of one load's transfers (:class:`~gemini_dcp.peer.fetch.Staging`)."""
+
+    def __init__(self, reader: GeminiStorageReader, planner: LoadPlanner) -> None:
+        assert reader._decision is not None and reader._record is not None
+        self.reader, self.planner = reader, planner
+        self.decision, self.record = reader._decision, reader._record
+        self.refs = refs_by_key(reader._record)
+        self.node_id = reader.node_id
+        self.has_persistent = reader.persistent is not None
+
+    def local_bytes(self, ref: ShardRef) -> torch.Tensor | None:
+        return self.reader._local_bytes(ref)
+
+    def stage(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor) -> bool:
+        return self.reader._stage(items, ref, buf)
+
+    def from_persistent(self, items: list[ReadItem]) -> int:
+        return self.reader._stage_from_persistent(LoadPlan(items), self.planner)
+
+    def keep_arena(self, arena: ReceiveArena) -> None:
+        self.reader._arenas.append(arena)
+
+    def rank_ok(self) -> bool:
+        return self.reader._rank_ok
 
 
 def _other_job(record: StepRecord, job_id: str, world_size: int, description: str) -> str:

@@ -17,9 +17,9 @@ reader is seen only through :class:`Staging`, a value of narrow callables.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
@@ -51,26 +51,34 @@ log = logging.getLogger(__name__)
 MAX_REPAIR_ROUNDS = 4
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Staging:
+class Staging(Protocol):
     """What the restore side reads from, and hands chunks to, on this rank (the reader's part).
 
-    ``local_bytes(ref)``: this node's stored bytes of a chunk (None: not here); ``stage(items, ref, buf)``:
-    verify ``buf`` and stage it for the items (False: checksum mismatch); ``from_persistent(items)``:
-    read and stage the items from the persistent tier, returning the bytes read (None: no persistent
-    tier); ``keep_arena``: keep a round's receive buffers alive until the staged chunks are applied;
-    ``rank_ok()``: False once this rank will raise (it tells the others in the next agreement round).
+    The transfers call these methods; nothing here reaches into the reader otherwise.
     """
 
     decision: RestoreDecision
     record: StepRecord
-    refs: Mapping[ItemKey, ShardRef]  # every stored chunk by location (refs_by_key(record))
+    refs: Mapping[ItemKey, ShardRef]
+    """Every stored chunk by location (:func:`refs_by_key` of ``record``)."""
     node_id: str
-    local_bytes: Callable[[ShardRef], torch.Tensor | None]
-    stage: Callable[[list[ReadItem], ShardRef, torch.Tensor], bool]
-    from_persistent: Callable[[list[ReadItem]], int] | None
-    keep_arena: Callable[[ReceiveArena], None]
-    rank_ok: Callable[[], bool]
+    has_persistent: bool
+    """Whether :meth:`from_persistent` can serve (a persistent tier is configured)."""
+
+    def local_bytes(self, ref: ShardRef) -> torch.Tensor | None:
+        """This node's stored bytes of a chunk (None: not held here)."""
+
+    def stage(self, items: list[ReadItem], ref: ShardRef, buf: torch.Tensor) -> bool:
+        """Verify ``buf`` and stage it for ``items`` (False: checksum mismatch)."""
+
+    def from_persistent(self, items: list[ReadItem]) -> int:
+        """Read and stage ``items`` from the persistent tier; the bytes read."""
+
+    def keep_arena(self, arena: ReceiveArena) -> None:
+        """Keep a round's receive buffers alive until the staged chunks are applied."""
+
+    def rank_ok(self) -> bool:
+        """False once this rank will raise (it tells the others in the next agreement round)."""
 
 
 def refs_by_key(record: StepRecord) -> Mapping[ItemKey, ShardRef]:
@@ -263,7 +271,7 @@ def _from_persistent(
     counts: dict[str, int],
 ) -> None:
     """Stage ``keys`` from the persistent tier where it can serve them (dropping them from ``failed``)."""
-    if staging.from_persistent is None:
+    if not staging.has_persistent:
         return
     for k in keys:
         try:
