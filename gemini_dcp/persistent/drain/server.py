@@ -17,6 +17,7 @@ keeps the slot holds of pending requests fresh, retries a failed upload with bac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import logging
@@ -346,7 +347,11 @@ class _Server:
         def work() -> None:
             t0 = time.monotonic()
             try:
-                outcome, detail = self._upload_side().upload(req)
+                uploader = self._upload_side()
+                # A bridge uploads in the training process: no zip CRC32 for its files (as in the drain's own
+                # process, prepare_process), only while it uploads.
+                with _uploader_module().zip_crc_off() if self.bridge else contextlib.nullcontext():
+                    outcome, detail = uploader.upload(req)
             except BaseException as exc:  # noqa: BLE001 - classified below
                 outcome, detail = classify(exc)
             self.upload_result = (step, outcome, detail)

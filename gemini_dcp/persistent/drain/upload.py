@@ -11,6 +11,7 @@ release the slot holds, write the node's part marker, then commit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -18,7 +19,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from .status import StatusBook
 
 __all__ = [
     "SPLIT_BYTES", "Uploader", "adoption_marker_id", "host_threads", "load_legacy_progress", "load_progress",
-    "prepare_process", "save_progress",
+    "prepare_process", "save_progress", "zip_crc_off",
 ]
 
 log = logging.getLogger("gemini_dcp.persistent.drain")
@@ -77,6 +78,28 @@ def prepare_process() -> None:
     if set_crc32 is not None:
         set_crc32(False)
     ext_loader.load()
+
+
+@contextlib.contextmanager
+def zip_crc_off() -> Iterator[None]:
+    """``torch.save`` without the zip CRC32 while the block runs, the setting restored after.
+
+    For the drain's *bridge* (its thread in a training process, serving the first due step while
+    the node's drain process imports torch): the setting is process-wide, so a ``torch.save`` of
+    another thread of this process in that window also writes no zip CRC32 — ``torch.load``
+    reads such files as usual.
+    """
+    get_crc32 = getattr(torch.serialization, "get_crc32_options", None)
+    set_crc32 = getattr(torch.serialization, "set_crc32_options", None)
+    if get_crc32 is None or set_crc32 is None:
+        yield
+        return
+    before = bool(get_crc32())
+    set_crc32(False)
+    try:
+        yield
+    finally:
+        set_crc32(before)
 
 
 def adoption_marker_id(node_id: str, adopted_from: Sequence[str]) -> str:
