@@ -84,10 +84,8 @@ def warm_then_serve(persist_dir: str, options: DrainOptions) -> None:
     process is warming.
     """
     p = Paths(persist_dir)
-    try:
-        private_dir(p.dir)
-        wfd = os.open(p.warming_lock, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
+    wfd = _open_lock(p, p.warming_lock)
+    if wfd is None:
         return
     try:
         if not try_flock(wfd) or not lock_free(p.lock, p.dir):
@@ -95,9 +93,8 @@ def warm_then_serve(persist_dir: str, options: DrainOptions) -> None:
         _prewarm()
     finally:
         os.close(wfd)  # warm (or failed to be): a bridge hands over now
-    try:
-        fd = os.open(p.lock, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
+    fd = _open_lock(p, p.lock)
+    if fd is None:
         return
     deadline = time.monotonic() + max(options.idle_s, BRIDGE_HANDOVER_S)
     while not try_flock(fd):
@@ -133,10 +130,8 @@ def serve(
     server is warm and no upload of ours runs.
     """
     p = Paths(persist_dir)
-    try:
-        private_dir(p.dir)
-        fd = os.open(p.lock, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
+    fd = _open_lock(p, p.lock)
+    if fd is None:
         return
     if not take_lock(p, fd, standby_s):
         os.close(fd)
@@ -144,6 +139,15 @@ def serve(
     if prewarm:
         threading.Thread(target=_prewarm, name="gemini-drain-prewarm", daemon=True).start()
     _serve_locked(p, fd, idle_s, options or DrainOptions(), bridge=bridge)
+
+
+def _open_lock(p: Paths, path: Path) -> int | None:
+    """A descriptor of the lock file ``path`` in the drain's private directory (None: it cannot be made)."""
+    try:
+        private_dir(p.dir)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
 
 
 def _serve_locked(p: Paths, fd: int, idle_s: float, options: DrainOptions, *, bridge: bool = False) -> None:
