@@ -30,7 +30,11 @@ resumes any request left on tmpfs). A SIGKILLed server holds its lock until the 
 has closed its files, which can outlast a worker restart: a writer that resumes pending
 requests while the lock is held starts a *standby* server (at most one) that waits for
 the lock. ``memory://`` stores live inside one process, so for them (or with drain mode
-``thread``) the server is a thread of the training process instead. If a drain is
+``thread``) the server is a thread of the training process instead. The server a writer starts
+when it is built imports torch *before* it takes the lock (holding ``warming.lock``): a step due
+meanwhile is served by a *bridge*, a thread of the training process that holds the lock only
+until that server is warm (:func:`.server.warm_then_serve`), so the first durable save of a
+process does not wait for a fresh interpreter's ``import torch``. If a drain is
 slower than the save cadence, a newer request supersedes an older one that has not
 started uploading (coalescing). :mod:`.status` reads what the drain did, for ``inspect``;
 :func:`.client.wait_durable` (``GeminiStorageWriter.wait_persisted``) waits for a step's commit.
