@@ -2,6 +2,8 @@
 # The GPU figures (issues 20 and 40) in one prepared run on a lent GPU machine (the device tool): build the
 # extension, run the GPU tests, then the benchmarks, each stage bounded, logs and results to $OUT.
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh [stages]   (stages: info build tests save async recovery nan)
+# Sizing (2026-11-27, H200): build 25-34 s, tests 14-16 s, save 63-72 s, recovery 70 s, nan ~95 s, async
+# ~150 s; a machine's start ~30-60 s. One device call runs at most 600 s: pick the stages to fit.
 # Expects python3 with torch (CUDA) and nvcc. The GPU machine has no package index: put a crc32c wheel
 # for its Python in .whl/ (ignored by git; pass carry=[".whl"] to the device tool), installed to /tmp/site.
 set -u
