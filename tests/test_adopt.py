@@ -100,6 +100,7 @@ def _kill_drain_server_midway(pdir: Path, data: Path) -> None:
 @pytest.fixture(autouse=True)
 def _short_lived_drains(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GEMINI_DCP_DRAIN_IDLE_S", "3")
+    monkeypatch.setenv("GEMINI_DCP_DRAIN_BRIDGE", "0")  # the drain processes upload (one is killed), not a bridge
 
 
 @pytest.mark.slow

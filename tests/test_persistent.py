@@ -131,6 +131,7 @@ def test_sigkill_during_drain_then_restart_resumes(root: str, store: Path, monke
     job = "k"
     pdir = _persist_dir(root, job)
     monkeypatch.setenv("GEMINI_DCP_DRAIN_THROTTLE_BPS", str(256 << 10))  # ~8 s for the whole step
+    monkeypatch.setenv("GEMINI_DCP_DRAIN_BRIDGE", "0")  # the drain process uploads (and is killed), not a bridge
     w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)
     dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3)
     _kill_drain_midway(store / job / "step-3" / "__0_0.distcp", pdir, 300_000)
@@ -215,6 +216,7 @@ def test_drain_of_a_record_completed_in_finish_resumes_after_its_step_was_evicte
     job = "late"
     pdir = _persist_dir(root, job)
     monkeypatch.setenv("GEMINI_DCP_DRAIN_THROTTLE_BPS", str(256 << 10))
+    monkeypatch.setenv("GEMINI_DCP_DRAIN_BRIDGE", "0")  # the drain process uploads (and is killed), not a bridge
     w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=3, keep=1)
     dcp.save(_big_state(3), storage_writer=w, checkpoint_id=3, planner=MetadataHidingPlanner())
     assert LocalTier(root, job).record(3).complete  # type: ignore[union-attr]

@@ -16,11 +16,11 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from .checks import check_choice, check_int, check_number, check_optional_int, check_timeout
-from .env import env_choice, env_float, env_int, env_str
+from .env import env_bool, env_choice, env_float, env_int, env_str
 
 __all__ = [
     "DRAIN_ENV", "DrainMode", "DrainOptions", "PersistentOptions",
-    "ENV_ATTEMPTS", "ENV_IDLE", "ENV_MODE", "ENV_NICE", "ENV_PEER_TIMEOUT", "ENV_THREADS", "ENV_THROTTLE",
+    "ENV_ATTEMPTS", "ENV_BRIDGE", "ENV_IDLE", "ENV_MODE", "ENV_NICE", "ENV_PEER_TIMEOUT", "ENV_THREADS", "ENV_THROTTLE",
 ]
 
 ENV_MODE = "GEMINI_DCP_DRAIN_MODE"  # "process" (default) or "thread"
@@ -30,7 +30,8 @@ ENV_PEER_TIMEOUT = "GEMINI_DCP_DRAIN_PEER_TIMEOUT_S"  # rank 0's node waits this
 ENV_NICE = "GEMINI_DCP_DRAIN_NICE"  # niceness of the drain process (default 10: training first), or "idle"
 ENV_THREADS = "GEMINI_DCP_DRAIN_THREADS"  # files written in parallel per node (default 2)
 ENV_ATTEMPTS = "GEMINI_DCP_DRAIN_ATTEMPTS"  # upload attempts of a step before it is abandoned (default 5)
-DRAIN_ENV = (ENV_MODE, ENV_IDLE, ENV_THROTTLE, ENV_PEER_TIMEOUT, ENV_NICE, ENV_THREADS, ENV_ATTEMPTS)
+ENV_BRIDGE = "GEMINI_DCP_DRAIN_BRIDGE"  # 0: a step due while the drain process starts waits for it (default 1)
+DRAIN_ENV = (ENV_MODE, ENV_IDLE, ENV_THROTTLE, ENV_PEER_TIMEOUT, ENV_NICE, ENV_THREADS, ENV_ATTEMPTS, ENV_BRIDGE)
 
 DrainMode = Literal["auto", "process", "thread"]
 DRAIN_OPTIONS_VERSION = 1
@@ -48,6 +49,10 @@ class DrainOptions:
     nice: niceness added to the drain process (training first), or ``"idle"`` (SCHED_IDLE).
     threads: data files written in parallel per node.
     attempts: upload attempts of a step before its drain is abandoned.
+    bridge: a step due while the node's drain process still imports torch is uploaded by a thread
+        of the training process until that process is warm (default True: the first durable save
+        of a process is as fast as later ones); False: it waits for the drain process, and no
+        upload ever runs in the training process (process mode).
     """
 
     mode: DrainMode = "auto"
@@ -57,6 +62,7 @@ class DrainOptions:
     nice: int | Literal["idle"] = 10
     threads: int = 2
     attempts: int = 5
+    bridge: bool = True
 
     def __post_init__(self) -> None:
         check_choice(self.mode, "drain mode", ("auto", "process", "thread"),
@@ -78,6 +84,8 @@ class DrainOptions:
                   fix=f"give the data files written in parallel per node, an int >= 1 (${ENV_THREADS}, default 2).")
         check_int(self.attempts, "drain attempts", minimum=1,
                   fix=f"give the upload attempts of a step, an int >= 1 (${ENV_ATTEMPTS}, default 5).")
+        if not isinstance(self.bridge, bool):
+            raise ConfigError(f"drain bridge={self.bridge!r}: give True (default) or False (${ENV_BRIDGE}=1 or 0).")
 
     def resolved_mode(self, protocol: str) -> Literal["process", "thread"]:
         """The mode for a store of ``protocol``: ``auto`` is a thread for ``memory://``, else a process."""
@@ -104,6 +112,7 @@ class DrainOptions:
             nice=nice,
             threads=env_int(ENV_THREADS, 2, minimum=1, environ=environ),
             attempts=env_int(ENV_ATTEMPTS, 5, minimum=1, environ=environ),
+            bridge=env_bool(ENV_BRIDGE, True, environ),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -29,10 +29,10 @@ from ...local.record_types import StepRecord
 from ...local.slot_holds import take_holds
 from ...options.persistent import DrainOptions
 from ..store_calls import PersistentTimeoutError
-from .lock import lock_free
+from .lock import lock_free, try_flock
 from .paths import Paths, private_dir, write_atomic
 from .request import DrainConfig, DrainRequest, SlotRef, StoreTarget
-from .server import serve
+from .server import lower_priority, serve
 from .status import step_states, wait_idle
 
 __all__ = ["DEFAULT_WAIT_S", "SERVER_MODULE", "Drainer", "ensure_server", "server_command", "wait_durable", "write_request"]
@@ -117,7 +117,7 @@ class Drainer:
         rank0_node = bool(record.rank_nodes and record.rank_nodes[0] == record.node_id)
         write_request(self.paths, self.tier, record, slots, self.store, rank0_node=rank0_node,
                       holds=tuple(str(h) for h in holds))
-        ensure_server(self.paths.dir, self.mode, options=self.options, bridge=True)
+        ensure_server(self.paths.dir, self.mode, options=self.options, bridge=self.options.bridge)
         return True
 
     def start_early(self) -> None:
@@ -125,7 +125,7 @@ class Drainer:
         first due step then finds it running with its upload side imported. Any rank may call it;
         one server per node runs (the others exit at the lock)."""
         if self.mode == "process":
-            ensure_server(self.paths.dir, self.mode, options=self.options, warm_first=True)
+            ensure_server(self.paths.dir, self.mode, options=self.options, warm_first=self.options.bridge)
 
     def wait_persisted(self, step: int | None = None, timeout_s: float | None = None, poll_s: float = 0.02) -> int | None:
         """Block until ``step`` (default: the newest step this process submitted as due) is durable.
@@ -285,11 +285,12 @@ def ensure_server(
 
 
 def server_command(persist_dir: str | os.PathLike[str], options: DrainOptions, *, standby: bool = False,
-                   warm_first: bool = False) -> list[str]:
+                   warm_first: bool = False, warming_fd: int | None = None) -> list[str]:
     """The command line of a detached drain server (started by module name)."""
-    return [sys.executable, "-m", SERVER_MODULE, str(persist_dir), "--options", options.to_json()] + (
+    return [sys.executable, "-m", SERVER_MODULE, str(persist_dir), "--options", options.to_json(),
+            "--base-nice", str(os.getpriority(os.PRIO_PROCESS, 0))] + (
         ["--standby"] if standby else []
-    ) + (["--warm-first"] if warm_first else [])
+    ) + (["--warm-first"] if warm_first else []) + (["--warming-fd", str(warming_fd)] if warming_fd is not None else [])
 
 
 def _spawn(p: Paths, options: DrainOptions, *, standby: bool = False, warm_first: bool = False) -> None:
@@ -298,14 +299,31 @@ def _spawn(p: Paths, options: DrainOptions, *, standby: bool = False, warm_first
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    with open(p.log, "ab") as logf:
-        subprocess.Popen(  # noqa: S603 - our own interpreter and module
-            server_command(p.dir, options, standby=standby, warm_first=warm_first),
-            stdin=subprocess.DEVNULL,
-            stdout=logf,
-            stderr=logf,
-            start_new_session=True,
-            close_fds=True,
-            env=env,
-            cwd="/",
-        )
+    # A warming server's lock is taken here and handed to it (the same open file: the lock goes with
+    # it), so a request this process writes right after already finds the server warming.
+    wfd = None
+    if warm_first:
+        wfd = os.open(p.warming_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        if not try_flock(wfd):
+            os.close(wfd)
+            return  # another server warms
+    try:
+        with open(p.log, "ab") as logf:
+            proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+                server_command(p.dir, options, standby=standby, warm_first=warm_first, warming_fd=wfd),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=() if wfd is None else (wfd,),
+                env=env,
+                cwd="/",
+            )
+    finally:
+        if wfd is not None:
+            os.close(wfd)  # the server holds the lock now (or, if it did not start, nobody does)
+    # Its own start-up (the interpreter, then torch) runs below training from the first instruction on.
+    lower_priority(options.nice, pid=proc.pid)
+    if warm_first:
+        write_atomic(p.pid, str(proc.pid).encode())  # the node's drain process from now on (a bridge never is)

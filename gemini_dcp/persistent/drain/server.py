@@ -58,20 +58,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--standby", action="store_true", help="wait for a dying server's lock while requests are pending")
     parser.add_argument("--warm-first", action="store_true",
                         help="import the upload side before taking the lock (started with the writer)")
+    parser.add_argument("--base-nice", type=int, default=None, help="the trainer's niceness (the drain's is relative)")
+    parser.add_argument("--warming-fd", type=int, default=None,
+                        help="with --warm-first: an inherited descriptor of warming.lock, already locked by the trainer")
     args = parser.parse_args(argv)
     options = DrainOptions.from_json(args.options) if args.options else DrainOptions()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s drain[{os.getpid()}] %(levelname)s %(message)s")
-    lower_priority(options.nice)
+    lower_priority(options.nice, base=args.base_nice)
     # A server that waits for requests readies its upload side (torch) in the background; one that
     # exits as soon as it is idle (idle_s 0) has nothing to wait for and stays light to the end.
     if args.warm_first:
-        warm_then_serve(args.persist_dir, options)
+        warm_then_serve(args.persist_dir, options, warming_fd=args.warming_fd)
         return
     serve(args.persist_dir, options=options, idle_s=options.idle_s, standby_s=STANDBY_S if args.standby else 0.0,
           prewarm=options.idle_s > 0)
 
 
-def warm_then_serve(persist_dir: str, options: DrainOptions) -> None:
+def warm_then_serve(persist_dir: str, options: DrainOptions, *, warming_fd: int | None = None) -> None:
     """The server a writer starts when it is built: import the upload side first (holding
     ``warming.lock``), then take the server lock — waiting for it while a *bridge* holds it.
 
@@ -81,14 +84,19 @@ def warm_then_serve(persist_dir: str, options: DrainOptions) -> None:
     started by :func:`gemini_dcp.persistent.drain.client.ensure_server`). The bridge gives the lock
     up as soon as this process is warm and it has no upload running; this process then takes it
     and serves every later step. Returns at once if a server already holds the lock or another
-    process is warming.
+    process is warming. ``warming_fd``: ``warming.lock`` as the trainer locked it before it started
+    this process (so a request the trainer writes at once already finds it held).
     """
     p = Paths(persist_dir)
-    wfd = _open_lock(p, p.warming_lock)
+    wfd = _open_lock(p, p.warming_lock) if warming_fd is None else warming_fd
     if wfd is None:
         return
     try:
-        if not try_flock(wfd) or not lock_free(p.lock, p.dir):
+        if warming_fd is not None:
+            write_atomic(p.pid, str(os.getpid()).encode())  # the node's drain process, warming (a bridge never writes it)
+        # Started by a trainer that found the server lock free and handed us warming.lock: whoever holds the
+        # server lock now is its bridge, to be waited for. Otherwise a held lock means a server serves.
+        if warming_fd is None and (not try_flock(wfd) or not lock_free(p.lock, p.dir)):
             return  # another server warms, or one already serves
         _prewarm()
     finally:
@@ -105,13 +113,19 @@ def warm_then_serve(persist_dir: str, options: DrainOptions) -> None:
     _serve_locked(p, fd, options.idle_s, options)
 
 
-def lower_priority(setting: int | str) -> None:
-    """Training first: ``idle`` (SCHED_IDLE: run only on otherwise idle CPUs) or a nice increment."""
+def lower_priority(setting: int | str, *, pid: int = 0, base: int | None = None) -> None:
+    """Training first: ``idle`` (SCHED_IDLE: run only on otherwise idle CPUs) or ``setting`` added to the
+    trainer's niceness ``base`` (default: this process's). Idempotent — the trainer applies it to the
+    drain process it has just started (``pid``), before that process's own start-up competes with
+    training, and the drain process applies it again."""
     try:
         if setting == "idle":
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
         else:
-            os.nice(int(setting))
+            nice = os.getpriority(os.PRIO_PROCESS, 0) if base is None else base
+            target = min(19, nice + int(setting))
+            if os.getpriority(os.PRIO_PROCESS, pid) < target:
+                os.setpriority(os.PRIO_PROCESS, pid, target)
     except (OSError, ValueError, AttributeError) as exc:  # the drain still works, at normal priority
         log.warning("drain: could not lower priority to %r (%s); running at normal priority", setting, exc)
 
@@ -151,9 +165,11 @@ def _open_lock(p: Paths, path: Path) -> int | None:
 
 
 def _serve_locked(p: Paths, fd: int, idle_s: float, options: DrainOptions, *, bridge: bool = False) -> None:
-    """Serve with the lock held on ``fd`` (closed at the end, which drops the lock)."""
+    """Serve with the lock held on ``fd`` (closed at the end, which drops the lock). A bridge leaves
+    ``daemon.pid`` alone: it names the node's drain process, never the training process."""
     try:
-        write_atomic(p.pid, str(os.getpid()).encode())
+        if not bridge:
+            write_atomic(p.pid, str(os.getpid()).encode())
         _Server(p, fd, idle_s, options, bridge=bridge).run()
     except Exception:  # noqa: BLE001 - a server error must not escape into a training thread
         log.exception("drain server for %s failed", p.dir)
