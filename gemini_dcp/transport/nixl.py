@@ -53,6 +53,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -72,6 +73,10 @@ log = logging.getLogger(__name__)
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
 #: Bytes of one descriptor message (header + the receiver's partial agent metadata).
 DESC_BYTES = 8192
+#: How long a descriptor waiter thread drives a send it posted before leaving it to the waits (s).
+SERVE_DRIVE_S = 5.0
+#: UCX settings NIXL's agent starts with unless the environment sets them (:func:`engine`).
+UCX_DEFAULTS = {"UCX_MEM_EVENTS": "no"}
 _MAGIC = 0x4E49584C44435031  # "NIXLDCP1"
 _HEADER = 5  # int64s: magic, token, address, length, metadata length
 
@@ -133,7 +138,8 @@ class NixlEngine:
         self.mod = mod
         self.agent = agent
         self.name = name
-        self.lock = threading.RLock()  # agent calls and the lists below (the agent runs without its own locks)
+        self.lock = threading.RLock()  # agent calls, ``arrived`` and the ops' states (the agent runs without its own locks)
+        self.ops_lock = threading.Lock()  # ``sends`` and the waiters: posting never waits for a WRITE in flight
         self.sends: list[SendOp] = []  # posted sends, progressed by every wait
         self.arrived: set[bytes] = set()  # tokens notified and not yet waited for
         self._waiters: dict[int, queue.SimpleQueue[SendOp]] = {}  # peer -> its descriptor waiter's queue
@@ -141,11 +147,11 @@ class NixlEngine:
     def await_descriptor(self, peer: int, op: SendOp) -> None:
         """Have ``peer``'s waiter thread block on ``op``'s descriptor receive (gloo's receive work
         reports completion only to a blocking ``wait``; descriptors of one peer arrive in order)."""
-        with self.lock:
+        with self.ops_lock:
             q = self._waiters.get(peer)
             if q is None:
                 q = self._waiters[peer] = queue.SimpleQueue()
-                threading.Thread(target=_wait_descriptors, args=(q,), name=f"gemini-dcp-nixl-desc-{peer}",
+                threading.Thread(target=_wait_descriptors, args=(self, q), name=f"gemini-dcp-nixl-desc-{peer}",
                                  daemon=True).start()
         q.put(op)
 
@@ -185,7 +191,7 @@ class NixlEngine:
         desc = torch.empty(DESC_BYTES, dtype=torch.uint8)
         op = SendOp(flat, desc, dist.irecv(desc, src=peer, group=group))
         op.auto = auto
-        with self.lock:
+        with self.ops_lock:
             self.sends.append(op)
         self.await_descriptor(peer, op)
         return op
@@ -194,8 +200,9 @@ class NixlEngine:
         """Stop progressing ``op`` after its wait gave up (its receive buffer is deregistered)."""
         with self.lock:
             if isinstance(op, SendOp):
-                if op in self.sends:
-                    self.sends.remove(op)
+                with self.ops_lock:
+                    if op in self.sends:
+                        self.sends.remove(op)
                 if op.error is None:
                     op.fail(TimeoutError("abandoned"))
             elif op.reg is not None:
@@ -218,15 +225,18 @@ class NixlEngine:
     def progress(self) -> None:
         """Advance every posted send one step (descriptor arrived -> WRITE posted -> WRITE done)."""
         with self.lock:
-            for op in list(self.sends):
+            with self.ops_lock:
+                ops = list(self.sends)
+            for op in ops:
                 op.advance(self)
-                if op.state in ("done", "error"):
-                    self.sends.remove(op)
+            with self.ops_lock:
+                self.sends = [op for op in self.sends if op.state not in ("done", "error")]
             self.poll_notifs()
 
 
-def _wait_descriptors(q: queue.SimpleQueue[SendOp]) -> None:
-    """A descriptor waiter: block on each queued send's descriptor receive in turn (GIL released)."""
+def _wait_descriptors(eng: NixlEngine, q: queue.SimpleQueue[SendOp]) -> None:
+    """A descriptor waiter: block on each queued send's descriptor receive in turn (GIL released),
+    then serve it (:func:`_serve`)."""
     while True:
         op = q.get()
         try:
@@ -234,6 +244,28 @@ def _wait_descriptors(q: queue.SimpleQueue[SendOp]) -> None:
         except BaseException as exc:  # noqa: BLE001 - handed to the op's wait
             op.desc_error = exc
         op.arrived.set()
+        if op.auto and op.desc_error is None:
+            _serve(eng, op)
+
+
+def _serve(eng: NixlEngine, op: SendOp) -> None:
+    """Post ``op``'s WRITE as soon as its descriptor arrived and drive it until it landed, for at most
+    :data:`SERVE_DRIVE_S`: a serving rank's sends go out while its own thread does other work (a restore
+    verifying its local chunks), not when it next waits. Past the bound (a peer gone or stopped) the
+    op is left to the waits, whose deadline ends it; errors go to the op's state, as in progress."""
+    t0 = time.monotonic()
+    nap = 0.00002
+    while True:
+        with eng.lock:
+            if op.state in ("done", "error"):
+                return
+            op.advance(eng)
+            if op.state in ("done", "error"):
+                return
+        if time.monotonic() - t0 > SERVE_DRIVE_S:
+            return
+        time.sleep(nap)
+        nap = min(nap * 2, 0.001)
 
 
 _ENGINE: NixlEngine | None = None
@@ -252,6 +284,8 @@ def engine() -> NixlEngine:
         mod = load_nixl()
         if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO on stdout
             logging.getLogger("nixl").setLevel(logging.WARNING)
+        for key, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         name = f"gemini-dcp-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
