@@ -149,8 +149,7 @@ def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
             out["paced_ok"] = bool(torch.equal(dst2, src))
         if rank == 2:
             t.wait(t.post_send(_payload(9, 5), 0, "single send"), deadline_s=30.0)
-    out["reduced"] = t.all_reduce_ints([rank], "sum")
-    if rank == 1:  # a receive whose send never comes: PeerError by its deadline
+    if rank == 1:  # a receive whose send never comes (rank 2 alive, in the all-reduce): PeerError by its deadline
         t0 = time.monotonic()
         try:
             t.wait(t.post_recv(torch.zeros(16, dtype=torch.uint8), 2, "orphan receive"), deadline_s=1.0)
@@ -158,6 +157,7 @@ def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
         except PeerError as exc:
             out["orphan"] = str(exc)
         out["orphan_s"] = time.monotonic() - t0
+    out["reduced"] = t.all_reduce_ints([rank], "sum")
     return out
 
 
