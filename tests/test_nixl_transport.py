@@ -47,6 +47,7 @@ def nodes():  # noqa: ANN201 - a pytest fixture (generator)
 def ucx(request, monkeypatch):  # noqa: ANN001, ANN201 - a pytest fixture
     monkeypatch.setenv("UCX_TLS", request.param)
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.delenv("UCX_MEM_EVENTS", raising=False)  # the engine's own default applies
     return request.param
 
 
@@ -124,6 +125,7 @@ def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     t = transport_for(get_comm(30.0), "nixl")
     out["nixl"] = isinstance(t, NixlTransport)
+    out["mem_events"] = os.environ.get("UCX_MEM_EVENTS")  # the engine's default: UCX's memory hooks off
     src = _payload(7)
     if rank == 0:
         paced: list[int] = []
@@ -149,7 +151,8 @@ def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
             out["paced_ok"] = bool(torch.equal(dst2, src))
         if rank == 2:
             t.wait(t.post_send(_payload(9, 5), 0, "single send"), deadline_s=30.0)
-    if rank == 1:  # a receive whose send never comes (rank 2 alive, in the all-reduce): PeerError by its deadline
+    out["reduced"] = t.all_reduce_ints([rank], "sum")
+    if rank == 1:  # a receive whose send never comes: PeerError by its deadline
         t0 = time.monotonic()
         try:
             t.wait(t.post_recv(torch.zeros(16, dtype=torch.uint8), 2, "orphan receive"), deadline_s=1.0)
@@ -157,7 +160,6 @@ def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
         except PeerError as exc:
             out["orphan"] = str(exc)
         out["orphan_s"] = time.monotonic() - t0
-    out["reduced"] = t.all_reduce_ints([rank], "sum")
     return out
 
 
@@ -165,6 +167,7 @@ def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def test_ranges_paced_and_single_transfers_bit_exact(ucx: str, tmp_path: Path) -> None:
     out = run_ranks(_transfers, 3, str(tmp_path))
     assert all(o["nixl"] for o in out), out
+    assert all(o["mem_events"] == "no" for o in out), out
     assert out[0]["pace_calls"] == -(-NBYTES // WIRE_CHUNK) and out[0]["single_ok"]
     assert out[1]["unpaced_ok"] and out[1]["paced_ok"] and out[2]["unpaced_ok"]
     assert all(o["reduced"] == [3] for o in out)

@@ -1,4 +1,4 @@
-"""The NIXL engine: peer-tier bytes as one-sided NIXL transfers, over UCX (RDMA, shared memory, TCP).
+"""The NIXL engine: peer-tier bytes as one-sided NIXL WRITEs, over UCX (RDMA, shared memory, TCP).
 
 This module holds this process's NIXL agent and its transfers in flight; the transport class
 over it, :class:`~gemini_dcp.transport.p2p.NixlTransport` (deadlines, errors, pacing), is a
@@ -6,48 +6,44 @@ over it, :class:`~gemini_dcp.transport.p2p.NixlTransport` (deadlines, errors, pa
 ``peer_transport="nixl"``, or ``"auto"`` where NIXL imports and its UCX backend starts:
 :func:`~gemini_dcp.transport.p2p.transport_for`). It keeps the message pairing of the
 gloo transport, so the peer tier's modules (replication, lost-node restore, parity,
-deltas) post exactly what they post over gloo. Every transfer has two sides:
+deltas) post exactly what they post over gloo:
 
-1. the **target** (:meth:`NixlEngine.post_target`) registers its buffer with this process's
-   NIXL agent and sends the other side a *descriptor* (a random token, the buffer's address and
-   length, and the agent's partial metadata for that buffer, connection info included) as one
-   small gloo message on the control group: no new rendezvous, no port beyond UCX's own. It
-   then waits for the token as a NIXL notification (delivered after the transfer's bytes).
-2. the **initiator** (:meth:`NixlEngine.post_initiator`) posts the gloo receive of that
-   descriptor (the k-th descriptor from A to B meets the k-th receive of B from A, as gloo
-   point-to-point messages between a pair are ordered). Once it arrived, the initiator loads
-   the peer's metadata, registers its own buffer and posts one transfer between the two
-   buffers, carrying the token as its notification; it is done when the transfer completed.
-
-Which side is which depends on the call (:class:`~gemini_dcp.transport.p2p.NixlTransport`):
-ranges (``send_ranges`` / ``recv_ranges``: replication, parity stripes, deltas) are **pushed**,
-the receiver the target and the sender WRITEs (a paced send WRITEs its range in the
-``wire_chunk`` pieces the pacer sizes, the last one notifying); single buffers
-(``post_send`` / ``post_recv``: a lost node's restore, parity rebuilds) are **pulled**, the
-sender the target and the receiver READs straight from the sender's slot, so a serving rank
-spends no CPU on the bytes while it verifies its own chunks. Descriptors of the two modes carry
-different magics: a mismatch is an error, never a transfer into the wrong buffer.
-
-Progress: the thread that received a descriptor (one daemon thread per peer blocks on that
-peer's descriptors in turn, as gloo's receive work reports completion only to a blocking
-``wait``: :meth:`NixlEngine.await_descriptor`) posts the transfer at once and drives it for a
-bounded time (:data:`SERVE_DRIVE_S`); every wait of the transport also runs
-:meth:`NixlEngine.progress`. Every wait is bounded by its deadline (the group's ``timeout_s``
-when none is given): a peer killed or stopped mid-transfer ends in
-:class:`~gemini_dcp.errors.PeerError` (or, ``fatal``,
-:class:`~gemini_dcp.errors.RestartRequiredError`), and the caller's usual fallback runs.
+1. **post_recv** registers the caller's buffer with this process's NIXL agent and sends
+   the sender a *descriptor* (a random token, the buffer's address and length, and the
+   agent's partial metadata for that buffer, connection info included) as one small gloo
+   message on the control group: no new rendezvous, no port beyond UCX's own.
+2. **post_send** posts the gloo receive of that descriptor. The k-th send from A to B meets
+   the k-th receive of B from A, as gloo point-to-point messages between a pair are ordered.
+3. **progress**: a send whose descriptor arrived loads the peer's metadata, registers its own
+   buffer and posts one WRITE of it straight into the receiver's buffer, carrying the token as
+   its notification; a finished WRITE releases its registration. The thread that received the
+   descriptor posts and drives an unpaced send at once (:func:`_serve`), so a serving rank's
+   bytes move while its own thread works (a restore verifying its local chunks); every wait of
+   the transport also runs :meth:`NixlEngine.progress`, whatever it waits for.
+4. **wait** (the transport's) on a receive waits for the token's notification (NIXL delivers
+   it after the WRITE's bytes); on a send, for the WRITE's completion. Every wait is bounded by its
+   deadline (the group's ``timeout_s`` when none is given): a peer killed or stopped
+   mid-transfer ends in :class:`~gemini_dcp.errors.PeerError` (or, ``fatal``,
+   :class:`~gemini_dcp.errors.RestartRequiredError`), and the caller's usual fallback runs.
 
 Bytes are verified by the callers against the step record's checksums on arrival, as over gloo.
+A paced send (``send_ranges`` with ``pace``) writes its range in the
+``wire_chunk`` pieces the pacer sizes, the last one carrying the notification; unpaced,
+a whole range is one WRITE (the receiver always posts one receive per range).
+
 Tokens are random per transfer, so a late notification of a failed transfer never completes
-a later one. A transfer still in flight when its wait gave up may land after it, as a late gloo
+a later one. A WRITE still in flight when its wait gave up may land after it, as a late gloo
 message may; the writer replaces the control group and the slot is not committed.
 
 Registration is per transfer (0.3 ms for 512 MiB over UCX shared memory and TCP, which pin
 nothing); registering the slot mappings once per writer is the next step, for RDMA NICs, where
-registration pins pages. NIXL's own progress thread is off (it polls without pause and takes a
-core). The agent starts with UCX's memory-event hooks off (:data:`UCX_DEFAULTS`, unless the
-environment sets them): NIXL hands UCX its registrations explicitly, so the hooks only feed
-UCX's registration and memory-type caches, and installing them took most of the agent's start.
+registration pins pages. gloo's receive work reports completion only to a blocking ``wait``, so
+one daemon thread per peer blocks on that peer's descriptors in turn
+(:meth:`NixlEngine.await_descriptor`). NIXL's own progress thread is off (it polls without pause
+and takes a core). The agent starts with UCX's memory-event hooks off (:data:`UCX_DEFAULTS`,
+unless the environment sets them): NIXL hands UCX its registrations explicitly, so the hooks
+only feed UCX's registration and memory-type caches, and installing them took most of the
+agent's start.
 The ``nixl`` module (or the ``nixl_cu12`` / ``nixl_cu13`` wheel's) is imported only here,
 lazily: ``import gemini_dcp`` never needs it. One agent per process (:func:`engine`), created
 on first use or ahead by :func:`prestart`.
@@ -73,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "DESC_BYTES", "NIXL_MODULES", "SERVE_DRIVE_S", "UCX_DEFAULTS", "InitiatorOp", "NixlEngine", "TargetOp", "describe", "engine",
+    "DESC_BYTES", "NIXL_MODULES", "SERVE_DRIVE_S", "UCX_DEFAULTS", "NixlEngine", "RecvOp", "SendOp", "describe", "engine",
     "landed", "load_nixl", "prestart", "probe",
     "received", "ucx_transports",
 ]
@@ -84,11 +80,11 @@ log = logging.getLogger(__name__)
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
 #: Bytes of one descriptor message (header + the receiver's partial agent metadata).
 DESC_BYTES = 8192
-#: How long a descriptor waiter thread drives a transfer it posted before leaving it to the waits (s).
+#: How long a descriptor waiter thread drives a send it posted before leaving it to the waits (s).
 SERVE_DRIVE_S = 5.0
 #: UCX settings NIXL's agent starts with unless the environment sets them (:func:`engine`).
 UCX_DEFAULTS = {"UCX_MEM_EVENTS": "no"}
-_MAGIC = {"WRITE": 0x4E49584C44435031, "READ": 0x4E49584C44435032}  # "NIXLDCP1" (push) / "NIXLDCP2" (pull)
+_MAGIC = 0x4E49584C44435031  # "NIXLDCP1"
 _HEADER = 5  # int64s: magic, token, address, length, metadata length
 
 
@@ -150,12 +146,12 @@ class NixlEngine:
         self.agent = agent
         self.name = name
         self.lock = threading.RLock()  # agent calls, ``arrived`` and the ops' states (the agent runs without its own locks)
-        self.ops_lock = threading.Lock()  # ``initiators`` and the waiters: posting never waits for a transfer in flight
-        self.initiators: list[InitiatorOp] = []  # posted initiators, progressed by every wait
+        self.ops_lock = threading.Lock()  # ``sends`` and the waiters: posting never waits for a WRITE in flight
+        self.sends: list[SendOp] = []  # posted sends, progressed by every wait
         self.arrived: set[bytes] = set()  # tokens notified and not yet waited for
-        self._waiters: dict[int, queue.SimpleQueue[InitiatorOp]] = {}  # peer -> its descriptor waiter's queue
+        self._waiters: dict[int, queue.SimpleQueue[SendOp]] = {}  # peer -> its descriptor waiter's queue
 
-    def await_descriptor(self, peer: int, op: InitiatorOp) -> None:
+    def await_descriptor(self, peer: int, op: SendOp) -> None:
         """Have ``peer``'s waiter thread block on ``op``'s descriptor receive (gloo's receive work
         reports completion only to a blocking ``wait``; descriptors of one peer arrive in order)."""
         with self.ops_lock:
@@ -166,15 +162,14 @@ class NixlEngine:
                                  daemon=True).start()
         q.put(op)
 
-    def post_target(self, buf: torch.Tensor, peer: int, group: Any, *, xfer: str) -> TargetOp:
-        """Register ``buf`` (contiguous) and send ``peer`` its descriptor over ``group``, for the
-        ``xfer`` (``"WRITE"`` or ``"READ"``) ``peer`` will post (side 1 of the module docstring).
-        Raises what NIXL or gloo raise."""
+    def post_recv(self, buf: torch.Tensor, peer: int, group: Any) -> RecvOp:
+        """Register ``buf`` (contiguous) and send ``peer`` its descriptor over ``group`` (step 1 of the
+        module docstring). Raises what NIXL or gloo raise."""
         n = buf.numel() * buf.element_size()
         if n == 0:
-            return TargetOp(b"", None, None, 0)
+            return RecvOp(b"", None, None, 0)
         if not buf.is_contiguous():
-            raise ValueError("NIXL transfers contiguous buffers only")
+            raise ValueError("NIXL receives into contiguous buffers only")
         token = secrets.randbits(62) | 1
         with self.lock:
             reg = self.register(buf)
@@ -183,39 +178,38 @@ class NixlEngine:
             self.release(reg)
             raise RuntimeError(f"NIXL metadata of {len(md)} bytes exceeds the {DESC_BYTES}-byte descriptor")
         desc = torch.zeros(DESC_BYTES, dtype=torch.uint8)
-        desc[: _HEADER * 8] = torch.tensor([_MAGIC[xfer], token, buf.data_ptr(), n, len(md)], dtype=torch.int64).view(torch.uint8)
+        desc[: _HEADER * 8] = torch.tensor([_MAGIC, token, buf.data_ptr(), n, len(md)], dtype=torch.int64).view(torch.uint8)
         desc[_HEADER * 8 : _HEADER * 8 + len(md)] = torch.frombuffer(bytearray(md), dtype=torch.uint8)
         try:
             work = dist.isend(desc, dst=peer, group=group)
         except BaseException:
             self.release(reg)
             raise
-        return TargetOp(token.to_bytes(8, "little"), reg, work, n, buf)
+        return RecvOp(token.to_bytes(8, "little"), reg, work, n)
 
-    def post_initiator(self, buf: torch.Tensor, peer: int, group: Any, *, xfer: str, auto: bool = True) -> InitiatorOp:
-        """Post the receive of ``peer``'s descriptor for an ``xfer`` (``"WRITE"``: ``buf`` into the peer's
-        buffer; ``"READ"``: the peer's buffer into ``buf``) (side 2); with ``auto``, it is posted whole once
-        the descriptor arrives, else the caller posts it (:meth:`InitiatorOp.post`, WRITE only)."""
+    def post_send(self, buf: torch.Tensor, peer: int, group: Any, *, auto: bool = True) -> SendOp:
+        """Post the receive of ``peer``'s descriptor for a send of ``buf`` (step 2); with ``auto``,
+        progress WRITEs it whole once the descriptor arrives, else the caller does (:meth:`SendOp.write`)."""
         flat = buf.reshape(-1).view(torch.uint8) if buf.numel() else buf
         if flat.numel() == 0:
-            return InitiatorOp(flat, None, None, xfer)
+            return SendOp(flat, None, None)
         if not buf.is_contiguous():
-            raise ValueError("NIXL transfers contiguous buffers only")
+            raise ValueError("NIXL sends from contiguous buffers only")
         desc = torch.empty(DESC_BYTES, dtype=torch.uint8)
-        op = InitiatorOp(flat, desc, dist.irecv(desc, src=peer, group=group), xfer)
+        op = SendOp(flat, desc, dist.irecv(desc, src=peer, group=group))
         op.auto = auto
         with self.ops_lock:
-            self.initiators.append(op)
+            self.sends.append(op)
         self.await_descriptor(peer, op)
         return op
 
-    def abandon(self, op: TargetOp | InitiatorOp) -> None:
-        """Stop progressing ``op`` after its wait gave up (a target's buffer is deregistered)."""
+    def abandon(self, op: RecvOp | SendOp) -> None:
+        """Stop progressing ``op`` after its wait gave up (its receive buffer is deregistered)."""
         with self.lock:
-            if isinstance(op, InitiatorOp):
+            if isinstance(op, SendOp):
                 with self.ops_lock:
-                    if op in self.initiators:
-                        self.initiators.remove(op)
+                    if op in self.sends:
+                        self.sends.remove(op)
                 if op.error is None:
                     op.fail(TimeoutError("abandoned"))
             elif op.reg is not None:
@@ -236,20 +230,20 @@ class NixlEngine:
             self.arrived.update(bytes(m) for m in msgs)
 
     def progress(self) -> None:
-        """Advance every posted initiator one step (descriptor arrived -> transfer posted -> done)."""
+        """Advance every posted send one step (descriptor arrived -> WRITE posted -> WRITE done)."""
         with self.lock:
             with self.ops_lock:
-                ops = list(self.initiators)
+                ops = list(self.sends)
             for op in ops:
                 op.advance(self)
             with self.ops_lock:
-                self.initiators = [op for op in self.initiators if op.state not in ("done", "error")]
+                self.sends = [op for op in self.sends if op.state not in ("done", "error")]
             self.poll_notifs()
 
 
-def _wait_descriptors(eng: NixlEngine, q: queue.SimpleQueue[InitiatorOp]) -> None:
-    """A descriptor waiter: block on each queued initiator's descriptor receive in turn (GIL
-    released), then drive it (:func:`_drive`)."""
+def _wait_descriptors(eng: NixlEngine, q: queue.SimpleQueue[SendOp]) -> None:
+    """A descriptor waiter: block on each queued send's descriptor receive in turn (GIL released),
+    then serve it (:func:`_serve`)."""
     while True:
         op = q.get()
         try:
@@ -258,14 +252,14 @@ def _wait_descriptors(eng: NixlEngine, q: queue.SimpleQueue[InitiatorOp]) -> Non
             op.desc_error = exc
         op.arrived.set()
         if op.auto and op.desc_error is None:
-            _drive(eng, op)
+            _serve(eng, op)
 
 
-def _drive(eng: NixlEngine, op: InitiatorOp) -> None:
-    """Post ``op``'s transfer as soon as its descriptor arrived and drive it until it completed, for at
-    most :data:`SERVE_DRIVE_S`: the bytes move while the rank's own thread does other work (a restore
-    verifying chunks), not when it next waits. Past the bound (a peer gone or stopped) the op is
-    left to the waits, whose deadline ends it; errors go to the op's state, as in progress."""
+def _serve(eng: NixlEngine, op: SendOp) -> None:
+    """Post ``op``'s WRITE as soon as its descriptor arrived and drive it until it landed, for at most
+    :data:`SERVE_DRIVE_S`: a serving rank's sends go out while its own thread does other work (a restore
+    verifying its local chunks), not when it next waits. Past the bound (a peer gone or stopped) the
+    op is left to the waits, whose deadline ends it; errors go to the op's state, as in progress."""
     t0 = time.monotonic()
     nap = 0.00002
     while True:
@@ -337,11 +331,10 @@ def probe() -> tuple[bool, str]:
     return True, f"{eng.mod.__name__} agent {eng.name} with UCX (UCX_TLS={ucx_transports()})"
 
 
-class TargetOp:
-    """A posted target side: registered buffer, descriptor sent, notification awaited."""
+class RecvOp:
+    """A posted receive: registered buffer, descriptor sent, notification awaited."""
 
-    def __init__(self, token: bytes, reg: Any, desc_work: Any, nbytes: int, buf: torch.Tensor | None = None) -> None:
-        self.buf = buf  # kept alive until the peer's transfer notified: it may read or write it until then
+    def __init__(self, token: bytes, reg: Any, desc_work: Any, nbytes: int) -> None:
         self.token = token
         self.reg = reg
         self.desc_work = desc_work
@@ -349,12 +342,11 @@ class TargetOp:
         self.done = nbytes == 0
 
 
-class InitiatorOp:
-    """A posted initiator side: descriptor awaited, then its transfer(s) posted, then done (or error)."""
+class SendOp:
+    """A posted send: descriptor awaited, then WRITE(s) posted, then done (or error)."""
 
-    def __init__(self, buf: torch.Tensor, desc: torch.Tensor | None, work: Any, xfer: str) -> None:
+    def __init__(self, buf: torch.Tensor, desc: torch.Tensor | None, work: Any) -> None:
         self.buf = buf
-        self.xfer = xfer  # "WRITE" (push: buf into the target's buffer) or "READ" (pull: the target's into buf)
         self.desc = desc
         self.work = work
         self.state = "desc" if buf.numel() else "done"
@@ -362,8 +354,8 @@ class InitiatorOp:
         self.remote: tuple[str, int, bytes] | None = None  # (agent name, address, token)
         self.reg: Any = None
         self.xfers: list[Any] = []
-        self.written = 0  # bytes whose transfer was posted
-        self.auto = True  # the whole buffer is posted at once (False: a paced send_ranges posts it)
+        self.written = 0  # bytes whose WRITE was posted
+        self.auto = True  # progress posts the whole buffer at once (False: a paced send_ranges does)
         self.arrived = threading.Event()  # the descriptor receive returned (desc_error: with an error)
         self.desc_error: BaseException | None = None
 
@@ -371,7 +363,7 @@ class InitiatorOp:
         self.state, self.error = "error", exc
 
     def ready(self, eng: NixlEngine) -> bool:
-        """Whether the target's descriptor arrived and was loaded (raises nothing: errors go to state)."""
+        """Whether the receiver's descriptor arrived and was loaded (raises nothing: errors go to state)."""
         if self.remote is not None:
             return True
         if self.state != "desc" or not self.arrived.is_set():
@@ -382,9 +374,9 @@ class InitiatorOp:
             assert self.desc is not None
             head = self.desc[: _HEADER * 8].view(torch.int64).tolist()
             magic, token, addr, nbytes, md_len = (int(v) for v in head)
-            if magic != _MAGIC[self.xfer] or nbytes != self.buf.numel() or not 0 < md_len <= DESC_BYTES - _HEADER * 8:
-                raise RuntimeError(f"descriptor mismatch (magic {magic:#x} for a {self.xfer}, {nbytes} bytes announced, "
-                                   f"{self.buf.numel()} here): the two ranks' messages do not pair up")
+            if magic != _MAGIC or nbytes != self.buf.numel() or not 0 < md_len <= DESC_BYTES - _HEADER * 8:
+                raise RuntimeError(f"descriptor mismatch (magic {magic:#x}, {nbytes} bytes announced, "
+                                   f"{self.buf.numel()} to send): the two ranks' messages do not pair up")
             md = self.desc[_HEADER * 8 : _HEADER * 8 + md_len].numpy().tobytes()
             name = eng.agent.add_remote_agent(md)
             self.remote = (name.decode() if isinstance(name, bytes) else str(name), addr, token.to_bytes(8, "little"))
@@ -395,30 +387,30 @@ class InitiatorOp:
             return False
         return True
 
-    def post(self, eng: NixlEngine, off: int, n: int, notify: bool) -> None:
-        """Post the transfer of bytes ``off:off+n`` between ``buf`` and the target's buffer (same offsets)."""
+    def write(self, eng: NixlEngine, off: int, n: int, notify: bool) -> None:
+        """Post the WRITE of ``buf[off:off+n]`` into the receiver's buffer at the same offset."""
         assert self.remote is not None
         name, addr, token = self.remote
         local = eng.agent.get_xfer_descs([(self.buf.data_ptr() + off, n, 0)], "DRAM")
         remote = eng.agent.get_xfer_descs([(addr + off, n, 0)], "DRAM")
-        h = eng.agent.initialize_xfer(self.xfer, local, remote, name, token if notify else b"")
+        h = eng.agent.initialize_xfer("WRITE", local, remote, name, token if notify else b"")
         if eng.agent.transfer(h) == "ERR":
             eng.agent.release_xfer_handle(h)
-            raise RuntimeError(f"NIXL {self.xfer} failed to post")
+            raise RuntimeError("NIXL WRITE failed to post")
         self.xfers.append(h)
         self.written = off + n
 
     def advance(self, eng: NixlEngine) -> None:
         if self.state == "desc" and self.auto and self.ready(eng):
             try:
-                self.post(eng, 0, self.buf.numel(), notify=True)
+                self.write(eng, 0, self.buf.numel(), notify=True)
             except Exception as exc:  # noqa: BLE001
                 self.fail(exc)
         if self.state == "write":
             self.reap(eng)
 
     def reap(self, eng: NixlEngine) -> None:
-        """Drop finished transfers; the op is done once all of its bytes were posted and completed."""
+        """Drop finished WRITEs; the send is done once all of its bytes were written and landed."""
         try:
             while self.xfers:
                 st = eng.agent.check_xfer_state(self.xfers[0])
@@ -426,7 +418,7 @@ class InitiatorOp:
                     return
                 eng.agent.release_xfer_handle(self.xfers.pop(0))
                 if st != "DONE":
-                    raise RuntimeError(f"NIXL {self.xfer} ended in state {st}")
+                    raise RuntimeError(f"NIXL WRITE ended in state {st}")
         except Exception as exc:  # noqa: BLE001
             self.fail(exc)
         if self.state == "error" or self.written == self.buf.numel():
@@ -437,13 +429,13 @@ class InitiatorOp:
                 self.state = "done"
 
 
-def landed(eng: NixlEngine, op: InitiatorOp, end: int) -> bool:
-    """Whether every transfer of ``op`` posted so far (up to byte ``end``) has completed."""
+def landed(eng: NixlEngine, op: SendOp, end: int) -> bool:
+    """Whether every WRITE of ``op`` posted so far (up to byte ``end``) has completed."""
     op.reap(eng)
     return op.state in ("done", "error") or (not op.xfers and op.written >= end)
 
 
-def received(eng: NixlEngine, r: TargetOp) -> bool:
+def received(eng: NixlEngine, r: RecvOp) -> bool:
     """Whether the notification of ``r`` arrived (its registration is then released)."""
     if r.done:
         return True
@@ -453,8 +445,7 @@ def received(eng: NixlEngine, r: TargetOp) -> bool:
             eng.release(r.reg)
             r.reg = None
         r.done = True
-        r.buf = None
-        r.desc_work = None  # delivered long ago: the notification follows the transfer the descriptor started
+        r.desc_work = None  # delivered long ago: the notification follows the WRITE the descriptor started
     return r.done
 
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..errors import ConfigError, PeerError
 from . import nixl
 from .comm import Comm, get_comm, restart_required, transport_errors
-from .nixl import NixlEngine, TargetOp, landed, received
+from .nixl import NixlEngine, RecvOp, landed, received
 
 __all__ = [
     "GlooTransport",
@@ -232,10 +232,9 @@ class GlooTransport:
 
 
 class NixlTransport:
-    """:class:`Transport` over NIXL one-sided transfers (:mod:`gemini_dcp.transport.nixl`), descriptors
-    and the all-reduce on a :class:`Comm`'s gloo group. Ranges are pushed (the sender WRITEs, paced or
-    whole; one descriptor per range), single buffers pulled (the receiver READs the sender's buffer);
-    every wait runs the engine's progress and is bounded by its deadline."""
+    """:class:`Transport` over NIXL one-sided WRITEs (:mod:`gemini_dcp.transport.nixl`), descriptors
+    and the all-reduce on a :class:`Comm`'s gloo group. A receive is one descriptor per range; every
+    wait runs the engine's progress and is bounded by its deadline."""
 
     def __init__(self, comm: Comm, eng: NixlEngine) -> None:
         self.comm = comm
@@ -268,17 +267,13 @@ class NixlTransport:
         return Pending(work=op, what=what, peer=peer, posted=t0)
 
     def post_recv(self, buf: torch.Tensor, src: int, what: str) -> Pending:
-        """Pulled: this rank READs the sender's buffer once its descriptor arrives."""
-        return self._post(lambda peer: self.eng.post_initiator(buf, peer, self.comm.group, xfer="READ"), src, what)
+        return self._post(lambda peer: self.eng.post_recv(buf, peer, self.comm.group), src, what)
 
     def post_send(self, buf: torch.Tensor, dst: int, what: str) -> Pending:
-        """Pulled: ``buf`` is announced to the receiver, which READs it; waited for until it notifies."""
-        return self._post(lambda peer: self.eng.post_target(buf, peer, self.comm.group, xfer="READ"), dst, what)
+        return self._post(lambda peer: self.eng.post_send(buf, peer, self.comm.group), dst, what)
 
     def recv_ranges(self, view: RangeView, nbytes: int, wire_chunk: int, src: int, what: str) -> list[Pending]:
-        """Pushed: one descriptor per range, however the sender paces its WRITEs into it."""
-        return [self._post(lambda peer: self.eng.post_target(view(0, nbytes), peer, self.comm.group, xfer="WRITE"),
-                           src, what)]
+        return [self.post_recv(view(0, nbytes), src, what)]  # one descriptor per range, however it is paced
 
     def send_ranges(
         self,
@@ -292,11 +287,9 @@ class NixlTransport:
         deadline_s: float | None = None,
     ) -> list[Pending]:
         whole = view(0, nbytes)
-        group = self.comm.group
         if pace is None:
-            return [self._post(lambda peer: self.eng.post_initiator(whole, peer, group, xfer="WRITE"), d, what)
-                    for d in dsts]
-        sends = [self._post(lambda peer: self.eng.post_initiator(whole, peer, group, xfer="WRITE", auto=False), d, what)
+            return [self.post_send(whole, d, what) for d in dsts]
+        sends = [self._post(lambda peer: self.eng.post_send(whole, peer, self.comm.group, auto=False), d, what)
                  for d in dsts]
         eng = self.eng
         for off, n in messages(nbytes, wire_chunk):
@@ -305,7 +298,7 @@ class NixlTransport:
                 self._until(p, lambda op: op.ready(eng) or op.state == "error", deadline_s, False)
                 with eng.lock:
                     try:
-                        p.work.post(eng, off, n, notify=off + n == nbytes)  # the last piece notifies
+                        p.work.write(eng, off, n, notify=off + n == nbytes)  # the last piece notifies
                     except Exception as exc:  # noqa: BLE001 - reported by the wait below
                         p.work.fail(exc)
             end = off + n
@@ -345,7 +338,7 @@ class NixlTransport:
             nap = min(nap * 2, _NIXL_POLL_MAX_S)
 
     def wait(self, pending: Pending, *, deadline_s: float | None = None, fatal: bool = False) -> None:
-        if isinstance(pending.work, TargetOp):
+        if isinstance(pending.work, RecvOp):
             self._until(pending, lambda r: received(self.eng, r), deadline_s, fatal)
         else:
             self._until(pending, lambda s: s.state == "done", deadline_s, fatal)
