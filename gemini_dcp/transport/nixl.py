@@ -35,9 +35,9 @@ Tokens are random per transfer, so a late notification of a failed transfer neve
 a later one. A WRITE still in flight when its wait gave up may land after it, as a late gloo
 message may; the writer replaces the control group and the slot is not committed.
 
-Registration is per transfer (0.3 ms for 512 MiB over UCX shared memory and TCP, which pin
-nothing); registering the slot mappings once per writer is the next step, for RDMA NICs, where
-registration pins pages. gloo's receive work reports completion only to a blocking ``wait``, so
+Registration is per transfer (cheap over UCX shared memory and TCP, which pin nothing:
+docs/benchmarks.md); registering the slot mappings once per writer is the next step, for RDMA
+NICs, where registration pins pages. gloo's receive work reports completion only to a blocking ``wait``, so
 one daemon thread per peer blocks on that peer's descriptors in turn
 (:meth:`NixlEngine.await_descriptor`). NIXL's own progress thread is off (it polls without pause
 and takes a core). The agent starts with UCX's memory-event hooks off (:data:`UCX_DEFAULTS`,
@@ -309,7 +309,8 @@ def engine() -> NixlEngine:
 
 def prestart() -> None:
     """Start this process's agent on a helper thread (not collective), so that the first transfer does
-    not pay for UCX's start (~0.5 s measured here); a failure is reported again by :func:`engine`."""
+    not pay for NIXL's import and UCX's initialisation (docs/deploying.md); a failure is reported again
+    by :func:`engine`."""
     if _ENGINE is not None or _ENGINE_ERROR is not None:
         return
 
