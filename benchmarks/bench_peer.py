@@ -4,9 +4,11 @@
     python benchmarks/bench_peer.py --gib 1 --rounds 3 --restores 2
     python benchmarks/bench_peer.py --quick         # 64 MiB smoke run (no files written unless --json/--png)
     python benchmarks/bench_peer.py --transport gloo nixl   # the same run per peer_transport (issue 43)
+    python benchmarks/bench_peer.py --gib 1 --rounds 3 --restores 3 --transport gloo nixl --passes 3
 
 ``--transport`` (run it with a python that has NIXL: scripts/nixl_venv.sh) repeats the save and
-restore runs once per ``peer_transport``, in the same invocation, and adds raw NIXL: one WRITE of
+restore runs once per ``peer_transport`` (``--passes`` times, alternating which goes first: read
+medians over passes on a shared host), in the same invocation, and adds raw NIXL: one WRITE of
 the same bytes between the same processes, buffers registered and the transfer prepared once,
 outside the timing (``raw_nixl_swap``, ``raw_nixl_oneway``). UCX_TLS defaults to ``sm,tcp`` and
 UCX_NET_DEVICES to ``lo`` when unset. Writes benchmarks/results/peer_transport.json.
@@ -554,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="on a shared machine: first wait up to S seconds for CPU pressure (avg10) below 10%%")
     ap.add_argument("--transport", nargs="+", choices=("gloo", "nixl"), default=None,
                     help="run once per peer_transport, same invocation (writes benchmarks/results/peer_transport.json)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="with --transport: repeat the runs, alternating which transport goes first (default 1)")
     args = ap.parse_args(argv)
     if args.transport:
         return main_transports(args)
@@ -633,7 +637,7 @@ def _run(args: argparse.Namespace, roots: list[Path], total: int, transport: str
 
 
 def main_transports(args: argparse.Namespace) -> int:
-    """``--transport gloo nixl``: the same runs per transport, one JSON (issue 43)."""
+    """``--transport gloo nixl``: the same runs per transport, alternated over ``--passes``, one JSON (issue 43)."""
     os.environ.setdefault("UCX_TLS", "sm,tcp")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if args.quick:
@@ -644,35 +648,65 @@ def main_transports(args: argparse.Namespace) -> int:
     common.require_memory(int(total * (2 + 2 * (args.keep + 1))), "bench_peer", args.shm)
     scratch = common.shm_dir("gemini-bench-peer-", args.shm)
     roots = [scratch / "node0", scratch / "node1"]
-    runs: dict[str, Any] = {}
+    kinds = list(args.transport)
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    passes = []
     try:
-        for kind in args.transport:
-            runs[kind] = _run(args, roots, total, kind)
-            print(f"\n== peer_transport={kind} ==")
-            report(runs[kind])
+        for p in range(args.passes):
+            order = kinds[p % len(kinds):] + kinds[: p % len(kinds)]  # alternate who goes first
+            passes.append(order)
+            for kind in order:
+                s = _run(args, roots, total, kind)
+                s["pass"] = p
+                runs[kind].append(s)
+                print(f"\n== pass {p}, peer_transport={kind} ==")
+                report(s)
     finally:
         common.remove_dir(scratch)
     rows = []
-    for kind, s in runs.items():
-        f = s["figures"]
-        rows.append({"transport": kind, "replication_gbps": f["replication"]["gbps"], "raw_gloo_swap_gbps": f["raw_swap"]["gbps"],
-                     "raw_nixl_swap_gbps": f.get("raw_nixl_swap", {}).get("gbps"),
-                     "restore_gbps": f["restore"]["gbps"], "raw_gloo_oneway_gbps": f["restore_raw_oneway"]["gbps"],
-                     "raw_nixl_oneway_gbps": f.get("restore_raw_nixl_oneway", {}).get("gbps"),
-                     "replication_median_s": f["replication"]["median_s"], "bit_exact": s["bit_exact"],
-                     "cpu_pressure_pct": s["machine"].get("cpu_pressure_during_run_pct")})
-    print("\n| peer_transport | replication GB/s | raw gloo swap | raw NIXL swap | restore GB/s | raw gloo one-way | "
-          "raw NIXL one-way | bit-exact |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for kind, ss in runs.items():
+        def each(get: Any) -> list[Any]:
+            return [get(s) for s in ss]  # noqa: B023 - used at once
+
+        rep = each(lambda s: s["figures"]["replication"]["gbps"])
+        res = each(lambda s: s["figures"]["restore"]["gbps"])
+        loads = sorted(x for s in ss for x in s["figures"]["restore"]["load_s"])
+        rows.append({
+            "transport": kind,
+            "replication_gbps": median(rep), "replication_gbps_per_pass": rep,
+            "replication_median_s": median(x for s in ss for x in s["figures"]["replication"]["seconds"]),
+            "raw_gloo_swap_gbps": median(each(lambda s: s["figures"]["raw_swap"]["gbps"])),
+            "raw_nixl_swap_gbps": median(each(lambda s: s["figures"].get("raw_nixl_swap", {}).get("gbps"))) if kind == "nixl" else None,
+            "restore_gbps": median(res), "restore_gbps_per_pass": res,
+            "restore_load_s_sorted": loads, "restore_load_median_s": median(loads),
+            "restore_again_gbps": median(each(lambda s: s["figures"]["restore"]["again_gbps"])),
+            "restore_read_metadata_s": median(
+                r["phases"][rk].get("read_metadata", 0.0) for s in ss for r in s["restores"] for rk in r["phases"]),
+            "raw_gloo_oneway_gbps": median(each(lambda s: s["figures"]["restore_raw_oneway"]["gbps"])),
+            "raw_nixl_oneway_gbps": median(each(lambda s: s["figures"].get("restore_raw_nixl_oneway", {}).get("gbps")))
+            if kind == "nixl" else None,
+            "bit_exact": all(s["bit_exact"] for s in ss),
+            "cpu_pressure_pct_per_pass": each(lambda s: s["machine"].get("cpu_pressure_during_run_pct")),
+        })
+    print("\n| peer_transport | replication GB/s (per pass) | raw gloo swap | raw NIXL swap | restore GB/s (per pass) | "
+          "restore dcp.load s (median) | raw gloo one-way | raw NIXL one-way | CPU pressure % | bit-exact |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['transport']} | **{fmt(r['replication_gbps'])}** | {fmt(r['raw_gloo_swap_gbps'])} | "
-              f"{fmt(r['raw_nixl_swap_gbps'])} | **{fmt(r['restore_gbps'])}** | {fmt(r['raw_gloo_oneway_gbps'])} | "
-              f"{fmt(r['raw_nixl_oneway_gbps'])} | {r['bit_exact']} |")
-    doc = {"benchmark": "peer_transport", "ucx": {"UCX_TLS": os.environ["UCX_TLS"], "UCX_NET_DEVICES": os.environ["UCX_NET_DEVICES"]},
-           "summary": rows, "runs": runs}
+        print(f"| {r['transport']} | **{fmt(r['replication_gbps'])}** ({', '.join(fmt(x) for x in r['replication_gbps_per_pass'])}) | "
+              f"{fmt(r['raw_gloo_swap_gbps'])} | {fmt(r['raw_nixl_swap_gbps'])} | **{fmt(r['restore_gbps'])}** "
+              f"({', '.join(fmt(x) for x in r['restore_gbps_per_pass'])}) | {fmt(r['restore_load_median_s'], '.3f')} | "
+              f"{fmt(r['raw_gloo_oneway_gbps'])} | {fmt(r['raw_nixl_oneway_gbps'])} | "
+              f"{', '.join(str(x) for x in r['cpu_pressure_pct_per_pass'])} | {r['bit_exact']} |")
+    from gemini_dcp.transport.nixl import UCX_DEFAULTS
+
+    ucx = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES", *UCX_DEFAULTS)}
+    ucx["engine_defaults"] = dict(UCX_DEFAULTS)  # what the NIXL engine sets where the environment does not
+    doc = {"benchmark": "peer_transport", "ucx": ucx,
+           "passes": passes, "summary": rows, "runs": runs}
     common.write_json(out_path, doc)
     print(f"wrote {out_path}")
-    return 0
+    return 0 if all(r["bit_exact"] for r in rows) else 2
+
 
 if __name__ == "__main__":
     sys.exit(main())

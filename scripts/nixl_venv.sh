@@ -11,4 +11,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv --system-site-packages "$VENV"
 fi
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps "$SPEC" numpy
-"$VENV/bin/python" -c 'import nixl._api as n; print("nixl ok:", n.__file__)'
+# The wheel's module is nixl_cu12 (or nixl_cu13); the "nixl" meta package is optional
+# (gemini_dcp.transport.nixl.NIXL_MODULES: the first that imports with nixl_agent).
+"$VENV/bin/python" - <<'PY'
+import importlib
+for name in ("nixl", "nixl_cu12", "nixl_cu13"):
+    try:
+        mod = importlib.import_module(name)
+    except ImportError:
+        continue
+    if hasattr(mod, "nixl_agent"):
+        print("nixl ok:", name, mod.__file__)
+        break
+else:
+    raise SystemExit("NIXL did not install: none of nixl, nixl_cu12, nixl_cu13 imports with nixl_agent")
+PY

@@ -47,6 +47,7 @@ def nodes():  # noqa: ANN201 - a pytest fixture (generator)
 def ucx(request, monkeypatch):  # noqa: ANN001, ANN201 - a pytest fixture
     monkeypatch.setenv("UCX_TLS", request.param)
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.delenv("UCX_MEM_EVENTS", raising=False)  # the engine's own default applies
     return request.param
 
 
@@ -124,6 +125,7 @@ def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     t = transport_for(get_comm(30.0), "nixl")
     out["nixl"] = isinstance(t, NixlTransport)
+    out["mem_events"] = os.environ.get("UCX_MEM_EVENTS")  # the engine's default: UCX's memory hooks off
     src = _payload(7)
     if rank == 0:
         paced: list[int] = []
@@ -165,6 +167,7 @@ def _transfers(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def test_ranges_paced_and_single_transfers_bit_exact(ucx: str, tmp_path: Path) -> None:
     out = run_ranks(_transfers, 3, str(tmp_path))
     assert all(o["nixl"] for o in out), out
+    assert all(o["mem_events"] == "no" for o in out), out
     assert out[0]["pace_calls"] == -(-NBYTES // WIRE_CHUNK) and out[0]["single_ok"]
     assert out[1]["unpaced_ok"] and out[1]["paced_ok"] and out[2]["unpaced_ok"]
     assert all(o["reduced"] == [3] for o in out)

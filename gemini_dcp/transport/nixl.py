@@ -14,10 +14,12 @@ deltas) post exactly what they post over gloo:
    message on the control group: no new rendezvous, no port beyond UCX's own.
 2. **post_send** posts the gloo receive of that descriptor. The k-th send from A to B meets
    the k-th receive of B from A, as gloo point-to-point messages between a pair are ordered.
-3. **progress** (:meth:`NixlEngine.progress`, run by every wait of the transport, whatever it
-   waits for): a send whose descriptor arrived loads the peer's metadata, registers its own buffer and posts
-   one WRITE of it straight into the receiver's buffer, carrying the token as its
-   notification; a finished WRITE releases its registration.
+3. **progress**: a send whose descriptor arrived loads the peer's metadata, registers its own
+   buffer and posts one WRITE of it straight into the receiver's buffer, carrying the token as
+   its notification; a finished WRITE releases its registration. The thread that received the
+   descriptor posts and drives an unpaced send at once (:func:`_serve`), so a serving rank's
+   bytes move while its own thread works (a restore verifying its local chunks); every wait of
+   the transport also runs :meth:`NixlEngine.progress`, whatever it waits for.
 4. **wait** (the transport's) on a receive waits for the token's notification (NIXL delivers
    it after the WRITE's bytes); on a send, for the WRITE's completion. Every wait is bounded by its
    deadline (the group's ``timeout_s`` when none is given): a peer killed or stopped
@@ -33,11 +35,15 @@ Tokens are random per transfer, so a late notification of a failed transfer neve
 a later one. A WRITE still in flight when its wait gave up may land after it, as a late gloo
 message may; the writer replaces the control group and the slot is not committed.
 
-Registration is per transfer (cheap over UCX shared memory and TCP, docs/benchmarks.md);
-registering the slot mappings once per writer is the next step, for RDMA NICs. gloo's receive
-work reports completion only to a blocking ``wait``, so one daemon thread per peer blocks on
-that peer's descriptors in turn (:meth:`NixlEngine.await_descriptor`). NIXL's own progress
-thread is off (it polls without pause and takes a core): the waits drive UCX's progress.
+Registration is per transfer (cheap over UCX shared memory and TCP, which pin nothing:
+docs/benchmarks.md); registering the slot mappings once per writer is the next step, for RDMA
+NICs, where registration pins pages. gloo's receive work reports completion only to a blocking ``wait``, so
+one daemon thread per peer blocks on that peer's descriptors in turn
+(:meth:`NixlEngine.await_descriptor`). NIXL's own progress thread is off (it polls without pause
+and takes a core). The agent starts with UCX's memory-event hooks off (:data:`UCX_DEFAULTS`,
+unless the environment sets them): NIXL hands UCX its registrations explicitly, so the hooks
+only feed UCX's registration and memory-type caches, and installing them took most of the
+agent's start.
 The ``nixl`` module (or the ``nixl_cu12`` / ``nixl_cu13`` wheel's) is imported only here,
 lazily: ``import gemini_dcp`` never needs it. One agent per process (:func:`engine`), created
 on first use or ahead by :func:`prestart`.
@@ -53,6 +59,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -62,7 +69,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "DESC_BYTES", "NIXL_MODULES", "NixlEngine", "RecvOp", "SendOp", "describe", "engine", "landed", "load_nixl", "prestart", "probe",
+    "DESC_BYTES", "NIXL_MODULES", "SERVE_DRIVE_S", "UCX_DEFAULTS", "NixlEngine", "RecvOp", "SendOp", "describe", "engine",
+    "landed", "load_nixl", "prestart", "probe",
     "received", "ucx_transports",
 ]
 
@@ -72,6 +80,10 @@ log = logging.getLogger(__name__)
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
 #: Bytes of one descriptor message (header + the receiver's partial agent metadata).
 DESC_BYTES = 8192
+#: How long a descriptor waiter thread drives a send it posted before leaving it to the waits (s).
+SERVE_DRIVE_S = 5.0
+#: UCX settings NIXL's agent starts with unless the environment sets them (:func:`engine`).
+UCX_DEFAULTS = {"UCX_MEM_EVENTS": "no"}
 _MAGIC = 0x4E49584C44435031  # "NIXLDCP1"
 _HEADER = 5  # int64s: magic, token, address, length, metadata length
 
@@ -133,7 +145,8 @@ class NixlEngine:
         self.mod = mod
         self.agent = agent
         self.name = name
-        self.lock = threading.RLock()  # agent calls and the lists below (the agent runs without its own locks)
+        self.lock = threading.RLock()  # agent calls, ``arrived`` and the ops' states (the agent runs without its own locks)
+        self.ops_lock = threading.Lock()  # ``sends`` and the waiters: posting never waits for a WRITE in flight
         self.sends: list[SendOp] = []  # posted sends, progressed by every wait
         self.arrived: set[bytes] = set()  # tokens notified and not yet waited for
         self._waiters: dict[int, queue.SimpleQueue[SendOp]] = {}  # peer -> its descriptor waiter's queue
@@ -141,11 +154,11 @@ class NixlEngine:
     def await_descriptor(self, peer: int, op: SendOp) -> None:
         """Have ``peer``'s waiter thread block on ``op``'s descriptor receive (gloo's receive work
         reports completion only to a blocking ``wait``; descriptors of one peer arrive in order)."""
-        with self.lock:
+        with self.ops_lock:
             q = self._waiters.get(peer)
             if q is None:
                 q = self._waiters[peer] = queue.SimpleQueue()
-                threading.Thread(target=_wait_descriptors, args=(q,), name=f"gemini-dcp-nixl-desc-{peer}",
+                threading.Thread(target=_wait_descriptors, args=(self, q), name=f"gemini-dcp-nixl-desc-{peer}",
                                  daemon=True).start()
         q.put(op)
 
@@ -185,7 +198,7 @@ class NixlEngine:
         desc = torch.empty(DESC_BYTES, dtype=torch.uint8)
         op = SendOp(flat, desc, dist.irecv(desc, src=peer, group=group))
         op.auto = auto
-        with self.lock:
+        with self.ops_lock:
             self.sends.append(op)
         self.await_descriptor(peer, op)
         return op
@@ -194,8 +207,9 @@ class NixlEngine:
         """Stop progressing ``op`` after its wait gave up (its receive buffer is deregistered)."""
         with self.lock:
             if isinstance(op, SendOp):
-                if op in self.sends:
-                    self.sends.remove(op)
+                with self.ops_lock:
+                    if op in self.sends:
+                        self.sends.remove(op)
                 if op.error is None:
                     op.fail(TimeoutError("abandoned"))
             elif op.reg is not None:
@@ -218,15 +232,18 @@ class NixlEngine:
     def progress(self) -> None:
         """Advance every posted send one step (descriptor arrived -> WRITE posted -> WRITE done)."""
         with self.lock:
-            for op in list(self.sends):
+            with self.ops_lock:
+                ops = list(self.sends)
+            for op in ops:
                 op.advance(self)
-                if op.state in ("done", "error"):
-                    self.sends.remove(op)
+            with self.ops_lock:
+                self.sends = [op for op in self.sends if op.state not in ("done", "error")]
             self.poll_notifs()
 
 
-def _wait_descriptors(q: queue.SimpleQueue[SendOp]) -> None:
-    """A descriptor waiter: block on each queued send's descriptor receive in turn (GIL released)."""
+def _wait_descriptors(eng: NixlEngine, q: queue.SimpleQueue[SendOp]) -> None:
+    """A descriptor waiter: block on each queued send's descriptor receive in turn (GIL released),
+    then serve it (:func:`_serve`)."""
     while True:
         op = q.get()
         try:
@@ -234,6 +251,28 @@ def _wait_descriptors(q: queue.SimpleQueue[SendOp]) -> None:
         except BaseException as exc:  # noqa: BLE001 - handed to the op's wait
             op.desc_error = exc
         op.arrived.set()
+        if op.auto and op.desc_error is None:
+            _serve(eng, op)
+
+
+def _serve(eng: NixlEngine, op: SendOp) -> None:
+    """Post ``op``'s WRITE as soon as its descriptor arrived and drive it until it landed, for at most
+    :data:`SERVE_DRIVE_S`: a serving rank's sends go out while its own thread does other work (a restore
+    verifying its local chunks), not when it next waits. Past the bound (a peer gone or stopped) the
+    op is left to the waits, whose deadline ends it; errors go to the op's state, as in progress."""
+    t0 = time.monotonic()
+    nap = 0.00002
+    while True:
+        with eng.lock:
+            if op.state in ("done", "error"):
+                return
+            op.advance(eng)
+            if op.state in ("done", "error"):
+                return
+        if time.monotonic() - t0 > SERVE_DRIVE_S:
+            return
+        time.sleep(nap)
+        nap = min(nap * 2, 0.001)
 
 
 _ENGINE: NixlEngine | None = None
@@ -252,6 +291,8 @@ def engine() -> NixlEngine:
         mod = load_nixl()
         if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO on stdout
             logging.getLogger("nixl").setLevel(logging.WARNING)
+        for key, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         name = f"gemini-dcp-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
@@ -268,7 +309,8 @@ def engine() -> NixlEngine:
 
 def prestart() -> None:
     """Start this process's agent on a helper thread (not collective), so that the first transfer does
-    not pay for UCX's start (~0.5 s measured here); a failure is reported again by :func:`engine`."""
+    not pay for NIXL's import and UCX's initialisation (docs/deploying.md); a failure is reported again
+    by :func:`engine`."""
     if _ENGINE is not None or _ENGINE_ERROR is not None:
         return
 
