@@ -126,6 +126,8 @@ class Drainer:
         one server per node runs (the others exit at the lock)."""
         if self.mode == "process":
             ensure_server(self.paths.dir, self.mode, options=self.options, warm_first=self.options.bridge)
+            if self.options.bridge:  # a bridge in this process finds its upload side imported
+                threading.Thread(target=_import_upload_side, name="gemini-dcp-drain-preload", daemon=True).start()
 
     def wait_persisted(self, step: int | None = None, timeout_s: float | None = None, poll_s: float = 0.02) -> int | None:
         """Block until ``step`` (default: the newest step this process submitted as due) is durable.
@@ -152,6 +154,10 @@ class Drainer:
 
     def wait(self, timeout_s: float = 300.0) -> bool:
         return wait_idle(self.paths.dir, timeout_s)
+
+
+def _import_upload_side() -> None:
+    from . import upload  # noqa: F401, PLC0415 - torch is here already: only the module's own imports
 
 
 def wait_durable(
