@@ -20,6 +20,7 @@ import pkgutil
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 
 
@@ -38,6 +39,20 @@ def import_everything() -> int:
     return count
 
 
+def _wipe(root: str) -> None:
+    """Empty a node's tier root. The old node's drain may still write its last status file while the
+    tree goes (a replaced machine's would not exist): retry until the removal wins."""
+    for _ in range(100):
+        try:
+            shutil.rmtree(root)
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.02)
+    os.makedirs(root, 0o700, exist_ok=True)
+
+
 def _rank(rank: int, port: int, roots: list[str], store: str) -> None:
     import torch
     import torch.distributed as dist
@@ -54,8 +69,7 @@ def _rank(rank: int, port: int, roots: list[str], store: str) -> None:
         assert w.wait_persisted(timeout_s=180) == 2
         dist.barrier()
         if rank == 1:  # a replaced machine: its memory tier comes back empty
-            shutil.rmtree(roots[1])
-            os.mkdir(roots[1], 0o700)
+            _wipe(roots[1])
         dist.barrier()
         out = {f"w{rank}": torch.zeros(1 << 16)}
         reader = GeminiStorageReader(root=roots[rank], job_id="smoke")

@@ -101,8 +101,11 @@ def warm_then_serve(persist_dir: str, options: DrainOptions, *, warming_fd: int 
         _prewarm()
     finally:
         os.close(wfd)  # warm (or failed to be): a bridge hands over now
-    fd = _open_lock(p, p.lock)
-    if fd is None:
+    if not p.dir.is_dir():
+        return  # the job's memory was removed meanwhile: never make its directory again
+    try:
+        fd = os.open(p.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
         return
     deadline = time.monotonic() + max(options.idle_s, BRIDGE_HANDOVER_S)
     while not try_flock(fd):
@@ -153,6 +156,18 @@ def serve(
     if prewarm:
         threading.Thread(target=_prewarm, name="gemini-drain-prewarm", daemon=True).start()
     _serve_locked(p, fd, idle_s, options or DrainOptions(), bridge=bridge)
+
+
+def _held(path: Path) -> bool:
+    """Whether a process holds the ``flock`` on ``path``; a missing file is held by nobody (and is not made)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        return not try_flock(fd)
+    finally:
+        os.close(fd)
 
 
 def _open_lock(p: Paths, path: Path) -> int | None:
@@ -244,7 +259,7 @@ class _Server:
             if not self.p.dir.is_dir():
                 log.info("drain state %s is gone; exiting", self.p.dir)
                 return
-            if self.bridge and self.upload_thread is None and not self.awaiting and lock_free(self.p.warming_lock, self.p.dir):
+            if self.bridge and self.upload_thread is None and not self.awaiting and not _held(self.p.warming_lock):
                 return  # the node's server is warm: it takes the lock (and what is pending) from here
             reqs = self._requests()
             busy = self.upload_thread is not None
