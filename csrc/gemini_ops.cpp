@@ -317,59 +317,6 @@ __attribute__((target("sse4.2,pclmul"))) inline void store128(uint8_t* q, __m128
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), v);
 }
 
-// One pass: every 64 bytes are loaded once, stored to dst and folded into the CRC.
-// Requires n >= 64; with `stream` (non-temporal stores, which skip reading dst's
-// lines into the cache first) dst must be 16-byte aligned.
-__attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_raw_pclmul(uint32_t crc, uint8_t* d, const uint8_t* p,
-                                                                       size_t n, bool stream) {
-  const FoldConst& c512 = fold512();
-  const FoldConst& c128 = fold128();
-  const __m128i k512 = _mm_set_epi64x(static_cast<long long>(c512.hi), static_cast<long long>(c512.lo));
-  const __m128i k128 = _mm_set_epi64x(static_cast<long long>(c128.hi), static_cast<long long>(c128.lo));
-  __m128i a0 = load128(p), a1 = load128(p + 16), a2 = load128(p + 32), a3 = load128(p + 48);
-  store128(d, a0, stream);
-  store128(d + 16, a1, stream);
-  store128(d + 32, a2, stream);
-  store128(d + 48, a3, stream);
-  __m128i x0 = _mm_xor_si128(a0, _mm_cvtsi32_si128(static_cast<int>(crc))), x1 = a1, x2 = a2, x3 = a3;
-  p += 64;
-  d += 64;
-  n -= 64;
-  while (n >= 64) {
-    a0 = load128(p);
-    a1 = load128(p + 16);
-    a2 = load128(p + 32);
-    a3 = load128(p + 48);
-    store128(d, a0, stream);
-    store128(d + 16, a1, stream);
-    store128(d + 32, a2, stream);
-    store128(d + 48, a3, stream);
-    x0 = _mm_xor_si128(fold(x0, k512), a0);
-    x1 = _mm_xor_si128(fold(x1, k512), a1);
-    x2 = _mm_xor_si128(fold(x2, k512), a2);
-    x3 = _mm_xor_si128(fold(x3, k512), a3);
-    p += 64;
-    d += 64;
-    n -= 64;
-  }
-  x1 = _mm_xor_si128(fold(x0, k128), x1);
-  x2 = _mm_xor_si128(fold(x1, k128), x2);
-  x3 = _mm_xor_si128(fold(x2, k128), x3);
-  while (n >= 16) {
-    a0 = load128(p);
-    store128(d, a0, stream);
-    x3 = _mm_xor_si128(fold(x3, k128), a0);
-    p += 16;
-    d += 16;
-    n -= 16;
-  }
-  if (stream) _mm_sfence();
-  uint64_t r = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x3)));
-  r = _mm_crc32_u64(r, static_cast<uint64_t>(_mm_extract_epi64(x3, 1)));
-  std::memcpy(d, p, n);
-  return crc_raw_hw(static_cast<uint32_t>(r), d, n);
-}
-
 uint64_t count_nonfinite_raw(int64_t kind, const uint8_t* p, size_t n);
 
 // The screen of one 16-byte vector of whole values of kind K (see count_nonfinite_raw): the
@@ -401,10 +348,13 @@ __attribute__((target("sse4.2,pclmul"))) inline bool screen_hit(__m128i acc) {
   }
 }
 
-// copy_crc_raw_pclmul that also screens the bytes it loads for non-finite values of kind K (two
-// more vector operations per 16 bytes) and adds their count to *count: 0 when the screen saw none,
-// else an exact count of src (a second pass over a piece that holds some). The bytes must start
-// at a value boundary; requires n >= 64, and dst 16-byte aligned with `stream`.
+// One pass: every 64 bytes are loaded once, stored to dst and folded into the CRC. With K > 0 the
+// pass also screens the bytes it loads for non-finite values of kind K (two more vector operations
+// per 16 bytes) and adds their count to *count: 0 when the screen saw none, else an exact count of
+// src (a second pass over a piece that holds some); the bytes must then start at a value boundary.
+// K = 0 is the plain copy + CRC (no screen, `count` unused). Requires n >= 64; with `stream`
+// (non-temporal stores, which skip reading dst's lines into the cache first) dst must be 16-byte
+// aligned.
 template <int K>
 __attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_count_raw_pclmul(uint32_t crc, uint8_t* d, const uint8_t* p,
                                                                              size_t n, bool stream, uint64_t* count) {
@@ -412,15 +362,15 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_count_raw_pclmul(uint
   const FoldConst& c128 = fold128();
   const __m128i k512 = _mm_set_epi64x(static_cast<long long>(c512.hi), static_cast<long long>(c512.lo));
   const __m128i k128 = _mm_set_epi64x(static_cast<long long>(c128.hi), static_cast<long long>(c128.lo));
-  __m128i acc = _mm_setzero_si128();
-  const uint8_t* const p0 = p;
-  const size_t n0 = n;
+  [[maybe_unused]] __m128i acc = _mm_setzero_si128();
+  [[maybe_unused]] const uint8_t* const p0 = p;
+  [[maybe_unused]] const size_t n0 = n;
   __m128i a0 = load128(p), a1 = load128(p + 16), a2 = load128(p + 32), a3 = load128(p + 48);
   store128(d, a0, stream);
   store128(d + 16, a1, stream);
   store128(d + 32, a2, stream);
   store128(d + 48, a3, stream);
-  acc = screen_vec<K>(screen_vec<K>(screen_vec<K>(screen_vec<K>(acc, a0), a1), a2), a3);
+  if constexpr (K != 0) acc = screen_vec<K>(screen_vec<K>(screen_vec<K>(screen_vec<K>(acc, a0), a1), a2), a3);
   __m128i x0 = _mm_xor_si128(a0, _mm_cvtsi32_si128(static_cast<int>(crc))), x1 = a1, x2 = a2, x3 = a3;
   p += 64;
   d += 64;
@@ -438,8 +388,10 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_count_raw_pclmul(uint
     x1 = _mm_xor_si128(fold(x1, k512), a1);
     x2 = _mm_xor_si128(fold(x2, k512), a2);
     x3 = _mm_xor_si128(fold(x3, k512), a3);
-    acc = screen_vec<K>(screen_vec<K>(screen_vec<K>(screen_vec<K>(acc, a0), a1), a2), a3);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);  // more loads in flight (the screen's ops)
+    if constexpr (K != 0) {
+      acc = screen_vec<K>(screen_vec<K>(screen_vec<K>(screen_vec<K>(acc, a0), a1), a2), a3);
+      _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);  // more loads in flight (the screen's ops)
+    }
     p += 64;
     d += 64;
     n -= 64;
@@ -451,21 +403,29 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_count_raw_pclmul(uint
     a0 = load128(p);
     store128(d, a0, stream);
     x3 = _mm_xor_si128(fold(x3, k128), a0);
-    acc = screen_vec<K>(acc, a0);
+    if constexpr (K != 0) acc = screen_vec<K>(acc, a0);
     p += 16;
     d += 16;
     n -= 16;
   }
   if (stream) _mm_sfence();
-  if (screen_hit<K>(acc)) {
-    *count += count_nonfinite_raw(K, p0, n0);  // the whole piece, tail included
-  } else {
-    *count += count_nonfinite_raw(K, p, n);  // the tail (< 16 bytes) the vectors did not see
+  if constexpr (K != 0) {
+    if (screen_hit<K>(acc)) {
+      *count += count_nonfinite_raw(K, p0, n0);  // the whole piece, tail included
+    } else {
+      *count += count_nonfinite_raw(K, p, n);  // the tail (< 16 bytes) the vectors did not see
+    }
   }
   uint64_t r = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x3)));
   r = _mm_crc32_u64(r, static_cast<uint64_t>(_mm_extract_epi64(x3, 1)));
   std::memcpy(d, p, n);
   return crc_raw_hw(static_cast<uint32_t>(r), d, n);
+}
+
+// The plain copy + CRC pass (no screen).
+__attribute__((target("sse4.2,pclmul"))) uint32_t copy_crc_raw_pclmul(uint32_t crc, uint8_t* d, const uint8_t* p,
+                                                                       size_t n, bool stream) {
+  return copy_crc_count_raw_pclmul<0>(crc, d, p, n, stream, nullptr);
 }
 #elif defined(GEMINI_ARM_CRC)
 uint32_t crc_raw_hw(uint32_t crc, const uint8_t* p, size_t n) {
