@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,3 +39,14 @@ def assert_same_final(a: Path, b: Path) -> None:
     assert x.keys() == y.keys()
     for k in x:
         assert torch.equal(x[k], y[k]), k
+
+
+@contextlib.contextmanager
+def private_tier_root(prefix: str) -> Iterator[Path]:
+    """A fresh tier root (on /dev/shm where writable), removed afterwards."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -10,14 +10,11 @@ importable: run it in the venv ``scripts/integrations_venv.sh`` builds. About 20
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from integration_runs import REPO, assert_same_final, launch, losses
+from integration_runs import REPO, assert_same_final, launch, losses, private_tier_root
 
 SCRIPT = REPO / "examples" / "accelerate_resume.py"
 STEPS, FAIL_AT = 8, 5
@@ -30,10 +27,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def tier_root() -> Iterator[Path]:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = Path(tempfile.mkdtemp(prefix="gemini_acc_", dir=base))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with private_tier_root("gemini_acc_") as root:
+        yield root
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -10,14 +10,12 @@ importable: run it in the venv ``scripts/integrations_venv.sh`` builds. About 60
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from integration_runs import REPO, assert_same_final, launch, losses
+from integration_runs import REPO, assert_same_final, launch, losses, private_tier_root
 
 SCRIPT = REPO / "examples" / "lightning_resume.py"
 STEPS, FAIL_AT = 8, 5
@@ -30,10 +28,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def tier_root() -> Iterator[Path]:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = Path(tempfile.mkdtemp(prefix="gemini_lit_", dir=base))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with private_tier_root("gemini_lit_") as root:
+        yield root
 
 
 def test_lightning_kill_and_resume_bit_exact(tmp_path: Path, tier_root: Path) -> None:
