@@ -634,13 +634,17 @@ int64_t crc32c(const at::Tensor& buf, int64_t value, int64_t num_threads) {
 //     from the destination right after it lands (no second pass over memory).
 constexpr size_t kFusedBlock = 3 * kLong * 4;  // 96 KiB
 constexpr size_t kStreamMin = size_t(1) << 20;
+constexpr size_t kStreamPieceMin = size_t(4) << 10;  // a piece of a large group (copy_crc32c_count_many)
 std::atomic<bool> g_fused_blocks{false};  // knob: force the block path (tests, benchmarks)
 
-uint32_t copy_crc_piece(uint8_t* d, const uint8_t* s, size_t n) {
+// stream_min: the piece size from which dst is written with streaming stores (it will not be read
+// back soon: the slot is in the page cache, not the CPU's); a group of many small pieces that is
+// large in total passes a small one (copy_crc32c_count_many).
+uint32_t copy_crc_piece(uint8_t* d, const uint8_t* s, size_t n, size_t stream_min = kStreamMin) {
 #if defined(GEMINI_X86)
   if (n >= kPclmulMin && cpu_has_pclmul() && g_crc_override.load() != 1 && !g_fused_blocks) {
     uint32_t raw = 0xFFFFFFFFu;
-    const bool stream = n >= kStreamMin;
+    const bool stream = n >= stream_min;
     if (stream) {  // align dst to 16 bytes for the streaming stores
       const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
       std::memcpy(d, s, head);
@@ -728,17 +732,18 @@ uint64_t count_nonfinite_raw(int64_t kind, const uint8_t* p, size_t n) {
 // copy_crc_piece that also counts the piece's non-finite values of `kind` into *count, in the
 // same pass: on x86 with PCLMULQDQ inside the folding loop (copy_crc_count_raw_pclmul), else each
 // 96 KiB block is counted from dst right after it is copied and checksummed (in cache).
-uint32_t copy_crc_count_piece(uint8_t* d, const uint8_t* s, size_t n, int64_t kind, uint64_t* count) {
+uint32_t copy_crc_count_piece(uint8_t* d, const uint8_t* s, size_t n, int64_t kind, uint64_t* count,
+                              size_t stream_min = kStreamMin) {
   uint64_t c = 0;
   if (kind == 0) {  // nothing to count
     *count = 0;
-    return copy_crc_piece(d, s, n);
+    return copy_crc_piece(d, s, n, stream_min);
   }
 #if defined(GEMINI_X86)
   if (kind >= 1 && kind <= 4 && n >= kPclmulMin && cpu_has_pclmul() && g_crc_override.load() != 1 && !g_fused_blocks) {
     uint32_t raw = 0xFFFFFFFFu;
     const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
-    const bool stream = n >= kStreamMin && head % 8 == 0;  // the vectors must hold whole values
+    const bool stream = n >= stream_min && head % 8 == 0;  // the vectors must hold whole values
     if (stream && head) {
       c += count_nonfinite_raw(kind, s, head);
       std::memcpy(d, s, head);
@@ -795,6 +800,41 @@ std::tuple<int64_t, int64_t> copy_crc32c_count(at::Tensor dst, const at::Tensor&
     if (lens[i]) crc = crc32c_combine(crc, crcs[i], lens[i]);
   }
   return {static_cast<int64_t>(seed ? crc32c_combine(seed, crc, n) : crc), static_cast<int64_t>(total)};
+}
+
+// copy_crc32c_count over many pairs in one call, each on the calling thread (num_threads = 1, value
+// = 0): (crcs, counts). One call for a group of small items instead of one per item: the per-call
+// cost of the dispatcher and of releasing the GIL (~4 us) exceeds copying a small item.
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> copy_crc32c_count_many(at::TensorList dst, at::TensorList src,
+                                                                              at::IntArrayRef kinds) {
+  const char* op = "gemini_dcp::copy_crc32c_count_many";
+  TORCH_CHECK(dst.size() == src.size() && src.size() == kinds.size(), op, ": dst, src and kinds differ in length (",
+              dst.size(), ", ", src.size(), ", ", kinds.size(), ")");
+  for (size_t i = 0; i < dst.size(); ++i) {
+    check_pair(dst[i], src[i], op);
+    TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= 4, op, ": kind must be 0..4, got ", kinds[i]);
+  }
+  size_t total = 0;
+  for (const auto& t : src) total += static_cast<size_t>(t.numel());
+  // A large group is written with streaming stores however small its pieces (above one cache line's
+  // worth of vectors): the destination would only evict the cache, as one large piece's would.
+  const size_t stream_min = total >= kStreamMin ? kStreamPieceMin : kStreamMin;
+  std::vector<int64_t> crcs(dst.size(), 0), counts(dst.size(), 0);
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const size_t n = static_cast<size_t>(src[i].numel());
+    if (n == 0) continue;
+    auto* d = static_cast<uint8_t*>(dst[i].data_ptr());
+    const auto* s = static_cast<const uint8_t*>(src[i].data_ptr());
+    uint64_t c = 0;
+    if (d == s) {
+      crcs[i] = static_cast<int64_t>(crc32c_update(0, s, n));
+      c = count_nonfinite_raw(kinds[i], s, n);
+    } else {
+      crcs[i] = static_cast<int64_t>(copy_crc_count_piece(d, s, n, kinds[i], &c, stream_min));
+    }
+    counts[i] = static_cast<int64_t>(c);
+  }
+  return {std::move(crcs), std::move(counts)};
 }
 
 int64_t count_nonfinite(const at::Tensor& buf, int64_t kind, int64_t num_threads) {
@@ -919,6 +959,7 @@ TORCH_LIBRARY(gemini_dcp, m) {
   m.def("crc32c(Tensor buf, int value=0, int num_threads=1) -> int");
   m.def("copy_with_crc32c(Tensor(a!) dst, Tensor src, int num_threads=0, int value=0) -> int");
   m.def("copy_crc32c_count(Tensor(a!) dst, Tensor src, int kind, int num_threads=0, int value=0) -> (int, int)");
+  m.def("copy_crc32c_count_many(Tensor(a!)[] dst, Tensor[] src, int[] kinds) -> (int[], int[])");
   m.def("count_nonfinite(Tensor buf, int kind, int num_threads=1) -> int");
   m.def("xsum64(Tensor t) -> int");
   m.def("xsum64_sum(Tensor t, int word_offset=0, int num_threads=1) -> int");
@@ -931,6 +972,7 @@ TORCH_LIBRARY_IMPL(gemini_dcp, CPU, m) {
   m.impl("crc32c", &crc32c);
   m.impl("copy_with_crc32c", &copy_with_crc32c);
   m.impl("copy_crc32c_count", &copy_crc32c_count);
+  m.impl("copy_crc32c_count_many", &copy_crc32c_count_many);
   m.impl("count_nonfinite", &count_nonfinite);
   m.impl("xsum64", &xsum64_cpu);
   m.impl("xsum64_sum", &xsum64_sum);

@@ -1,7 +1,7 @@
 """Issue 27: the batched copy of many small items (save/local_write.py).
 
 A save of a plan the writer has seen resolves its items with a few C-level maps, copies each
-group fused (the extension's copy+CRC per item, through source views kept while the sources
+group fused (the extension's copy+CRC, one call per group, through source views kept while the sources
 stay where they are) and builds its write results only when read. These tests check that
 every such shortcut gives the bytes and checksums of the plain path, including when a
 source moves under an unchanged structure (``.data =``, ``set_``, a non-contiguous
@@ -60,6 +60,51 @@ def _check_step(writer: Any, root: Any, job: str, sd: dict[str, Any], step: int,
             assert torch.equal(out[k], v), (step, k)
         else:
             assert out[k] == v, (step, k)
+
+
+def test_one_call_copies_a_group_as_the_per_item_op_does() -> None:
+    """``copy_crc32c_count_many`` (one call per group) gives each item's bytes, CRC and count as
+    ``copy_crc32c_count`` per item does: small and odd sizes, every float kind, a group large
+    enough for streaming stores (and one small enough not to), misaligned destinations, a pair
+    that is the same memory, and clear errors for malformed input."""
+    from gemini_dcp.core.checksum import checksum
+    from gemini_dcp.ext import loader
+
+    if not loader.load():
+        pytest.skip("the C++ extension is not available here")
+    op = torch.ops.gemini_dcp
+    g = torch.Generator().manual_seed(3)
+    dtypes = [(torch.float32, 1), (torch.float64, 2), (torch.float16, 3), (torch.bfloat16, 4), (torch.int64, 0)]
+    for n_items, scale in ((40, 1), (300, 40)):  # ~50 KiB in all, and ~12 MiB (streamed)
+        srcs, kinds = [], []
+        for i in range(n_items):
+            dtype, kind = dtypes[i % len(dtypes)]
+            numel = int(torch.randint(0, 97 * scale, (1,), generator=g)) + (i % 3)
+            t = (torch.randn(numel, generator=g) * 4).to(dtype)
+            if kind and numel > 3:
+                t[[0, numel // 2, numel - 1]] = torch.tensor([float("nan"), float("inf"), float("-inf")]).to(dtype)
+            srcs.append(t.view(torch.uint8))
+            kinds.append(kind)
+        total = sum(s.numel() for s in srcs) + 8 * len(srcs)
+        slot = torch.zeros(total + 64, dtype=torch.uint8)
+        dsts, off = [], 3  # odd offsets: the streaming path aligns each piece itself
+        for s_ in srcs:
+            dsts.append(slot[off : off + s_.numel()])
+            off += s_.numel() + 5
+        crcs, counts = op.copy_crc32c_count_many(dsts, srcs, kinds)
+        for d, s_, k, c, n in zip(dsts, srcs, kinds, crcs, counts, strict=True):
+            assert torch.equal(d, s_)
+            assert c == checksum(s_, "crc32c")
+            assert (c, n) == tuple(op.copy_crc32c_count(torch.empty_like(s_), s_, k, 1, 0))
+    same = torch.randn(1000).view(torch.uint8)
+    assert op.copy_crc32c_count_many([same], [same], [1]) == ([checksum(same, "crc32c")], [0])
+    a = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="differ in length"):
+        op.copy_crc32c_count_many([a], [a, a], [0])
+    with pytest.raises(RuntimeError, match="kind must be 0..4"):
+        op.copy_crc32c_count_many([a], [a.clone()], [7])
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        op.copy_crc32c_count_many([a], [torch.zeros(9, dtype=torch.uint8)], [0])
 
 
 @pytest.mark.parametrize("algo", ["crc32c", "xxh3"])

@@ -232,6 +232,9 @@ def test_plain_dcp_save_commits_checksums_only_once_every_rank_holds_the_layout(
 
 def _growing_values(rank: int, world: int, root: str) -> dict[str, Any]:
     """Replayed saves whose per-rank pickled value (a dataloader's buffered tokens) changes length every step."""
+    from gemini_dcp.local.record_codec import read_record
+    from gemini_dcp.local.record_types import ChecksumOverlay, refs_by_location
+    from gemini_dcp.local.tier import LocalTier
     from gemini_dcp.transport.comm import get_comm
 
     writer = GeminiStorageWriter(root=root, job_id="grow", keep=2, timeout_s=60)
@@ -243,18 +246,27 @@ def _growing_values(rank: int, world: int, root: str) -> dict[str, Any]:
         sd[f"loader{rank}"] = {"buffer": list(range(7 * step + 3 * rank + (200 if step >= 3 else 0))), "step": step}
         return sd
 
-    compact, built = [], []
+    compact, built, moved = [], [], []
     local = writer.local_writer
     for step in range(5):
         replay.save(state(step), step)
         compact.append(writer.commit.last_commit_compact)
         built.append(local.programs_built)
+        layout = writer.commit.committed_layout
+        moved.append(len(layout.moved) if isinstance(layout, ChecksumOverlay) else -1)  # -1: a full layout
+    # The record on disk keeps the overlay with the moved places; its fingerprint and chunk locations
+    # are those of the same chunks as a plain dict.
+    rec = read_record(LocalTier(root, "grow").layout.record_path(4))
+    sd = rec.metadata.storage_data
+    plain = dataclasses.replace(rec, metadata=dataclasses.replace(rec.metadata, storage_data=dict(sd.items())))
+    same = rec.fingerprint() == plain.fingerprint() and dict(refs_by_location(sd)) == refs_by_location(dict(sd.items()))
     out = state(99)
     out[f"loader{rank}"] = {"buffer": [], "step": -1}
     dcp.load(out, storage_reader=GeminiStorageReader(root=root, job_id="grow"))
     want = state(4)
     exact = all(torch.equal(out[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
-    return {"compact": compact, "built": built, "exact": exact and out[f"loader{rank}"] == want[f"loader{rank}"]}
+    return {"compact": compact, "built": built, "exact": exact and out[f"loader{rank}"] == want[f"loader{rank}"],
+            "moved": moved, "same": same and isinstance(sd, ChecksumOverlay)}
 
 
 @pytest.mark.timeout(240)
@@ -267,6 +279,9 @@ def test_replayed_values_that_change_length_keep_the_program_and_compact_reports
         assert r["exact"], r
         assert r["compact"][1:] == [True] * 4, r
         assert r["built"][2] == r["built"][1] and r["built"][-1] - r["built"][1] <= 1, r  # one: the move
+        # the records stay overlays: each rank's value that changed length rides in it (step 3: both ranks'
+        # moved past their room), never a full layout
+        assert r["moved"][0] == -1 and min(r["moved"][1:]) >= 0 and r["moved"][3] == 2 and r["same"], r
 
 
 def test_compact_report_round_trip() -> None:
@@ -305,6 +320,34 @@ def test_compact_report_round_trip() -> None:
     empty = RankReport(rank=2, node_id="n2", slot=0, nbytes=0, results=())
     assert expand(compact(empty, layouts.get(2, [])), layouts) == empty  # a rank that wrote nothing
     assert expand(None, layouts) is None
+
+
+def test_an_overlay_carries_moved_values_and_refuses_other_moves() -> None:
+    """Compact reports whose pickled values moved give an overlay with their places (the same items as the
+    expanded reports); a report that 'moves' a tensor chunk, or an overlay naming a position outside its
+    layout, is refused; the overlay pickles with its moved places and reads back equal."""
+    import pickle
+
+    from gemini_dcp.commit.reports import RankReport, SplitLayout, expand, overlay
+    from gemini_dcp.errors import UntrustedDataError
+    from gemini_dcp.local.record_types import ChecksumOverlay, ShardRef
+
+    layout = {MetadataIndex("t", [0]): ShardRef(0, 0, 64, 1, "crc32c", "float32", (16,)),
+              MetadataIndex("v", None): ShardRef(0, 64, 40, 2, "crc32c", None, None),
+              MetadataIndex("u", None): ShardRef(1, 0, 30, 3, "crc32c", None, None)}
+    split = SplitLayout.of(layout)
+    reps = [RankReport(rank=0, node_id="n0", slot=0, nbytes=200, results=(), checksums=(11, 12), moved=((1, 64, 55),)),
+            RankReport(rank=1, node_id="n1", slot=0, nbytes=100, results=(), checksums=(13,), moved=((0, 128, 9),))]
+    ov = overlay(split, reps)
+    assert isinstance(ov, ChecksumOverlay) and ov.moved == {1: (64, 55), 2: (128, 9)}
+    expanded = {wr.index: wr.storage_data for rep in reps for wr in expand(rep, split.by_rank).results}  # type: ignore[union-attr]
+    assert dict(ov.items()) == expanded and ov[MetadataIndex("u", None)].offset == 128
+    assert dict(pickle.loads(pickle.dumps(ov)).items()) == expanded
+    bad = [dataclasses.replace(reps[0], moved=((0, 64, 55),)), reps[1]]  # item 0 is a tensor chunk
+    with pytest.raises(UntrustedDataError, match="not a pickled value"):
+        overlay(split, bad)
+    with pytest.raises(ValueError, match="not a position"):
+        ChecksumOverlay(layout, [1, 2, 3], {3: (0, 1)})
 
 
 def test_single_process_replay(tmp_path: Any) -> None:

@@ -11,8 +11,8 @@ Two switches for the kill-and-resume test, read from the environment:
 - ``TITAN_CHECK_STATES=1``: at every gemini_dcp save, the state dict it saves (its model part from
   ``ModelStatesCache``) is compared, bit for bit, with what torchtitan's own ``_flattened_model_states_sd()``
   returns at that point; a difference raises, and each rank prints ``states check: N saves exact`` at the end;
-- ``TITAN_PROFILE_BACKGROUND=PREFIX`` (benchmarks): cProfile ``AsyncCheckpointer``'s background thread, written
-  to ``PREFIX.<rank>`` when the checkpointer closes (read with ``python -m pstats``).
+- ``TITAN_PROFILE_BACKGROUND=PREFIX`` (benchmarks): cProfile ``AsyncCheckpointer``'s background thread (its CPU
+  time), written to ``PREFIX.<rank>`` when the checkpointer closes (read with ``python -m pstats``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,7 +86,9 @@ def _profile_background(prefix: str) -> None:
     run = AsyncCheckpointer._run
 
     def profiled(self):  # noqa: ANN001, ANN202
-        prof = cProfile.Profile()
+        # The thread's CPU time, not wall time: a call that releases the GIL would otherwise be charged
+        # for the wait to take it back from the training thread.
+        prof = cProfile.Profile(time.thread_time)
         prof.enable()
         try:
             return run(self)

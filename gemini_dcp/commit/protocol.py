@@ -46,8 +46,9 @@ Glossary:
 - *layout*: where every chunk of every rank lives (``{MetadataIndex: ShardRef}``); a
   replayed save's layout is that of the save it replays.
 - *compact report*: a report carrying only checksums, in the layout's order
-  (:func:`gemini_dcp.commit.reports.compact`); *overlay*: a record's storage_data as the
-  shared layout plus this save's checksums (:class:`~gemini_dcp.local.record_types.ChecksumOverlay`).
+  (:func:`gemini_dcp.commit.reports.compact`), plus the new places of pickled values that changed
+  length; *overlay*: a record's storage_data as the shared layout plus this save's checksums and
+  those places (:class:`~gemini_dcp.local.record_types.ChecksumOverlay`).
 - *known metadata*: the digest (and shell) of rank 0's planned DCP metadata this rank
   already holds from its last save; unchanged metadata then travels in no message.
 - *wire chunk*: the message size a rank's paced replication sends its slot in (0: one

@@ -126,14 +126,25 @@ def agreed_basis(reports: list[RankReport]) -> bool:
 
 
 def overlay(split: SplitLayout, reports: list[RankReport]) -> ChecksumOverlay | None:
-    """This save's storage_data as the layout plus checksums, when every report is compact."""
-    if not split.rank_ordered or any(rep.checksums is None or rep.moved for rep in reports):
-        return None  # (an overlay holds checksums only: moved values go into a full layout)
+    """This save's storage_data as the layout plus checksums (and the new places of the pickled
+    values that moved), when every report is compact and holds its rank's chunks of the layout."""
+    if not split.rank_ordered or any(rep.checksums is None for rep in reports):
+        return None
     ordered = sorted(reports, key=lambda rep: rep.rank)
     sums = array("Q")
+    moved: dict[int, tuple[int, int]] = {}
     for rep in ordered:
+        mine = split.by_rank.get(rep.rank, [])
+        if len(rep.checksums) != len(mine):  # type: ignore[arg-type]
+            return None  # (expanded, then refused, by expand_report)
+        base = len(sums)
         sums.extend(rep.checksums)  # type: ignore[arg-type]
-    return ChecksumOverlay(split.source, sums) if len(sums) == len(split.source) else None
+        for k, offset, n in rep.moved:
+            if not (0 <= k < len(mine)) or mine[k][1].dtype is not None or offset < 0 or n < 0:
+                raise UntrustedDataError(f"rank {rep.rank}'s commit report moves item {k}, which is not a pickled "
+                                         "value: not a gemini_dcp report; nothing was committed")
+            moved[base + k] = (offset, n)
+    return ChecksumOverlay(split.source, sums, moved) if len(sums) == len(split.source) else None
 
 
 def compact(report: RankReport, mine: list[tuple[MetadataIndex, ShardRef]]) -> RankReport:

@@ -6,7 +6,7 @@ A save reads every byte of every item once, to copy and checksum it into the tie
 - CPU with the C++ extension and ``crc32c``: ``copy_crc32c_count`` copies, checksums and counts
   in one pass (each 64 KiB block is counted from the source, then copied and checksummed while
   it is in cache): :func:`copy_checksum_count` for an item copied alone, the writer's grouped
-  copy (``local_write.copy_group_counted``) for small items;
+  copy (``local_write.copy_group_counted``, ``copy_crc32c_count_many`` per group) for small items;
 - otherwise (no extension, ``xxh3``, incremental saves, pickled layouts): the item's bytes in the
   slot are counted right after the copy, by the extension's ``count_nonfinite`` when it loads,
   else by a vectorized torch expression (``GEMINI_DCP_EXT=0``);

@@ -311,7 +311,7 @@ class StepRecord:
         h = hashlib.sha256()
         h.update(f"{self.job_id}|{self.step}|{self.world_size}|{self.rank_nodes}|{self.rank_nbytes}".encode())
         sd = self.metadata.storage_data
-        if isinstance(sd, ChecksumOverlay):
+        if isinstance(sd, ChecksumOverlay) and not sd.moved:  # (moved values: the places differ, hashed below)
             digest, order = _digests.get(sd.layout, lambda: _location_digest(sd.layout))
             sums = np.frombuffer(sd.checksums, dtype=np.uint64)[order]
         elif isinstance(sd, PackedLayout):  # a decoded record: its rows are immutable, hashed once per layout
@@ -488,25 +488,43 @@ class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
     Reads (restore, inspect) materialize ShardRefs on access; it compares equal to
     the plain dict of the same items.
 
-    ``checksums`` follow the layout's iteration order.
+    ``checksums`` follow the layout's iteration order. ``moved``: the pickled values of this
+    save whose bytes changed length (or place) in their slot, ``{position: (offset, length)}``
+    in the same order — a value that grows or shrinks every step (a dataloader's buffer) keeps
+    the save compact instead of rebuilding every chunk's ShardRef.
     """
 
-    __slots__ = ("checksums", "layout")
+    __slots__ = ("checksums", "layout", "moved")
 
-    def __init__(self, layout: Mapping[MetadataIndex, ShardRef], checksums: Sequence[int] | array) -> None:
+    def __init__(self, layout: Mapping[MetadataIndex, ShardRef], checksums: Sequence[int] | array,
+                 moved: Mapping[int, tuple[int, int]] | None = None) -> None:
         sums = checksums if isinstance(checksums, array) and checksums.typecode == "Q" else array("Q", checksums)
         if len(sums) != len(layout):
             raise ValueError(f"ChecksumOverlay: {len(sums)} checksums for a layout of {len(layout)} chunks")
         self.layout = layout
         self.checksums = sums
+        self.moved: dict[int, tuple[int, int]] = {}
+        for i, (offset, length) in (moved or {}).items():
+            if type(i) is not int or type(offset) is not int or type(length) is not int or not (
+                0 <= i < len(sums) and offset >= 0 and length >= 0
+            ):
+                raise ValueError(f"ChecksumOverlay: moved chunk {i!r} -> ({offset!r}, {length!r}) is not a position "
+                                 f"in 0..{len(sums) - 1} with a place (offset, length) >= 0")
+            self.moved[i] = (offset, length)
 
     def __getitem__(self, index: MetadataIndex) -> ShardRef:
         layout = self.layout
         if isinstance(layout, PackedLayout):
             i = layout.position(index)
-            return layout.ref_at(i).with_checksum(self.checksums[i])
-        positions = _positions.get(layout, lambda: {idx: i for i, idx in enumerate(layout)})
-        return layout[index].with_checksum(self.checksums[positions[index]])
+            ref = layout.ref_at(i).with_checksum(self.checksums[i])
+        else:
+            positions = _positions.get(layout, lambda: {idx: i for i, idx in enumerate(layout)})
+            i = positions[index]
+            ref = layout[index].with_checksum(self.checksums[i])
+        if self.moved and i in self.moved:
+            offset, length = self.moved[i]
+            return ref._replace(offset=offset, length=length)
+        return ref
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         return iter(self.layout)
@@ -521,6 +539,8 @@ class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
         return f"ChecksumOverlay({len(self)} chunks)"
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        if self.moved:  # (records without moved values decode as before, with older versions too)
+            return (_rebuild_overlay, (_layout_blob(self.layout), self.checksums, tuple(sorted(self.moved.items()))))
         return (_rebuild_overlay, (_layout_blob(self.layout), self.checksums))
 
 
@@ -543,6 +563,24 @@ class _RefsByLocation(Mapping[tuple[int, int], ShardRef]):
             refs = _values.get(layout, lambda: list(layout.values()))
             self.row_of = _locations.get(layout, lambda: {(ref.rank, ref.offset): i for i, ref in enumerate(refs)})
             self.ref_at = lambda i: refs[i].with_checksum(sums[i])  # type: ignore[index]
+        moved = storage_data.moved if isinstance(storage_data, ChecksumOverlay) else None
+        if moved:  # a few pickled values elsewhere in their slot: the shared maps stay as they are
+            base_ref_at, row_of = self.ref_at, dict(self.row_of)
+            olds = {i: base_ref_at(i) for i in moved}
+            for i, old in olds.items():
+                if row_of.get((old.rank, old.offset)) == i:
+                    del row_of[(old.rank, old.offset)]
+            for i, (offset, _) in moved.items():
+                row_of[(olds[i].rank, offset)] = i
+
+            def ref_at(i: int) -> ShardRef:
+                ref = base_ref_at(i)
+                if i in moved:
+                    offset, length = moved[i]
+                    return ref._replace(offset=offset, length=length)
+                return ref
+
+            self.row_of, self.ref_at = row_of, ref_at
 
     def __getitem__(self, key: tuple[int, int]) -> ShardRef:
         return self.ref_at(self.row_of[key])
@@ -601,7 +639,7 @@ def _layout_blob(layout: Mapping[MetadataIndex, ShardRef]) -> bytes:
     return _layout_blobs.get(layout, build)
 
 
-def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
+def _rebuild_overlay(blob: bytes, checksums: array, moved: tuple[tuple[int, tuple[int, int]], ...] = ()) -> ChecksumOverlay:
     layout = _layouts_by_blob.get(blob)
     if layout is None:
         loaded = restricted_loads(blob, source="a step record's chunk layout", writer_torch=reading_torch())
@@ -613,7 +651,10 @@ def _rebuild_overlay(blob: bytes, checksums: array) -> ChecksumOverlay:
             order = np.frombuffer(order_bytes, dtype="<i8").astype(np.int64)
             if len(order) == len(layout):
                 _digests.put(layout, (digest, order))
-    return ChecksumOverlay(layout, checksums)  # type: ignore[arg-type]
+    if not isinstance(moved, tuple) or not all(isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], tuple)
+                                               and len(m[1]) == 2 for m in moved):
+        raise ValueError("a step record's chunk overlay names its moved values in another shape: not a gemini_dcp record")
+    return ChecksumOverlay(layout, checksums, dict(moved))  # type: ignore[arg-type]
 
 
 def _rebuild_record(

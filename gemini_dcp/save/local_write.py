@@ -26,7 +26,8 @@ grouped into blocks of at most ``block`` bytes. A save then:
 The grouped copy of small CPU items is cheap at hundreds or thousands of items:
 
 * **fused** (``crc32c`` with the C++ extension loaded): each item is copied and CRC'd in one
-  pass by the extension's ``copy_with_crc32c`` (one thread, the GIL released), cheaper than
+  pass, the whole group in one call of the extension's ``copy_crc32c_count_many`` (one thread,
+  the GIL released once; a large group with streaming stores), cheaper than
   ``torch._foreach_copy_`` followed by one ``crc32c``-package call per item over the slot
   (figures: docs/benchmarks.md). The op takes flat ``uint8`` views of source and destination;
   making a source view costs more than copying a small item, so :class:`SourceViews` makes them
@@ -136,22 +137,27 @@ def copy_group(
     """Copy one group's ``srcs`` into their slot views ``dsts`` and return each item's checksum.
 
     Fused when both byte-view lists are given and the extension loads: the extension's
-    ``copy_with_crc32c`` per pair (one thread, the GIL released), called as the op itself, which
-    checks each pair (1-D contiguous ``uint8`` CPU tensors of equal size, not overlapping) and
-    raises RuntimeError otherwise: the per-call Python checks of
-    :func:`gemini_dcp.ext.cpu.copy_with_crc32c` cost more than copying a small item. Else one
-    ``torch._foreach_copy_`` and ``hasher`` over each item's ``(offset, length)`` span of
+    ``copy_crc32c_count_many`` over the whole group in one call (one thread, the GIL released
+    once; a large group written with streaming stores whatever its items' sizes), called as the op
+    itself, which checks each pair (1-D contiguous ``uint8`` CPU tensors of equal size, not
+    overlapping) and raises RuntimeError otherwise. One call per item cost ~4 us each in the
+    dispatcher and the GIL, more than copying a small item, and wrote small items through the cache.
+    Else one ``torch._foreach_copy_`` and ``hasher`` over each item's ``(offset, length)`` span of
     ``slot_view``.
     """
     if dst_bytes is not None and src_bytes is not None and ext_loader.load():
-        op = torch.ops.gemini_dcp.copy_with_crc32c
-        return [op(d, s, 1, 0) for d, s in zip(dst_bytes, src_bytes, strict=True)]
+        if not dst_bytes:
+            return []
+        return torch.ops.gemini_dcp.copy_crc32c_count_many(dst_bytes, src_bytes, _zeros(len(dst_bytes)))[0]
     torch._foreach_copy_(dsts, list(srcs))
     return [hasher(slot_view[o : o + n]) for o, n in spans]
 
 
-_ONES = [1] * 4096
 _ZEROS = [0] * 4096
+
+
+def _zeros(n: int) -> list[int]:
+    return _ZEROS[:n] if n <= len(_ZEROS) else [0] * n
 
 
 def copy_group_counted(
@@ -166,14 +172,13 @@ def copy_group_counted(
     hasher: Callable[[Any], int],
 ) -> tuple[list[int], list[int]]:
     """:func:`copy_group` that also counts each item's non-finite values:
-    (checksums, counts). Fused (``copy_crc32c_count`` per item) when both byte-view lists are given
-    and the extension loads; else one ``torch._foreach_copy_``, ``hasher`` and a count per item."""
+    (checksums, counts). Fused (``copy_crc32c_count_many``, one call for the group) when both
+    byte-view lists are given and the extension loads; else one ``torch._foreach_copy_``,
+    ``hasher`` and a count per item."""
     if dst_bytes is not None and src_bytes is not None and ext_loader.load():
-        op = torch.ops.gemini_dcp.copy_crc32c_count
-        pairs = list(map(op, dst_bytes, src_bytes, kinds, _ONES[: len(kinds)] if len(kinds) <= 4096 else [1] * len(kinds),
-                         _ZEROS[: len(kinds)] if len(kinds) <= 4096 else [0] * len(kinds)))
-        got_sums, got_counts = zip(*pairs) if pairs else ((), ())
-        return list(got_sums), list(got_counts)
+        if not dst_bytes:
+            return [], []
+        return torch.ops.gemini_dcp.copy_crc32c_count_many(dst_bytes, src_bytes, kinds)
     torch._foreach_copy_(dsts, list(srcs))
     sums = [hasher(slot_view[o : o + n]) for o, n in spans]
     counts = [0] * len(dsts)
