@@ -11,6 +11,8 @@ Two switches for the kill-and-resume test, read from the environment:
 - ``TITAN_CHECK_STATES=1``: at every gemini_dcp save, the state dict it saves (its model part from
   ``ModelStatesCache``) is compared, bit for bit, with what torchtitan's own ``_flattened_model_states_sd()``
   returns at that point; a difference raises, and each rank prints ``states check: N saves exact`` at the end;
+- ``TITAN_GC_STATS=1`` (benchmarks): each rank prints its Python garbage collections at exit (count, wall time per
+  generation, how many ran on the training thread);
 - ``TITAN_PROFILE_BACKGROUND=PREFIX`` (benchmarks): cProfile ``AsyncCheckpointer``'s background thread (its CPU
   time), written to ``PREFIX.<rank>`` when the checkpointer closes (read with ``python -m pstats``).
 """
@@ -63,8 +65,39 @@ def _install_test_hooks() -> None:
         _save_in_blocks(int(os.environ["TITAN_GEMINI_BLOCKS"]))
     if os.environ.get("TITAN_PROFILE_BACKGROUND"):
         _profile_background(os.environ["TITAN_PROFILE_BACKGROUND"])
+    if os.environ.get("TITAN_GC_STATS") == "1":
+        _gc_stats()
     Trainer.train_step = train_step_maybe_die  # type: ignore[method-assign]
     Trainer.train = train_and_dump  # type: ignore[method-assign]
+
+
+def _gc_stats() -> None:
+    """Python's collections (count and wall time per generation, and how many ran on the training
+    thread), printed by each rank at exit: ``gc stats: ...``."""
+    import atexit
+    import gc
+    import threading
+
+    main = threading.main_thread()
+    stats = {g: [0, 0.0, 0] for g in range(3)}  # generation -> [collections, seconds, on the main thread]
+    started: list[float] = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        st = stats[info["generation"]]
+        st[0] += 1
+        took = time.perf_counter() - started[0]
+        st[1] += took
+        if info["generation"] and os.environ.get("TITAN_GC_STATS_EACH") == "1":
+            print(f"gc gen{info['generation']} {1e3 * took:.1f} ms at {time.strftime('%H:%M:%S')}"
+                  f" on {threading.current_thread().name}", flush=True)
+        st[2] += threading.current_thread() is main
+
+    gc.callbacks.append(callback)
+    atexit.register(lambda: print(f"gc stats rank {dist.get_rank() if dist.is_initialized() else '?'}: " + ", ".join(
+        f"gen{g} {n} in {1e3 * t:.0f} ms ({m} on the training thread)" for g, (n, t, m) in stats.items()), flush=True))
 
 
 def _save_in_blocks(k: int) -> None:
