@@ -210,6 +210,20 @@ def test_the_drains_write_checks_what_it_wrote(tmp_path: Path) -> None:
     torch.save(t, f)
     with pytest.raises(ChecksumMismatchError, match="took the memory slot"):
         f.check(item, "step 1", lambda: None)
+    # A small item (read whole, not fused) whose slot a newer save took: said so, not called damage.
+    from gemini_dcp.persistent.drain.fused import FusedDest, fused_reader
+    from gemini_dcp.persistent.stock_format import StockItem
+
+    small = torch.arange(100, dtype=torch.float32).view(torch.uint8)
+    mem = bytearray(small.numpy().tobytes())
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    stale = StockItem(index=MetadataIndex("w", [0]), rank=0, dtype="float32", shape=(100,), length=small.numel(),
+                      algo="crc32c", checksum=checksum(small, "crc32c") ^ 1)
+    for intact, match in ((lambda: False, "took the memory slot"), (lambda: True, "every copy tried")):
+        read, _ = fused_reader(FusedDest(SimpleNamespace(is_local=True), intact), mem, "step 2")
+        with pytest.raises(ChecksumMismatchError, match=match):
+            read(stale)
 
 
 def test_a_step_due_while_the_server_warms_is_drained_by_a_bridge_in_the_trainer(root: str, tmp_path: Path) -> None:

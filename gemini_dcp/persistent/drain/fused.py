@@ -175,11 +175,22 @@ def fused_reader(dest: FusedDest, buf: Any, what: str) -> tuple[Callable[[Any], 
     def fused(it: Any) -> bool:
         return it.algo is not None and it.checksum is not None and it.length >= MIN_FUSED
 
+    def checked(raw: torch.Tensor, it: Any) -> None:
+        try:
+            verify(raw, it, what)
+        except ChecksumMismatchError:
+            if dest.intact is not None and not dest.intact():  # not damage: the slot's new owner wrote it
+                raise ChecksumMismatchError(
+                    f"{it.name} of {what}: a newer save took the memory slot the drain was reading (its hold was "
+                    "dropped); this step's drain is abandoned, a newer one is not."
+                ) from None
+            raise
+
     def read(it: Any) -> torch.Tensor:
         last[0] = it
         if not fused(it):
             raw = exact_view(buf, it.offset, it.length).clone()  # private: what is verified is what is written
-            verify(raw, it, what)
+            checked(raw, it)
             return typed(raw, it)
         assert dest.file is not None
         dest.file.expect(it)
@@ -189,6 +200,6 @@ def fused_reader(dest: FusedDest, buf: Any, what: str) -> tuple[Callable[[Any], 
         it = last[0]
         if it is None or not fused(it) or dest.file is None:
             return
-        dest.file.check(it, what, lambda: verify(exact_view(buf, it.offset, it.length), it, what))
+        dest.file.check(it, what, lambda: checked(exact_view(buf, it.offset, it.length), it))
 
     return read, progress
