@@ -122,6 +122,35 @@ def test_save_returns_fast_and_roundtrips(root: str) -> None:
     assert all(torch.equal(got[k], torch.full_like(v, 3)) for k, v in big.items())
 
 
+def test_a_pacer_without_statistics_does_not_strand_the_guard(root: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The bookkeeping after a save (the pacer's statistics) cannot keep its handle from finishing: a pacer
+    that is a bare function is logged, and the guard and wait() return at once instead of at the timeout."""
+
+    class Bare:  # paces nothing; no .stats: reading them raises
+        hurried = False
+
+        def __call__(self, n: int) -> None:
+            pass
+
+        def hurry(self) -> None:
+            pass
+
+    class BarePacing(AsyncCheckpointer):
+        def _make_pacer(self) -> Any:
+            return Bare()
+
+    ck = BarePacing(GeminiStorageWriter(root=root, job_id="bare", keep=1), timeout_s=30)
+    try:
+        t = time.perf_counter()
+        h = ck.save({"w": torch.ones(1000)}, 0)
+        h.wait_copied(10)
+        ck.wait(10)
+        assert h.finished.is_set() and time.perf_counter() - t < 10
+    finally:
+        ck.close()
+    assert "statistics could not be read" in caplog.text
+
+
 def test_optimizer_guard_keeps_step_exact(root: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))

@@ -438,16 +438,21 @@ class AsyncCheckpointer:
                 log.debug("async save of step %s failed", handle.step, exc_info=True)
             finally:
                 self.writer.hooks = NO_HOOKS
-                if rpacer is not None:
-                    handle.replication_pacer_stats = rpacer.stats.as_dict()
-                    if rpacer.stats.chunks >= 4 and not rpacer.hurried:
-                        self._net_bandwidth = rpacer.bandwidth
-                if pacer is not None:
-                    handle.pacer_stats = pacer.stats.as_dict()
-                    if pacer.stats.chunks >= 4 and not pacer.hurried:
-                        self._bandwidth = pacer.bandwidth
-                handle._pacer = handle._replication_pacer = None
-                handle.total_s = time.perf_counter() - handle.t_submit
-                handle.cpu_s = time.thread_time() - c_start
-                del sd
-                self._finish(handle)
+                try:  # statistics only: whatever they raise, the handle finishes (the guard waits on it)
+                    if rpacer is not None:
+                        handle.replication_pacer_stats = rpacer.stats.as_dict()
+                        if rpacer.stats.chunks >= 4 and not rpacer.hurried:
+                            self._net_bandwidth = rpacer.bandwidth
+                    if pacer is not None:
+                        handle.pacer_stats = pacer.stats.as_dict()
+                        if pacer.stats.chunks >= 4 and not pacer.hurried:
+                            self._bandwidth = pacer.bandwidth
+                except Exception:  # noqa: BLE001 - a pacer without statistics: logged, not fatal
+                    log.warning("gemini_dcp: step %s: the pacer's statistics could not be read", handle.step,
+                                exc_info=True)
+                finally:
+                    handle._pacer = handle._replication_pacer = None
+                    handle.total_s = time.perf_counter() - handle.t_submit
+                    handle.cpu_s = time.thread_time() - c_start
+                    del sd
+                    self._finish(handle)
