@@ -125,6 +125,14 @@ def agreed_basis(reports: list[RankReport]) -> bool:
     return first is not None and all(rep.basis == first for rep in reports)
 
 
+def check_move(rank: int, mine: list[tuple[MetadataIndex, ShardRef]], k: int, offset: int, n: int) -> None:
+    """UntrustedDataError unless a report's move ``(k, offset, n)`` names a pickled value of ``mine``
+    (the rank's recorded layout) and a place: only pickled values change length between saves."""
+    if not (0 <= k < len(mine)) or mine[k][1].dtype is not None or offset < 0 or n < 0:
+        raise UntrustedDataError(f"rank {rank}'s commit report moves item {k}, which is not a pickled value: "
+                                 "not a gemini_dcp report; nothing was committed")
+
+
 def overlay(split: SplitLayout, reports: list[RankReport]) -> ChecksumOverlay | None:
     """This save's storage_data as the layout plus checksums (and the new places of the pickled
     values that moved), when every report is compact and holds its rank's chunks of the layout."""
@@ -140,9 +148,7 @@ def overlay(split: SplitLayout, reports: list[RankReport]) -> ChecksumOverlay | 
         base = len(sums)
         sums.extend(rep.checksums)  # type: ignore[arg-type]
         for k, offset, n in rep.moved:
-            if not (0 <= k < len(mine)) or mine[k][1].dtype is not None or offset < 0 or n < 0:
-                raise UntrustedDataError(f"rank {rep.rank}'s commit report moves item {k}, which is not a pickled "
-                                         "value: not a gemini_dcp report; nothing was committed")
+            check_move(rep.rank, mine, k, offset, n)
             moved[base + k] = (offset, n)
     return ChecksumOverlay(split.source, sums, moved) if len(sums) == len(split.source) else None
 
@@ -193,10 +199,8 @@ def expand_report(report: RankReport, layouts: RankLayouts) -> RankReport:
         for (idx, ref), cs in zip(mine, report.checksums, strict=True)
     ]
     for k, offset, n in report.moved:  # pickled values of another length or place
+        check_move(report.rank, mine, k, offset, n)
         wr = results[k]
-        if wr.storage_data.dtype is not None or offset < 0 or n < 0:
-            raise UntrustedDataError(f"rank {report.rank}'s commit report moves item {k}, which is not a pickled value: "
-                                     "not a gemini_dcp report; nothing was committed")
         results[k] = WriteResult(index=wr.index, size_in_bytes=n, storage_data=wr.storage_data._replace(offset=offset, length=n))
     return dataclasses.replace(report, results=tuple(results), checksums=None, moved=())
 

@@ -521,10 +521,12 @@ class ChecksumOverlay(Mapping[MetadataIndex, ShardRef]):
             positions = _positions.get(layout, lambda: {idx: i for i, idx in enumerate(layout)})
             i = positions[index]
             ref = layout[index].with_checksum(self.checksums[i])
-        if self.moved and i in self.moved:
-            offset, length = self.moved[i]
-            return ref._replace(offset=offset, length=length)
-        return ref
+        return self.placed(i, ref)
+
+    def placed(self, i: int, ref: ShardRef) -> ShardRef:
+        """``ref`` (the chunk at position ``i``) where this save put it: moved, or as the layout has it."""
+        hit = self.moved.get(i) if self.moved else None
+        return ref if hit is None else ref._replace(offset=hit[0], length=hit[1])
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         return iter(self.layout)
@@ -563,24 +565,16 @@ class _RefsByLocation(Mapping[tuple[int, int], ShardRef]):
             refs = _values.get(layout, lambda: list(layout.values()))
             self.row_of = _locations.get(layout, lambda: {(ref.rank, ref.offset): i for i, ref in enumerate(refs)})
             self.ref_at = lambda i: refs[i].with_checksum(sums[i])  # type: ignore[index]
-        moved = storage_data.moved if isinstance(storage_data, ChecksumOverlay) else None
-        if moved:  # a few pickled values elsewhere in their slot: the shared maps stay as they are
-            base_ref_at, row_of = self.ref_at, dict(self.row_of)
-            olds = {i: base_ref_at(i) for i in moved}
+        if isinstance(storage_data, ChecksumOverlay) and storage_data.moved:
+            # a few pickled values elsewhere in their slot: the shared maps stay as they are
+            base_ref_at, row_of, placed = self.ref_at, dict(self.row_of), storage_data.placed
+            olds = {i: base_ref_at(i) for i in storage_data.moved}
             for i, old in olds.items():
                 if row_of.get((old.rank, old.offset)) == i:
                     del row_of[(old.rank, old.offset)]
-            for i, (offset, _) in moved.items():
-                row_of[(olds[i].rank, offset)] = i
-
-            def ref_at(i: int) -> ShardRef:
-                ref = base_ref_at(i)
-                if i in moved:
-                    offset, length = moved[i]
-                    return ref._replace(offset=offset, length=length)
-                return ref
-
-            self.row_of, self.ref_at = row_of, ref_at
+            for i, old in olds.items():
+                row_of[(old.rank, placed(i, old).offset)] = i
+            self.row_of, self.ref_at = row_of, lambda i: placed(i, base_ref_at(i))
 
     def __getitem__(self, key: tuple[int, int]) -> ShardRef:
         return self.ref_at(self.row_of[key])

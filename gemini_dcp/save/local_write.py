@@ -145,12 +145,8 @@ def copy_group(
     Else one ``torch._foreach_copy_`` and ``hasher`` over each item's ``(offset, length)`` span of
     ``slot_view``.
     """
-    if dst_bytes is not None and src_bytes is not None and ext_loader.load():
-        if not dst_bytes:
-            return []
-        return torch.ops.gemini_dcp.copy_crc32c_count_many(dst_bytes, src_bytes, _zeros(len(dst_bytes)))[0]
-    torch._foreach_copy_(dsts, list(srcs))
-    return [hasher(slot_view[o : o + n]) for o, n in spans]
+    return copy_group_counted(dsts, srcs, _zeros(len(dsts)), dst_bytes=dst_bytes, src_bytes=src_bytes,
+                              slot_view=slot_view, spans=spans, hasher=hasher)[0]
 
 
 _ZEROS = [0] * 4096

@@ -42,6 +42,14 @@ MIN_FUSED = 1 << 16  # smaller items are copied out and verified whole (cheap)
 WRITEBACK_BYTES = 8 << 20  # start the disk's writeback of every this many bytes written
 
 
+def slot_taken(item: Any, what: str) -> ChecksumMismatchError:
+    """The error for an item read from a held slot whose hold was dropped: a newer save took it."""
+    return ChecksumMismatchError(
+        f"{item.name} of {what}: a newer save took the memory slot the drain was reading (its hold was "
+        "dropped); this step's drain is abandoned, a newer one is not."
+    )
+
+
 def _sync_file_range() -> Callable[[int, int, int], None] | None:
     """``sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE)``: start writeback of a range, not waiting."""
     try:
@@ -116,10 +124,7 @@ class FusedFile:
     def check(self, item: Any, what: str, fallback: Callable[[], None]) -> None:
         """After ``item`` was written: its bytes must match the saved checksum (ChecksumMismatchError)."""
         if self._intact is not None and not self._intact():
-            raise ChecksumMismatchError(
-                f"{item.name} of {what}: a newer save took the memory slot the drain was reading (its hold was "
-                "dropped); this step's drain is abandoned, a newer one is not."
-            )
+            raise slot_taken(item, what)
         if self._expect is item:  # torch.save did not write the storage in one piece: check the source
             self._expect = None
             fallback()
@@ -180,10 +185,7 @@ def fused_reader(dest: FusedDest, buf: Any, what: str) -> tuple[Callable[[Any], 
             verify(raw, it, what)
         except ChecksumMismatchError:
             if dest.intact is not None and not dest.intact():  # not damage: the slot's new owner wrote it
-                raise ChecksumMismatchError(
-                    f"{it.name} of {what}: a newer save took the memory slot the drain was reading (its hold was "
-                    "dropped); this step's drain is abandoned, a newer one is not."
-                ) from None
+                raise slot_taken(it, what) from None
             raise
 
     def read(it: Any) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .paths import Paths, private_dir
 
-__all__ = ["STANDBY_POLL_S", "STANDBY_S", "lock_free", "take_lock", "try_flock"]
+__all__ = ["STANDBY_POLL_S", "STANDBY_S", "lock_free", "lock_held", "take_lock", "try_flock"]
 
 log = logging.getLogger("gemini_dcp.persistent.drain")
 
@@ -43,6 +43,19 @@ def lock_free(lock: Path, parent: Path) -> bool:
         return try_flock(fd)
     finally:
         os.close(fd)  # closing drops the lock if we took it
+
+
+def lock_held(lock: Path) -> bool:
+    """Whether a process holds ``lock``, probed without making anything: a missing file (or folder)
+    is held by nobody. (:func:`lock_free` makes both, for a caller about to take the lock.)"""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        return not try_flock(fd)
+    finally:
+        os.close(fd)
 
 
 def take_lock(p: Paths, fd: int, standby_s: float) -> bool:

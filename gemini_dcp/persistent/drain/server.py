@@ -32,7 +32,7 @@ from typing import Any
 from ...errors import ChecksumMismatchError, GeminiError, PersistentTierError, UntrustedDataError
 from ...local.slot_holds import HOLD_S, refresh_holds, release_holds
 from ...options.persistent import DrainOptions
-from .lock import STANDBY_S, lock_free, take_lock, try_flock
+from .lock import STANDBY_S, lock_free, lock_held, take_lock, try_flock
 from .paths import Paths, private_dir, write_atomic
 from .request import DrainRequest
 from .stage import copy_prefix
@@ -158,18 +158,6 @@ def serve(
     _serve_locked(p, fd, idle_s, options or DrainOptions(), bridge=bridge)
 
 
-def _held(path: Path) -> bool:
-    """Whether a process holds the ``flock`` on ``path``; a missing file is held by nobody (and is not made)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        return not try_flock(fd)
-    finally:
-        os.close(fd)
-
-
 def _open_lock(p: Paths, path: Path) -> int | None:
     """A descriptor of the lock file ``path`` in the drain's private directory (None: it cannot be made)."""
     try:
@@ -259,7 +247,7 @@ class _Server:
             if not self.p.dir.is_dir():
                 log.info("drain state %s is gone; exiting", self.p.dir)
                 return
-            if self.bridge and self.upload_thread is None and not self.awaiting and not _held(self.p.warming_lock):
+            if self.bridge and self.upload_thread is None and not self.awaiting and not lock_held(self.p.warming_lock):
                 return  # the node's server is warm: it takes the lock (and what is pending) from here
             reqs = self._requests()
             busy = self.upload_thread is not None
