@@ -227,6 +227,46 @@ def test_pacer_without_gaps_only_measures() -> None:
     assert pacer.bandwidth < 1e9  # learned from the timed chunks
 
 
+def test_pacer_with_a_rate_spreads_the_copy_and_hurry_ends_the_cap() -> None:
+    """InterleaveOptions.spread's pacer: without gaps, chunk k waits until the rate carried the bytes before it;
+    the first goes at once; a hurry releases every wait; with gaps the rate is not used."""
+    pacer = Pacer(bandwidth=1e9, chunk_bytes=MB, rate=40 * MB)
+    t = time.perf_counter()
+    for _ in range(5):
+        pacer(MB)
+    assert time.perf_counter() - t >= 4 / 40 * 0.95  # 4 MB before the last chunk at 40 MB/s
+    assert pacer.stats.bytes_leftover == 5 * MB and pacer.stats.rate == 40 * MB and pacer.stats.waited_s > 0.05
+
+    slow = Pacer(bandwidth=1e9, chunk_bytes=MB, rate=MB)  # 1 s per chunk
+    th = threading.Thread(target=lambda: [slow(MB) for _ in range(4)], daemon=True)
+    th.start()
+    time.sleep(0.1)
+    assert th.is_alive()
+    slow.hurry()
+    th.join(1)
+    assert not th.is_alive() and slow.stats.bytes_hurried == 3 * MB and slow.stats.bytes_leftover == MB
+
+    tl = LiveTimeline(FakeClock())
+    assert Pacer({1: 0.01}, tl, bandwidth=1e9, chunk_bytes=MB, rate=MB).rate is None
+    with pytest.raises(ValueError, match="rate"):
+        Pacer(bandwidth=1e9, rate=0)
+
+
+def test_pacer_waiting_for_gaps_goes_at_once_after_its_deadline() -> None:
+    """A copy paced into gaps of an iteration that never comes (training ended, no guard to hurry it) stops
+    waiting ``deadline_s`` after its first chunk."""
+    tl = LiveTimeline()
+    tl.iteration_start()
+    pacer = Pacer({2: 0.01}, tl, bandwidth=1e9, chunk_bytes=MB, max_wait_s=0.01, deadline_s=0.15)
+    t = time.perf_counter()
+    th = threading.Thread(target=lambda: (pacer(MB), pacer(MB)), daemon=True)
+    th.start()
+    time.sleep(0.05)
+    assert th.is_alive()  # position 0 is no gap: it waits
+    th.join(2)
+    assert not th.is_alive() and pacer.stats.bytes_leftover == 2 * MB and time.perf_counter() - t >= 0.15
+
+
 # ---- the profiler, fed by hand ---------------------------------------------------------------
 def _feed(prof: CollectiveProfiler, clock: FakeClock, deadlines: list[float], busy: list[tuple[float, float]]) -> None:
     for d in deadlines:

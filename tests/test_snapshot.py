@@ -151,6 +151,46 @@ def test_a_pacer_without_statistics_does_not_strand_the_guard(root: str, caplog:
     assert "statistics could not be read" in caplog.text
 
 
+def test_spread_caps_a_gapless_copy_from_the_iteration_and_the_last_save(root: str) -> None:
+    """InterleaveOptions.spread: after two optimizer steps and one save, the next copy is capped at the last
+    save's bytes over spread x the iteration; the guard ends the cap (the step is exact, nothing waits long);
+    spread=0 and interleave=False copy at once; a spread outside [0, 1) is refused."""
+    from gemini_dcp import ConfigError
+    from gemini_dcp.snapshot import InterleaveOptions
+
+    w = torch.nn.Parameter(torch.zeros(1 << 20))  # 4 MiB
+    opt = torch.optim.SGD([w], lr=1.0)
+    ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="spread", keep=2), optimizer=opt,
+                           interleave=InterleaveOptions(spread=0.5), timeout_s=30)
+    off = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="spread-off", keep=2), optimizer=opt,
+                            interleave=InterleaveOptions(spread=0), timeout_s=30)
+    try:
+        assert ck._spread_rate() is None  # no iteration measured, no save yet
+        for step in range(4):
+            w.grad = torch.ones_like(w)
+            opt.step()  # the guard waits for (and hurries) the copy of the previous save
+            ck.save({"w": w}, step)
+            off.save({"w": w}, step)
+            time.sleep(0.2)
+        it = ck.iteration_s()
+        assert it is not None and 0.15 < it < 2
+        ck.wait(30)
+        off.wait(30)
+        rates = [(h.pacer_stats or {}).get("rate", 0.0) for h in ck.history]
+        assert rates[0] == 0.0 and all(r > 0 for r in rates[2:]), rates  # capped once a save and an iteration exist
+        assert all((h.pacer_stats or {}).get("rate") == 0.0 for h in off.history)
+        want = ck._paced_bytes / (0.5 * it)
+        assert ck._paced_bytes >= w.numel() * 4 and ck._spread_rate() == pytest.approx(want)
+    finally:
+        ck.close()
+        off.close()
+    got = _load_plain(root, "spread", 3, {"w": w})
+    assert torch.equal(got["w"], w.detach())
+    for bad in (1, 1.5, -0.1, True, "0.4"):
+        with pytest.raises(ConfigError, match="spread"):
+            AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="bad"), interleave=InterleaveOptions(spread=bad))
+
+
 def test_optimizer_guard_keeps_step_exact(root: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))

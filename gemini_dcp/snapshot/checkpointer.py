@@ -93,6 +93,8 @@ __all__ = ["AsyncCheckpointer", "InterleaveOptions"]
 
 DEFAULT_BANDWIDTH = 4e9  # bytes/s; replaced by the measured copy rate after the first chunks
 DEFAULT_NET_BANDWIDTH = 1e9  # bytes/s of the peer replication; replaced by its measured rate likewise
+PACE_DEADLINE_ITERATIONS = 1.5  # a copy paced into gaps goes at once this many (longest) iterations after it began
+DEFAULT_SPREAD = 0.0  # InterleaveOptions.spread: off (measured no better on a 2-core host: docs/benchmarks.md)
 
 
 # ---- the checkpointer ------------------------------------------------------------------------
@@ -109,6 +111,13 @@ class InterleaveOptions:
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK
     max_cv: float = DEFAULT_MAX_CV
     bandwidth: float | None = None  # bytes/s of the copy; measured when None
+    spread: float = DEFAULT_SPREAD
+    """Without profiled gaps, spread the copy over this fraction of the last iteration (the time between
+    two ``optimizer.step()`` calls) instead of copying in one burst at full memory bandwidth: the rate is
+    the last save's bytes over ``spread`` x that time. A burst competes with training for memory bandwidth
+    and cores (measured on a 2-core host: docs/benchmarks.md); a paced copy still ends well before the
+    next ``optimizer.step()``, and the guard ends the cap at once if it does not. 0 turns it off (the copy
+    goes at once); needs ``optimizer=``. Must be in [0, 1)."""
 
 
 _STOP = object()
@@ -118,6 +127,11 @@ def _check_options(interleave: Any, max_pending: Any, on_busy: Any, timeout_s: A
     """Refuse bad AsyncCheckpointer arguments with a ConfigError, before anything is created."""
     if not isinstance(interleave, (bool, InterleaveOptions)):
         raise ConfigError(f"interleave={interleave!r}: give True, False or an InterleaveOptions.")
+    if isinstance(interleave, InterleaveOptions):
+        spread = interleave.spread
+        if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread < 1:
+            raise ConfigError(f"InterleaveOptions(spread={spread!r}): give the fraction of an iteration to spread a "
+                              "copy over, in [0, 1) (0: copy at once).")
     if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
         raise ConfigError(f"max_pending={max_pending!r}: the snapshots that may wait at once, an int >= 1.")
     if on_busy not in ("block", "skip"):
@@ -220,6 +234,10 @@ class AsyncCheckpointer:
             self.profiler.install(self._optimizers[0])
         for opt in self._optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._pre_step))
+        if self._optimizers:  # the iteration's length, for InterleaveOptions.spread
+            self._hooks.append(self._optimizers[0].register_step_pre_hook(self._iteration_mark))
+        self._step_marks: list[float] = []  # perf_counter of the last optimizer.step() calls
+        self._paced_bytes = 0  # the last finished save's bytes through the pacer
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, max_pending))
         self._outstanding: list[SnapshotHandle] = []
         self._lock = threading.Lock()
@@ -245,6 +263,18 @@ class AsyncCheckpointer:
                     h.hurry()
         for h in pending:
             h.wait_copied(self.timeout_s, surface=False)
+
+    def _iteration_mark(self, *_: Any) -> None:
+        marks = self._step_marks
+        marks.append(time.perf_counter())
+        if len(marks) > 3:
+            del marks[0]
+
+    def iteration_s(self) -> float | None:
+        """The shorter of the last two intervals between ``optimizer.step()`` calls (None before two)."""
+        marks = list(self._step_marks)
+        gaps = [b - a for a, b in zip(marks, marks[1:])]
+        return min(gaps) if gaps else None
 
     # -- API --
     def save(self, state_dict: dict[str, Any], step: int) -> SnapshotHandle:
@@ -370,12 +400,27 @@ class AsyncCheckpointer:
             return None
         alpha = self.opts.alpha
         chunk = choose_chunk_bytes(gaps.values(), bandwidth, alpha, max_chunk_bytes=self.opts.max_chunk_bytes)
+        # The guard hurries a copy when the next optimizer step is due; should none come (training ended),
+        # the copy stops waiting for gaps after an iteration and a half.
+        traces = prof.profile() or []
+        deadline = PACE_DEADLINE_ITERATIONS * max(t.deadline for t in traces) if traces else None
         return Pacer(gaps, prof.timeline, where=self.opts.where, bandwidth=bandwidth, alpha=alpha, chunk_bytes=chunk,
-                     one_iteration=one_iteration)
+                     one_iteration=one_iteration, deadline_s=deadline)
+
+    def _spread_rate(self) -> float | None:
+        """The copy's rate cap without gaps (``InterleaveOptions.spread``); None: uncapped."""
+        it = self.iteration_s()
+        spread = self.opts.spread
+        if not (self.opts.enabled and self.pacing and spread > 0 and it and self._paced_bytes > 0):
+            return None
+        rate = self._paced_bytes / (spread * it)
+        return rate if rate < self._bandwidth else None  # a cap above the copy's own rate changes nothing
 
     def _make_pacer(self) -> Pacer | None:
-        # No profile (yet): as fast as possible; the pacer only measures the copy rate.
-        return self._gap_pacer(self._bandwidth) or Pacer(bandwidth=self._bandwidth, chunk_bytes=self.opts.max_chunk_bytes)
+        # No profile (yet), or no gaps in it: spread over the iteration (or as fast as possible); the pacer
+        # also measures the copy rate.
+        return self._gap_pacer(self._bandwidth) or Pacer(bandwidth=self._bandwidth,
+                                                         chunk_bytes=self.opts.max_chunk_bytes, rate=self._spread_rate())
 
     def _make_replication_pacer(self) -> Pacer | None:
         """The pacer of the peer replication: only with replicas and a profile (else one message,
@@ -444,9 +489,12 @@ class AsyncCheckpointer:
                         if rpacer.stats.chunks >= 4 and not rpacer.hurried:
                             self._net_bandwidth = rpacer.bandwidth
                     if pacer is not None:
-                        handle.pacer_stats = pacer.stats.as_dict()
-                        if pacer.stats.chunks >= 4 and not pacer.hurried:
+                        st = pacer.stats
+                        handle.pacer_stats = st.as_dict()
+                        if st.chunks >= 4 and not pacer.hurried:
                             self._bandwidth = pacer.bandwidth
+                        if handle.error is None:
+                            self._paced_bytes = st.bytes_in_spans + st.bytes_leftover + st.bytes_hurried
                 except Exception:  # noqa: BLE001 - a pacer without statistics: logged, not fatal
                     log.warning("gemini_dcp: step %s: the pacer's statistics could not be read", handle.step,
                                 exc_info=True)

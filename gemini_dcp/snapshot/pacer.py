@@ -64,6 +64,7 @@ class PacerStats:
     bytes_hurried: int = 0
     waited_s: float = 0.0
     gaps_used: int = 0
+    rate: float = 0.0  # bytes/s the copy was capped at without gaps (0: uncapped)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -75,7 +76,12 @@ class Pacer:
     ``gaps`` maps positions to gap lengths (:func:`gap_lengths`); ``timeline``
     is the live view fed by the collective wrappers. With no gaps (or no
     timeline) every chunk goes at once and the pacer only measures the copy
-    rate. Thread-safe for one copying thread plus any number of ``hurry()``.
+    rate — unless ``rate`` (bytes/s) is given: then chunk *k* waits until
+    ``rate`` would have carried the bytes before it since the first chunk, so
+    the copy is spread over the iteration instead of a burst at full memory
+    bandwidth (``InterleaveOptions.spread``). ``hurry()`` ends any wait at once;
+    so does ``deadline_s`` after the first chunk (a copy waiting for gaps).
+    Thread-safe for one copying thread plus any number of ``hurry()``.
     """
 
     def __init__(
@@ -89,9 +95,13 @@ class Pacer:
         chunk_bytes: int = DEFAULT_MAX_CHUNK,
         max_wait_s: float = 0.05,
         one_iteration: bool = False,
+        rate: float | None = None,
+        deadline_s: float | None = None,
     ) -> None:
         if bandwidth <= 0:
             raise ValueError("bandwidth must be positive")
+        if rate is not None and not rate > 0:
+            raise ValueError("rate must be positive (or None: uncapped)")
         self.gaps = dict(gaps or {}) if timeline is not None else {}
         self.timeline = timeline
         self.kind = "idle" if where == "between" else "busy"
@@ -111,6 +121,14 @@ class Pacer:
         self._one_iteration = one_iteration
         self._first_iteration: int | None = None
         self.stats = PacerStats()
+        self.rate = None if self.gaps else rate  # the gaps pace the copy when there are any
+        if self.rate is not None:
+            self.stats.rate = float(self.rate)
+        # deadline_s: this long after the first chunk, every chunk goes at once — the bound of a copy that
+        # waits for gaps of an iteration that never comes (training ended, or stalled, without a guard call).
+        self.deadline_s = deadline_s
+        self._t0: float | None = None  # the first chunk's time (the rate's and the deadline's origin)
+        self._sent = 0  # bytes released so far
 
     def hurry(self) -> None:
         """Let every remaining chunk go at once (training is waiting for the copy)."""
@@ -132,22 +150,42 @@ class Pacer:
                 # EMA of the measured rate of the previous chunk (its copy and checksum).
                 self.bandwidth = 0.7 * self.bandwidth + 0.3 * (n_prev / dt)
 
+    def _at_rate(self, rate: float) -> None:
+        """Wait until ``rate`` would have carried the bytes released so far (or a hurry)."""
+        now = self._clock()
+        if self._t0 is None:
+            self._t0 = now
+            return
+        wait = self._t0 + self._sent / rate - now
+        if wait > 0:
+            self._hurry.wait(wait)
+            self.stats.waited_s += self._clock() - now
+
     def __call__(self, nbytes: int) -> None:
         self._learn(self._clock())
         self.stats.chunks += 1
         tl = self.timeline
         if not self.gaps or tl is None:
+            if self.rate is not None and not self._hurry.is_set():
+                self._at_rate(self.rate)
             if self._hurry.is_set():
                 self.stats.bytes_hurried += nbytes
             else:
                 self.stats.bytes_leftover += nbytes
+            self._sent += nbytes
             self._last = (self._clock(), nbytes)
             return
         t_wait = self._clock()
+        if self._t0 is None:
+            self._t0 = t_wait
+        late = None if self.deadline_s is None else self._t0 + self.deadline_s
         with tl.cond:
             while True:
                 if self._hurry.is_set():
                     self.stats.bytes_hurried += nbytes
+                    break
+                if late is not None and self._clock() >= late:
+                    self.stats.bytes_leftover += nbytes  # past the deadline: at once
                     break
                 it, kind, pos, since = tl.state()
                 if self._one_iteration and self._first_iteration is None:
