@@ -45,6 +45,18 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "no checkpoint": ({}, ["--checkpoint.no-enable"]),
     "gemini_dcp, blocking": ({"INTERVAL": str(NEVER), "GEMINI_ASYNC": "false"}, []),
     "gemini_dcp, AsyncCheckpointer": ({"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true"}, []),
+    # The same, with the copy in one burst (InterleaveOptions(spread=0)): the spread's A/B.
+    "gemini_dcp, AsyncCheckpointer, spread 0": (
+        {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_SPREAD": "0"}, []),
+    # The training thread waits for the local copy after save() (the commit stays in the background).
+    # Interleaving off: the copy as fast as possible even once the profile has found gaps.
+    "gemini_dcp, AsyncCheckpointer, not paced": (
+        {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_PACING": "0"}, []),
+    # The copy paced into the collectives (busy periods) instead of the gaps between them.
+    "gemini_dcp, AsyncCheckpointer, during": (
+        {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_WHERE": "during"}, []),
+    "gemini_dcp, AsyncCheckpointer, copy waited": (
+        {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_WAIT_COPY": "1"}, []),
     # One run, saves in alternating blocks of BLOCK steps: iterations with and without a save under the same load.
     "gemini_dcp, AsyncCheckpointer, alternating blocks": (
         {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_BLOCKS": "BLOCK"}, []),
@@ -73,11 +85,11 @@ def step_times(log: str) -> dict[int, float]:
     return out
 
 
-def save_costs(log: str) -> dict[str, list[float]]:
+def save_costs(log: str, first: int = 3) -> dict[str, list[float]]:
     """gemini_dcp's per-save costs from its log lines (both ranks; steps after the warm-up)."""
     out: dict[str, list[float]] = {f: [] for f in SNAP_FIELDS}
     for m in SNAP_LINE.finditer(re.sub(r"\x1b\[[0-9;]*m", "", log)):
-        if int(m.group(1)) <= 3:
+        if int(m.group(1)) <= first:
             continue
         for f, v in zip(SNAP_FIELDS, m.groups()[1:]):
             if v is not None:
@@ -87,7 +99,7 @@ def save_costs(log: str) -> dict[str, list[float]]:
 
 def run_variant(name: str, steps: int, scratch: Path, i: int, shape: dict[str, str],
                 costs: dict[str, list[float]] | None = None, blocks: dict[str, list[float]] | None = None,
-                block: int = 4) -> list[float]:
+                block: int = 4, first: int = 3) -> list[float]:
     env_extra, flags = VARIANTS[name]
     env_extra = {k: (str(block) if v == "BLOCK" else v) for k, v in env_extra.items()}
     out = scratch / f"v{i}"
@@ -102,11 +114,11 @@ def run_variant(name: str, steps: int, scratch: Path, i: int, shape: dict[str, s
         raise RuntimeError(f"{name}: run failed\n{log[-3000:]}")
     t = step_times(log)
     if costs is not None:
-        for f, v in save_costs(log).items():
+        for f, v in save_costs(log, first).items():
             costs.setdefault(f, []).extend(v)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
-    its = {s: t[s + 1] - t[s] for s in range(3, steps) if s in t and s + 1 in t}  # steps 1-3: warm-up
+    its = {s: t[s + 1] - t[s] for s in range(first, steps) if s in t and s + 1 in t}  # steps 1..first: warm-up
     block = int(env.get("TITAN_GEMINI_BLOCKS", "0"))
     if block and blocks is not None:  # iteration s -> s+1 carries the save of step s (and its background copy)
         def saved(s: int) -> bool:
@@ -130,6 +142,9 @@ def main() -> None:
                     help="the variants to run ('no checkpoint' is always run: the ratios are against it)")
     ap.add_argument("--out", default="torchtitan", help="results/<out>.json and img/<out>.png")
     ap.add_argument("--block", type=int, default=4, help="steps per block of the 'alternating blocks' variants")
+    ap.add_argument("--measure-from", type=int, default=3,
+                    help="iterations from this step on are measured (the first are warm-up); 30 with --steps 45: only "
+                         "after AsyncCheckpointer's interleaving profile (3 + 20 iterations) is done")
     args = ap.parse_args()
     names = ["no checkpoint", *(n for n in args.variants if n != "no checkpoint")]
     shape = {"SEQ_LEN": str(args.seq_len), "LOCAL_BATCH": str(args.batch), "AC": args.ac}
@@ -150,7 +165,8 @@ def main() -> None:
             i += 1
             (scratch / f"v{i}").mkdir()
             shutil.copytree(assets, scratch / f"v{i}" / "assets")
-            got = run_variant(name, args.steps, scratch, i, shape, costs[name], blocks[name], args.block)
+            got = run_variant(name, args.steps, scratch, i, shape, costs[name], blocks[name], args.block,
+                              args.measure_from)
             samples[name] += got
             per_round[name].append(median(got))
             print(f"{name:32s} median {median(samples[name]):.3f} s/step", flush=True)
@@ -172,9 +188,9 @@ def main() -> None:
     data = {
         "what": f"torchtitan llama3 debugmodel on CPU, 2 ranks FSDP2/gloo, seq {args.seq_len} x batch {args.batch}, "
                 f"activation checkpointing {ac}, checkpoint every step; iteration time = previous save + this step "
-                "(steps 4..N)",
+                f"(steps {args.measure_from + 1}..N)",
         "seq_len": args.seq_len, "local_batch": args.batch, "activation_checkpointing": ac,
-        "state_bytes_total": 80_059_650, "steps": args.steps, "rounds": args.rounds, "alternate": args.alternate, "wall_s": time.time() - t0,
+        "state_bytes_total": 80_059_650, "steps": args.steps, "measure_from": args.measure_from, "rounds": args.rounds, "alternate": args.alternate, "wall_s": time.time() - t0,
         "command": " ".join(sys.argv), "loadavg_before": load_before, "machine": machine_info(), "variants": rows,
     }
     write_json(RESULTS / f"{args.out}.json", data)

@@ -13,6 +13,12 @@ Two switches for the kill-and-resume test, read from the environment:
   returns at that point; a difference raises, and each rank prints ``states check: N saves exact`` at the end;
 - ``TITAN_GC_STATS=1`` (benchmarks): each rank prints its Python garbage collections at exit (count, wall time per
   generation, how many ran on the training thread);
+- ``TITAN_PACER_STATS=1`` (benchmarks): each rank prints, at close, the interleaving profile and the last saves'
+  pacer statistics (``pacer stats rank R ...``);
+- ``TITAN_GEMINI_SPREAD=F`` / ``TITAN_GEMINI_WHERE=during`` / ``TITAN_GEMINI_PACING=0`` (benchmarks): the
+  integration's ``AsyncCheckpointer`` uses ``InterleaveOptions(spread=F)`` / ``InterleaveOptions(where="during")`` /
+  never paces its copy into the profiled gaps;
+- ``TITAN_GEMINI_WAIT_COPY=1`` (benchmarks): the training thread waits for each save's local copy after ``save()``;
 - ``TITAN_PROFILE_BACKGROUND=PREFIX`` (benchmarks): cProfile ``AsyncCheckpointer``'s background thread (its CPU
   time), written to ``PREFIX.<rank>`` when the checkpointer closes (read with ``python -m pstats``).
 """
@@ -67,6 +73,13 @@ def _install_test_hooks() -> None:
         _profile_background(os.environ["TITAN_PROFILE_BACKGROUND"])
     if os.environ.get("TITAN_GC_STATS") == "1":
         _gc_stats()
+    if os.environ.get("TITAN_PACER_STATS") == "1":
+        _pacer_stats()
+    if any(os.environ.get(k) for k in ("TITAN_GEMINI_SPREAD", "TITAN_GEMINI_PACING", "TITAN_GEMINI_WHERE")):
+        _options(float(os.environ.get("TITAN_GEMINI_SPREAD") or 0), os.environ.get("TITAN_GEMINI_PACING") != "0",
+                 os.environ.get("TITAN_GEMINI_WHERE") or "between")
+    if os.environ.get("TITAN_GEMINI_WAIT_COPY") == "1":
+        _wait_copy()
     Trainer.train_step = train_step_maybe_die  # type: ignore[method-assign]
     Trainer.train = train_and_dump  # type: ignore[method-assign]
 
@@ -98,6 +111,60 @@ def _gc_stats() -> None:
     gc.callbacks.append(callback)
     atexit.register(lambda: print(f"gc stats rank {dist.get_rank() if dist.is_initialized() else '?'}: " + ", ".join(
         f"gen{g} {n} in {1e3 * t:.0f} ms ({m} on the training thread)" for g, (n, t, m) in stats.items()), flush=True))
+
+
+def _pacer_stats() -> None:
+    """At close, each rank prints the interleaving profile and the last saves' pacer statistics:
+    ``pacer stats rank R: ...``."""
+    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer
+
+    close = AsyncCheckpointer.close
+
+    def close_and_print(self):  # noqa: ANN001, ANN202
+        try:
+            return close(self)
+        finally:
+            rank = dist.get_rank() if dist.is_initialized() else "?"
+            print(f"pacer stats rank {rank}: {self.stats()}", flush=True)
+            for h in self.history[-4:]:
+                print(f"pacer stats rank {rank} step {h.step}: copy {1e3 * (h.copy_s or 0):.0f} ms {h.pacer_stats}",
+                      flush=True)
+
+    AsyncCheckpointer.close = close_and_print  # type: ignore[method-assign]
+
+
+def _options(spread: float, pacing: bool, where: str) -> None:
+    """The integration's AsyncCheckpointer with ``InterleaveOptions(spread=..., where=...)`` and, ``pacing=False``,
+    its copy never paced into the profiled gaps (benchmarks: A/B runs)."""
+    import dataclasses
+
+    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer
+
+    init = AsyncCheckpointer.__init__
+
+    def init_spread(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        init(self, *args, **kwargs)
+        self.opts = dataclasses.replace(self.opts, spread=spread, where=where)
+        self.pacing = pacing
+        if self.profiler is not None:
+            self.profiler.where = where  # before its profile is done: it is read when the gaps are computed
+
+    AsyncCheckpointer.__init__ = init_spread  # type: ignore[method-assign]
+
+
+def _wait_copy() -> None:
+    """The training thread waits for each save's local copy right after ``save()`` (benchmarks: the copy at
+    the same point of every rank, on a core training has left; the commit stays in the background)."""
+    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer
+
+    save = AsyncCheckpointer.save
+
+    def save_and_wait(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        h = save(self, *args, **kwargs)
+        h.wait_copied(self.timeout_s, surface=False)
+        return h
+
+    AsyncCheckpointer.save = save_and_wait  # type: ignore[method-assign]
 
 
 def _save_in_blocks(k: int) -> None:
