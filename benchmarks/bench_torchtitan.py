@@ -55,6 +55,9 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     # The copy paced into the collectives (busy periods) instead of the gaps between them.
     "gemini_dcp, AsyncCheckpointer, during": (
         {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_WHERE": "during"}, []),
+    # The background thread ahead of training (nice -10): each rank's save in one burst at save().
+    "gemini_dcp, AsyncCheckpointer, nice -10": (
+        {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_BG_NICE": "-10"}, []),
     "gemini_dcp, AsyncCheckpointer, copy waited": (
         {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_WAIT_COPY": "1"}, []),
     # One run, saves in alternating blocks of BLOCK steps: iterations with and without a save under the same load.

@@ -18,6 +18,7 @@ Two switches for the kill-and-resume test, read from the environment:
 - ``TITAN_GEMINI_SPREAD=F`` / ``TITAN_GEMINI_WHERE=during`` / ``TITAN_GEMINI_PACING=0`` (benchmarks): the
   integration's ``AsyncCheckpointer`` uses ``InterleaveOptions(spread=F)`` / ``InterleaveOptions(where="during")`` /
   never paces its copy into the profiled gaps;
+- ``TITAN_GEMINI_BG_NICE=N`` (benchmarks): ``AsyncCheckpointer``'s background thread at nice ``N``;
 - ``TITAN_GEMINI_WAIT_COPY=1`` (benchmarks): the training thread waits for each save's local copy after ``save()``;
 - ``TITAN_PROFILE_BACKGROUND=PREFIX`` (benchmarks): cProfile ``AsyncCheckpointer``'s background thread (its CPU
   time), written to ``PREFIX.<rank>`` when the checkpointer closes (read with ``python -m pstats``).
@@ -80,6 +81,8 @@ def _install_test_hooks() -> None:
                  os.environ.get("TITAN_GEMINI_WHERE") or "between")
     if os.environ.get("TITAN_GEMINI_WAIT_COPY") == "1":
         _wait_copy()
+    if os.environ.get("TITAN_GEMINI_BG_NICE"):
+        _background_nice(int(os.environ["TITAN_GEMINI_BG_NICE"]))
     Trainer.train_step = train_step_maybe_die  # type: ignore[method-assign]
     Trainer.train = train_and_dump  # type: ignore[method-assign]
 
@@ -150,6 +153,22 @@ def _options(spread: float, pacing: bool, where: str) -> None:
             self.profiler.where = where  # before its profile is done: it is read when the gaps are computed
 
     AsyncCheckpointer.__init__ = init_spread  # type: ignore[method-assign]
+
+
+def _background_nice(nice: int) -> None:
+    """``AsyncCheckpointer``'s background thread at this nice value (benchmarks: negative = ahead of training, so
+    each rank's save runs in one burst at ``save()``, aligned across ranks)."""
+    import threading
+
+    from gemini_dcp.snapshot.checkpointer import AsyncCheckpointer
+
+    run = AsyncCheckpointer._run
+
+    def run_niced(self):  # noqa: ANN001, ANN202
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        return run(self)
+
+    AsyncCheckpointer._run = run_niced  # type: ignore[method-assign]
 
 
 def _wait_copy() -> None:
