@@ -114,10 +114,11 @@ class InterleaveOptions:
     spread: float = DEFAULT_SPREAD
     """Without profiled gaps, spread the copy over this fraction of the last iteration (the time between
     two ``optimizer.step()`` calls) instead of copying in one burst at full memory bandwidth: the rate is
-    the last save's bytes over ``spread`` x that time. A burst competes with training for memory bandwidth
-    and cores (measured on a 2-core host: docs/benchmarks.md); a paced copy still ends well before the
-    next ``optimizer.step()``, and the guard ends the cap at once if it does not. 0 turns it off (the copy
-    goes at once); needs ``optimizer=``. Must be in [0, 1)."""
+    the last save's bytes over ``spread`` x that time; the step commits that much later. For hosts where a
+    burst's memory traffic is what training feels; off by default (0: the copy goes at once) because on
+    two ranks sharing two busy cores it measured worse (docs/async.md). A paced copy still ends well before
+    the next ``optimizer.step()``, and the guard ends the cap at once if it does not. Needs ``optimizer=``.
+    Must be in [0, 1)."""
 
 
 _STOP = object()
