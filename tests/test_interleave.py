@@ -521,3 +521,35 @@ def test_profiler_sees_fsdp2_and_ddp_collectives(root: str) -> None:
     for r in out:
         assert r["fsdp"]["done"] and r["fsdp"]["collectives_per_iteration"][0] >= 4, r["fsdp"]  # all-gathers + reduce-scatters
         assert r["ddp"]["done"] and r["ddp"]["collectives_per_iteration"][0] >= 1, r["ddp"]
+
+
+def test_the_copy_chunk_is_chosen_once_per_profile(root: str) -> None:
+    """The local copy's chunk is the writer's copy block: chosen once per profile, not from each save's learned
+    rate. A block that moved with the rate rebuilt the save's program at every flip (the unfused per-item copy:
+    twice the background CPU in a long torchtitan run). The save's program is built once across rates."""
+    from gemini_dcp import GeminiStorageWriter
+    from gemini_dcp.snapshot import AsyncCheckpointer
+
+    clock = FakeClock()
+    prof = CollectiveProfiler(warmup=0, iterations=3, clock=clock, min_gap_s=0.0)
+    _feed(prof, clock, [0.1, 0.1, 0.1], [(0.01, 0.02), (0.05, 0.06)])
+    assert prof.gaps()
+    w = torch.nn.Parameter(torch.zeros(64, 1024))
+    opt = torch.optim.SGD([w], lr=0.1)
+    writer = GeminiStorageWriter(root=root, job_id="chunk", keep=2)
+    ck = AsyncCheckpointer(writer, optimizer=opt, timeout_s=30)
+    try:
+        ck.profiler.remove()
+        ck.profiler = prof
+        gaps = prof.gaps().values()
+        assert choose_chunk_bytes(gaps, 1e8) != choose_chunk_bytes(gaps, 1e10)  # the rate alone would move it
+        first = ck._gap_pacer(1e8)
+        assert first is not None and ck._gap_pacer(1e10).block_bytes == first.block_bytes
+        sd = {"w": w, "b": {str(i): torch.full((100,), float(i)) for i in range(20)}}
+        for step, bw in enumerate([1e8, 1e10, 1e8, 1e10]):
+            ck._bandwidth = bw
+            ck.save(sd, step).wait_copied(30)
+            ck.wait(30)  # the pacer waits for gaps of a timeline nobody feeds: wait() hurries it
+        assert writer.local_writer.programs_built == 1
+    finally:
+        ck.close()
