@@ -15,9 +15,10 @@ Two switches for the kill-and-resume test, read from the environment:
   generation, how many ran on the training thread);
 - ``TITAN_PACER_STATS=1`` (benchmarks): each rank prints, at close, the interleaving profile and the last saves'
   pacer statistics (``pacer stats rank R ...``);
-- ``TITAN_GEMINI_SPREAD=F`` / ``TITAN_GEMINI_WHERE=during`` / ``TITAN_GEMINI_PACING=0`` (benchmarks): the
+- ``TITAN_GEMINI_SPREAD=F`` / ``TITAN_GEMINI_WHERE=during`` / ``TITAN_GEMINI_PACING=0|1`` (benchmarks): the
   integration's ``AsyncCheckpointer`` uses ``InterleaveOptions(spread=F)`` / ``InterleaveOptions(where="during")`` /
-  never paces its copy into the profiled gaps;
+  never paces its copy into the profiled gaps (0), or paces it even for a model on the CPU (1: the integration's
+  default there is not to, ``interleave_for``);
 - ``TITAN_GEMINI_BG_NICE=N`` (benchmarks): ``AsyncCheckpointer``'s background thread at nice ``N``;
 - ``TITAN_GEMINI_WAIT_COPY=1`` (benchmarks): the training thread waits for each save's local copy after ``save()``;
 - ``TITAN_PROFILE_BACKGROUND=PREFIX`` (benchmarks): cProfile ``AsyncCheckpointer``'s background thread (its CPU
@@ -76,6 +77,10 @@ def _install_test_hooks() -> None:
         _gc_stats()
     if os.environ.get("TITAN_PACER_STATS") == "1":
         _pacer_stats()
+    if os.environ.get("TITAN_GEMINI_PACING") == "1":
+        from gemini_dcp.integrations import torchtitan as tt
+
+        tt.interleave_for = lambda model: True  # paced into the gaps even on the CPU (the integration's A/B)
     if any(os.environ.get(k) for k in ("TITAN_GEMINI_SPREAD", "TITAN_GEMINI_PACING", "TITAN_GEMINI_WHERE")):
         _options(float(os.environ.get("TITAN_GEMINI_SPREAD") or 0), os.environ.get("TITAN_GEMINI_PACING") != "0",
                  os.environ.get("TITAN_GEMINI_WHERE") or "between")
