@@ -81,7 +81,8 @@ def _install_test_hooks() -> None:
         from gemini_dcp.integrations import torchtitan as tt
 
         tt.interleave_for = lambda model: True  # paced into the gaps even on the CPU (the integration's A/B)
-    if any(os.environ.get(k) for k in ("TITAN_GEMINI_SPREAD", "TITAN_GEMINI_PACING", "TITAN_GEMINI_WHERE")):
+    if os.environ.get("TITAN_GEMINI_SPREAD") or os.environ.get("TITAN_GEMINI_WHERE") or (
+            os.environ.get("TITAN_GEMINI_PACING") == "0"):
         _options(float(os.environ.get("TITAN_GEMINI_SPREAD") or 0), os.environ.get("TITAN_GEMINI_PACING") != "0",
                  os.environ.get("TITAN_GEMINI_WHERE") or "between")
     if os.environ.get("TITAN_GEMINI_WAIT_COPY") == "1":

@@ -235,7 +235,7 @@ class AsyncCheckpointer:
             self.profiler.install(self._optimizers[0])
         for opt in self._optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._pre_step))
-        if self._optimizers:  # the iteration's length, for InterleaveOptions.spread
+        if self._optimizers and self.opts.spread > 0:  # the iteration's length, for InterleaveOptions.spread only
             self._hooks.append(self._optimizers[0].register_step_pre_hook(self._iteration_mark))
         self._step_marks: list[float] = []  # perf_counter of the last optimizer.step() calls
         self._paced_bytes = 0  # the last finished save's bytes through the pacer
@@ -273,7 +273,8 @@ class AsyncCheckpointer:
             del marks[0]
 
     def iteration_s(self) -> float | None:
-        """The shorter of the last two intervals between ``optimizer.step()`` calls (None before two)."""
+        """The shorter of the last two intervals between ``optimizer.step()`` calls (None before two, and
+        without ``InterleaveOptions.spread``: only the spread needs it, so only then is the training step timed)."""
         marks = list(self._step_marks)
         gaps = [b - a for a, b in zip(marks, marks[1:])]
         return min(gaps) if gaps else None
