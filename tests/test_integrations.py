@@ -144,12 +144,12 @@ def test_newest_restorable_step_one_process(tmp_path: Path) -> None:
     assert torch.equal(out["w"], sd["w"]) and reader.restored_step == 5
 
 
-def test_titan_interleaves_only_a_model_on_an_accelerator() -> None:
-    """The torchtitan integration paces its copy into the gaps between collectives only for a model with
-    parameters off the CPU (on the CPU those gaps are the training's compute: measured slower)."""
+def test_adapters_interleave_only_a_model_on_an_accelerator() -> None:
+    """The torchtitan and Accelerate adapters pace their copy into the gaps between collectives only for a model
+    with parameters off the CPU (on the CPU those gaps are the training's compute: measured slower)."""
     import torch
 
-    from gemini_dcp.integrations.torchtitan import interleave_for
+    from gemini_dcp.snapshot.interleave import interleave_for
 
     cpu = torch.nn.Linear(2, 2)
     assert not interleave_for(cpu) and not interleave_for([cpu, torch.nn.Linear(2, 2, device="meta")])

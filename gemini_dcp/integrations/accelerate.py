@@ -113,8 +113,10 @@ class GeminiAcceleratorCheckpoint:
             return True
         if self._snapshots is None:
             from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
+            from ..snapshot.interleave import interleave_for  # noqa: PLC0415
 
-            self._snapshots = AsyncCheckpointer(self._get_writer(), optimizer=self.optimizer, model=self.model)
+            self._snapshots = AsyncCheckpointer(self._get_writer(), optimizer=self.optimizer, model=self.model,
+                                                interleave=interleave_for(self.model))
         self._snapshots.save(self._state(step), step)
         return True
 

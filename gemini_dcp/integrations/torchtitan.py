@@ -92,15 +92,6 @@ class TitanGeminiSettings:
 WRITER_FIELDS = ("root", "job_id", "replicas", "keep", "persistent", "persist_every")
 
 
-def interleave_for(model: Any) -> bool:
-    """Whether the integration's ``AsyncCheckpointer`` paces its copy into the gaps between training collectives
-    (GEMINI's interleaving): when the model has parameters on a GPU. On the CPU those gaps are the training's own
-    compute, and pacing measured 1.07x a step against 1.04x unpaced (torchtitan, 2 ranks on 2 cores, 8 rounds:
-    docs/benchmarks.md), so a CPU model's copy goes at once."""
-    parts = model if isinstance(model, (list, tuple)) else [model]
-    return any(p.device.type not in ("cpu", "meta") for part in parts for p in part.parameters())
-
-
 def torchtitan_available() -> bool:
     """Whether torchtitan can be imported here (without importing it)."""
     return importlib.util.find_spec("torchtitan") is not None
@@ -122,6 +113,7 @@ def checkpoint_manager_class() -> Any:
     from ..dcp.reader import GeminiStorageReader  # noqa: PLC0415 - torch
     from ..dcp.writer import GeminiStorageWriter  # noqa: PLC0415
     from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
+    from ..snapshot.interleave import interleave_for  # noqa: PLC0415
 
     class GeminiCheckpointManager(CheckpointManager):  # type: ignore[misc, valid-type]
         """torchtitan's ``CheckpointManager`` that also checkpoints into gemini_dcp's tiers (module docstring)."""
@@ -181,9 +173,6 @@ def checkpoint_manager_class() -> Any:
             if self.gemini_async is None:  # collective (its control group): the first save runs on every rank
                 model = self.states[MODEL].model
                 interleave = interleave_for(model)
-                if not interleave:
-                    log.info("gemini_dcp: the model is on the CPU: the per-step copy is not paced into the gaps "
-                             "between training collectives (measured slower there; docs/integrations.md)")
                 self.gemini_async = AsyncCheckpointer(
                     self._writer(), optimizer=self.states[OPTIMIZER], model=model, interleave=interleave
                 )

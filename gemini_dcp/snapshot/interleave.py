@@ -61,6 +61,9 @@ Where the parts live: :mod:`.gaps` (pure functions), :mod:`.pacer` (run time),
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from .gaps import (
     DEFAULT_ALPHA,
     DEFAULT_MAX_CHUNK,
@@ -88,6 +91,23 @@ from .gaps import (
 from .pacer import LiveTimeline, Pacer, PacerStats
 from .profiler import CollectiveProfiler, ddp_allreduce_hook
 
+log = logging.getLogger(__name__)
+
+
+def interleave_for(model: Any) -> bool:
+    """Whether an adapter's :class:`~gemini_dcp.AsyncCheckpointer` should pace its copy into the gaps between
+    training collectives (its ``interleave=``): when ``model`` (a module or a list of them) has parameters on an
+    accelerator, GEMINI's case, where the gaps are the network's and the copy overlaps device compute. On the CPU
+    those gaps are the training's own compute: a copy moved into them runs later and out of step across ranks
+    (measured slower: docs/benchmarks.md), so a CPU model's copy goes at once; logged (INFO) when so decided.
+    The torchtitan and Accelerate adapters use it; ``AsyncCheckpointer``'s own default is unchanged."""
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    on_device = any(p.device.type not in ("cpu", "meta") for part in parts for p in part.parameters())
+    if not on_device:
+        log.info("gemini_dcp: the model is on the CPU: the per-step copy is not paced into the gaps between "
+                 "training collectives (measured slower there; docs/integrations.md)")
+    return on_device
+
 __all__ = [
     "CollectiveProfiler",
     "DEFAULT_ALPHA",
@@ -108,6 +128,7 @@ __all__ = [
     "complement",
     "ddp_allreduce_hook",
     "gap_lengths",
+    "interleave_for",
     "idle_spans",
     "intersect",
     "merge",
