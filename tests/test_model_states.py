@@ -6,7 +6,7 @@ is recomputed alone (and named in the log), a hook on the model's root takes the
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -164,3 +164,44 @@ def test_model_states_cache_recomputes_an_opaque_wrapper_whole() -> None:
     assert (cache.hits, cache.rebuilds) == (2, 1)
     assert "layers.0 (state-dict post hook ActivationWrapper._post_state_dict_hook, test_model_states_cache_recomputes" in cache.said
     assert "layers.0.attention.qkv" not in cache.said and "layers.1.attention.qkv (" in cache.said
+
+
+def _swap_ff(model: Any, _wrapper: Any) -> None:
+    """layers.0's ``ff`` replaced by another Linear holding the same parameter objects."""
+    block = model.layers["0"]._checkpoint_wrapped_module
+    swapped = torch.nn.Linear(4, 4)
+    swapped.weight, swapped.bias = block.ff.weight, block.ff.bias
+    block.ff = swapped
+
+
+TREE_CHANGES: dict[str, Callable[[Any, Any], None]] = {
+    "a submodule swapped, same parameters": _swap_ff,
+    "a buffer added": lambda m, w: m.norm.register_buffer("extra", torch.zeros(1)),
+    "a parameter removed": lambda m, w: m.norm.register_parameter("bias", None),
+    "a child added": lambda m, w: m.layers.__setitem__("3", torch.nn.Linear(2, 2)),
+    "a parameter re-pointed": lambda m, w: setattr(m.norm.weight, "data", torch.ones(4)),
+    "a model part replaced": lambda m, w: w.model.__setitem__(0, _ac_model()),
+}
+
+
+@pytest.mark.parametrize("change", list(TREE_CHANGES))
+def test_model_states_cache_checks_the_remembered_tree_as_the_full_walk(change: str) -> None:
+    """The per-save check reads the remembered module tree instead of walking ``named_parameters``: every change the
+    full walk sees is a miss, and so is a submodule swapped for another holding the same parameters (the full walk
+    would reuse: the check is stricter, never looser; a miss costs one full call, remembered again)."""
+    model = _ac_model()
+    wrapper = _Wrapper(model)
+    cache = ModelStatesCache(_Wrapper)
+    cache.get(wrapper)
+    assert cache._walk is not None and cache._same_tensors(wrapper) is True
+
+    def full_walk_hits() -> bool:
+        objs, key = cache._tensors(wrapper)
+        return key == cache._key and len(objs) == len(cache._objs) and all(a is b for a, b in zip(objs, cache._objs))
+
+    with torch.no_grad():
+        TREE_CHANGES[change](model, wrapper)
+    assert cache._same_tensors(wrapper) is False
+    assert full_walk_hits() is (change == "a submodule swapped, same parameters")
+    got = cache.get(wrapper)  # torchtitan's full call: what its wrapper returns (stale keys included, as its)
+    assert cache.rebuilds == 2 and _same(got, wrapper.state_dict())

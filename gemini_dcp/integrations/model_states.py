@@ -63,6 +63,7 @@ class ModelStatesCache:
         self._makers: list[tuple[Any, str, str]] = []  # (module, its key prefix, why a maker), in module order
         self._splits: dict[int, FusedQKVSplit] = {}  # makers whose values come from local rows (by position)
         self._out: dict[str, Any] | None = None  # what get() returns: the wrapper's dict, or ours with the splits
+        self._walk: _Walk | None = None  # the module tree the key was taken from, to check it without a full walk
         self.hits = 0
         self.rebuilds = 0
         self.said = ""  # the last plan logged (rank 0): what is recomputed per save, or why the full call
@@ -77,8 +78,7 @@ class ModelStatesCache:
         cached = getattr(wrapper, "cached_state_dict", None)
         hit = False
         if known and self._sd is not None and self._sd is cached:
-            objs, key = self._tensors(wrapper)
-            hit = key == self._key and len(objs) == len(self._objs) and all(map(operator.is_, objs, self._objs))
+            hit = self._same_tensors(wrapper)
         # Every rank takes the same branch: a rank that splits locally runs no all-gather, a rebuilding
         # rank runs torchtitan's (and each rebuild agrees on the splits).
         hit = _agree(hit, self._comm())
@@ -115,6 +115,7 @@ class ModelStatesCache:
         """Drop what is remembered (the next :meth:`get` makes torchtitan's full call)."""
         self._sd = self._key = self._out = None
         self._objs, self._makers, self._splits = [], [], {}
+        self._walk = None
 
     def _agree_splits(self, ok: bool) -> None:
         """Keep the fused splits only when every rank remembered its makers and split all of its fused ones
@@ -156,6 +157,7 @@ class ModelStatesCache:
                 f"{stray!r} is neither a parameter's nor a maker's" if stray is not None else "a value is not a tensor") + ")")
             return False
         self._sd, self._key, self._objs, self._makers = sd, key, objs, makers
+        self._walk = _Walk.of(wrapper)
         self._out = sd
         splits = split_makers([(m, p) for m, p, _ in makers], sd)
         if splits:
@@ -188,6 +190,19 @@ class ModelStatesCache:
                     return inner
         return None
 
+    def _same_tensors(self, wrapper: Any) -> bool:
+        """Whether the wrapped modules hold the remembered parameters and buffers (same names, same objects, same
+        data pointers): what comparing :meth:`_tensors` with the remembered key decides, from the remembered module
+        tree (checked node by node, each module's children, parameter and buffer names) instead of walking it with
+        ``named_parameters``/``named_buffers``, whose generators and name strings were most of a save's cost."""
+        walk = self._walk
+        if walk is None:
+            objs, key = self._tensors(wrapper)
+            return key == self._key and len(objs) == len(self._objs) and all(map(operator.is_, objs, self._objs))
+        got = walk.tensors(wrapper)
+        return (got is not None and len(got) == len(self._objs) and all(map(operator.is_, got, self._objs))
+                and self._key is not None and tuple(_local(t).data_ptr() for t in got) == self._key[1])
+
     @staticmethod
     def _tensors(wrapper: Any) -> tuple[list[Any], tuple[Any, ...]]:
         """(every parameter and buffer of the wrapped modules, (their names, their data pointers))."""
@@ -201,6 +216,42 @@ class ModelStatesCache:
                 names.append(name)
                 objs.append(t)
         return objs, (tuple(names), tuple(_local(t).data_ptr() for t in objs))
+
+
+class _Walk:
+    """The module tree of a wrapper's model parts as ``named_parameters(remove_duplicate=False)`` walks it: every
+    module in that order with its children, parameter names and buffer names, so a later save can check that the
+    tree is the same (each module's children the same objects, its names the same) and collect its tensors in the
+    same order with plain loops. Any difference: None (the caller takes the full check)."""
+
+    __slots__ = ("parts", "parts_mods")
+
+    def __init__(self, parts: tuple[Any, ...], parts_mods: list[list[tuple[Any, tuple[Any, ...], tuple[str, ...], tuple[str, ...]]]]) -> None:
+        self.parts = parts
+        self.parts_mods = parts_mods
+
+    @classmethod
+    def of(cls, wrapper: Any) -> _Walk:
+        parts = tuple(wrapper.model)
+        parts_mods = [[(m, tuple(m._modules.values()), tuple(m._parameters), tuple(m._buffers))
+                       for _, m in part.named_modules(remove_duplicate=False)] for part in parts]
+        return cls(parts, parts_mods)
+
+    def tensors(self, wrapper: Any) -> list[Any] | None:
+        """The parameters then buffers of each part, in ``named_parameters``/``named_buffers`` order; None when
+        the tree or a name changed."""
+        parts = wrapper.model
+        if len(parts) != len(self.parts) or not all(map(operator.is_, parts, self.parts)):
+            return None
+        objs: list[Any] = []
+        for mods in self.parts_mods:
+            for m, kids, pnames, bnames in mods:
+                if (tuple(m._modules.values()) != kids or tuple(m._parameters) != pnames
+                        or tuple(m._buffers) != bnames):
+                    return None
+            objs.extend(p for m, _, _, _ in mods for p in m._parameters.values() if p is not None)
+            objs.extend(b for m, _, _, _ in mods for b in m._buffers.values() if b is not None)
+        return objs
 
 
 def _agree(flag: bool, comm: Any) -> bool:
