@@ -194,7 +194,8 @@ class ModelStatesCache:
         """Whether the wrapped modules hold the remembered parameters and buffers (same names, same objects, same
         data pointers): what comparing :meth:`_tensors` with the remembered key decides, from the remembered module
         tree (checked node by node, each module's children, parameter and buffer names) instead of walking it with
-        ``named_parameters``/``named_buffers``, whose generators and name strings were most of a save's cost."""
+        ``named_parameters``/``named_buffers`` (generators, a name string per tensor). Stricter than that walk, never
+        looser: a submodule swapped for another holding the same parameters is a miss (one full call)."""
         walk = self._walk
         if walk is None:
             objs, key = self._tensors(wrapper)
@@ -222,7 +223,7 @@ class _Walk:
     """The module tree of a wrapper's model parts as ``named_parameters(remove_duplicate=False)`` walks it: every
     module in that order with its children, parameter names and buffer names, so a later save can check that the
     tree is the same (each module's children the same objects, its names the same) and collect its tensors in the
-    same order with plain loops. Any difference: None (the caller takes the full check)."""
+    same order with plain loops. Any difference: None (a miss: the caller makes torchtitan's full call)."""
 
     __slots__ = ("parts", "parts_mods")
 
