@@ -196,13 +196,10 @@ class ModelStatesCache:
         tree (checked node by node, each module's children, parameter and buffer names) instead of walking it with
         ``named_parameters``/``named_buffers`` (generators, a name string per tensor). Stricter than that walk, never
         looser: a submodule swapped for another holding the same parameters is a miss (one full call)."""
-        walk = self._walk
-        if walk is None:
-            objs, key = self._tensors(wrapper)
-            return key == self._key and len(objs) == len(self._objs) and all(map(operator.is_, objs, self._objs))
-        got = walk.tensors(wrapper)
+        assert self._walk is not None and self._key is not None  # remembered together with the dict (_remember)
+        got = self._walk.tensors(wrapper)
         return (got is not None and len(got) == len(self._objs) and all(map(operator.is_, got, self._objs))
-                and self._key is not None and tuple(_local(t).data_ptr() for t in got) == self._key[1])
+                and tuple(_local(t).data_ptr() for t in got) == self._key[1])
 
     @staticmethod
     def _tensors(wrapper: Any) -> tuple[list[Any], tuple[Any, ...]]:

@@ -172,9 +172,8 @@ def checkpoint_manager_class() -> Any:
         def _async(self) -> AsyncCheckpointer:
             if self.gemini_async is None:  # collective (its control group): the first save runs on every rank
                 model = self.states[MODEL].model
-                interleave = interleave_for(model)
                 self.gemini_async = AsyncCheckpointer(
-                    self._writer(), optimizer=self.states[OPTIMIZER], model=model, interleave=interleave
+                    self._writer(), optimizer=self.states[OPTIMIZER], model=model, interleave=interleave_for(model)
                 )
             return self.gemini_async
 
