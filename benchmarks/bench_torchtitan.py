@@ -66,6 +66,10 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     # One run, saves in alternating blocks of BLOCK steps: iterations with and without a save under the same load.
     "gemini_dcp, AsyncCheckpointer, alternating blocks": (
         {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_BLOCKS": "BLOCK"}, []),
+    # The example pins each rank to its own CPUs (run_cpu.sh's PIN_CORES=1); these leave the ranks unpinned.
+    "no checkpoint, unpinned": ({"PIN_CORES": "0"}, ["--checkpoint.no-enable"]),
+    "gemini_dcp, AsyncCheckpointer, alternating blocks, unpinned": (
+        {"INTERVAL": str(NEVER), "GEMINI_ASYNC": "true", "TITAN_GEMINI_BLOCKS": "BLOCK", "PIN_CORES": "0"}, []),
     "torchtitan DCP, sync": ({"INTERVAL": "1"}, ["--override.imports", f'{OVERRIDE}={{"gemini_every": {NEVER}}}']),
     "torchtitan DCP, async": ({"INTERVAL": "1"}, ["--override.imports", f'{OVERRIDE}={{"gemini_every": {NEVER}}}',
                                                  "--checkpoint.async_mode", "async"]),

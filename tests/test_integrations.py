@@ -156,6 +156,34 @@ def test_adapters_interleave_only_a_model_on_an_accelerator() -> None:
     assert not interleave_for([])
 
 
+def test_cpu_model_with_unpinned_ranks_gets_the_pinning_hint(monkeypatch, caplog) -> None:
+    """Several ranks on a node, each free to run on every CPU: the CPU-model decision also says (INFO) that pinning
+    each rank to its own cores makes a save cheaper; pinned, or one rank per node, it says nothing of the kind."""
+    import logging
+    import os
+
+    import torch
+
+    from gemini_dcp.snapshot import interleave
+
+    cpus = os.cpu_count() or 1
+    monkeypatch.setattr(interleave.os, "cpu_count", lambda: max(cpus, 2))
+    monkeypatch.setattr(interleave.os, "sched_getaffinity", lambda pid: set(range(max(cpus, 2))), raising=False)
+    cases = [("2", True), ("1", False)]
+    for local_world, hinted in cases:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=interleave.__name__):
+            assert not interleave.interleave_for(torch.nn.Linear(2, 2))
+        assert interleave.ranks_unpinned() is hinted
+        assert ("pinned to its own cores" in caplog.text) is hinted, caplog.text
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(interleave.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert not interleave.ranks_unpinned()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert not interleave.ranks_unpinned()
+
+
 def test_torchtitan_module_imports_without_torchtitan() -> None:
     """``import gemini_dcp`` and the integration module never import torchtitan (or torch, for the module)."""
     code = (

@@ -21,6 +21,8 @@ Two switches for the kill-and-resume test, read from the environment:
   default there is not to, ``interleave_for``);
 - ``TITAN_GEMINI_BG_NICE=N`` (benchmarks): ``AsyncCheckpointer``'s background thread at nice ``N``;
 - ``TITAN_GEMINI_WAIT_COPY=1`` (benchmarks): the training thread waits for each save's local copy after ``save()``;
+- ``TITAN_PIN_CORES=0``: leave the rank unpinned (run_cpu.sh's ``PIN_CORES``; by default each rank is pinned to
+  its own share of the CPUs, before torch starts a thread: see ``_pin_to_cores``);
 - ``TITAN_PROFILE_BACKGROUND=PREFIX`` (benchmarks): cProfile ``AsyncCheckpointer``'s background thread (its CPU
   time), written to ``PREFIX.<rank>`` when the checkpointer closes (read with ``python -m pstats``).
 """
@@ -34,6 +36,26 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _pin_to_cores() -> None:
+    """Pin this rank to its own share of the CPUs it may use (local rank r of w: the r-th of w contiguous
+    slices; more ranks than CPUs: CPU ``r mod n``), as CPU training is deployed. Every thread started after
+    this inherits the set — torch's, gloo's and gemini_dcp's snapshot thread — so a rank's background copy
+    competes with its own training thread, whose delay every rank meets at the same point of the step,
+    instead of with another rank's, whose delays add up across ranks in lockstep (docs/deployment.md)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    rank, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world <= 1:
+        return
+    n = len(cpus)
+    mine = cpus[rank * n // world:(rank + 1) * n // world] if world <= n else [cpus[rank % n]]
+    os.sched_setaffinity(0, mine)
+    print(f"launch: local rank {rank} of {world} pinned to CPUs {mine}", flush=True)
+
+
+if os.environ.get("TITAN_PIN_CORES", "1") != "0" and hasattr(os, "sched_setaffinity"):
+    _pin_to_cores()
 
 import cpu_patches  # noqa: E402
 

@@ -9,6 +9,7 @@
 #   job id is set here for a relaunch to find its steps, as torchtitan finds its folder),
 #   GEMINI_ASYNC (true: per-step saves through AsyncCheckpointer, overlapping the next step; false: blocking),
 #   AC (default: torchtitan's own activation checkpointing, selective for llama3; none, full, selective: that mode),
+#   PIN_CORES (1: each rank pinned to its own share of the CPUs, as CPU training is deployed; 0: unpinned),
 #   TITAN_FAIL_AT_STEP / TITAN_FAIL_RANK / TITAN_DUMP_FINAL (launch.py), GEMINI_DCP_ROOT (tier root).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,6 +20,7 @@ mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # restarted ranks must not read the dead attempt's store address
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export TITAN_PIN_CORES="${PIN_CORES:-1}"
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
   --max-restarts "${MAX_RESTARTS:-1}" --monitor-interval 0.1 \
   "$HERE/launch.py" --module llama3 --config llama3_debugmodel \

@@ -62,6 +62,7 @@ Where the parts live: :mod:`.gaps` (pure functions), :mod:`.pacer` (run time),
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from .gaps import (
@@ -106,7 +107,23 @@ def interleave_for(model: Any) -> bool:
     if not on_device:
         log.info("gemini_dcp: the model is on the CPU: the per-step copy is not paced into the gaps between "
                  "training collectives (measured slower there; docs/integrations.md)")
+        if ranks_unpinned():
+            log.info("gemini_dcp: %s ranks on this node, each free to run on all %d CPUs: pinned to its own cores "
+                     "(taskset, numactl, srun --cpu-bind=cores), a rank's per-step copy delays only its own "
+                     "training, not another rank's (docs/deploying.md, 'CPU training')",
+                     os.environ.get("LOCAL_WORLD_SIZE"), os.cpu_count())
     return on_device
+
+
+def ranks_unpinned() -> bool:
+    """Whether several ranks share this node (``LOCAL_WORLD_SIZE`` > 1) and this one may run on every CPU the node
+    has: not pinned, so the kernel may put its snapshot thread on another rank's core (docs/deploying.md)."""
+    try:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    except (ValueError, OSError):
+        return False
+    return local_world > 1 and allowed > 1 and allowed == os.cpu_count()
 
 __all__ = [
     "CollectiveProfiler",
@@ -134,6 +151,7 @@ __all__ = [
     "merge",
     "pack",
     "periods",
+    "ranks_unpinned",
     "span_capacity",
     "split_chunks",
     "timeline_cv",
