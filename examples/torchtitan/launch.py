@@ -43,7 +43,7 @@ def _pin_to_cores() -> None:
     slices; more ranks than CPUs: CPU ``r mod n``), as CPU training is deployed. Every thread started after
     this inherits the set — torch's, gloo's and gemini_dcp's snapshot thread — so a rank's background copy
     competes with its own training thread, whose delay every rank meets at the same point of the step,
-    instead of with another rank's, whose delays add up across ranks in lockstep (docs/deployment.md)."""
+    instead of with another rank's, whose delays add up across ranks in lockstep (docs/deploying.md, "CPU training")."""
     cpus = sorted(os.sched_getaffinity(0))
     rank, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if world <= 1:
