@@ -108,9 +108,9 @@ def interleave_for(model: Any) -> bool:
         log.info("gemini_dcp: the model is on the CPU: the per-step copy is not paced into the gaps between "
                  "training collectives (measured slower there; docs/integrations.md)")
         if ranks_unpinned():
-            log.info("gemini_dcp: %s ranks on this node, each free to run on all %d CPUs: pinned to its own cores "
-                     "(taskset, numactl, srun --cpu-bind=cores), a rank's per-step copy delays only its own "
-                     "training, not another rank's (docs/deploying.md, 'CPU training')",
+            log.info("gemini_dcp: %s ranks on this node and this one free to run on all %d CPUs: with each rank "
+                     "pinned to its own cores (taskset, numactl, srun --cpu-bind=cores), a rank's per-step copy "
+                     "delays only its own training, not another rank's (docs/deploying.md, 'CPU training')",
                      os.environ.get("LOCAL_WORLD_SIZE"), os.cpu_count())
     return on_device
 
