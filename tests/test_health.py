@@ -14,7 +14,7 @@ from gemini_dcp import GeminiStorageReader, GeminiStorageWriter, InvalidStepErro
 from gemini_dcp.core.checksum import checksum
 from gemini_dcp.errors import ConfigError
 from gemini_dcp.ext import loader as ext_loader
-from gemini_dcp.health.count import copy_checksum_count, count_bytes, count_nonfinite
+from gemini_dcp.health.count import copy_checksum_count, count_bytes, count_nonfinite, kind_of
 from gemini_dcp.health.rule import judge
 from gemini_dcp.local.tier import LocalTier
 from gemini_dcp.options import GeminiOptions
@@ -295,3 +295,174 @@ def test_the_persistent_tier_keeps_the_health_and_restores_the_newest_healthy_st
     assert reader.restored_step == 2 and reader.skipped_unhealthy == [4, 3]
     for k, v in _state(2).items():
         assert torch.equal(out[k], v), k
+
+
+# ---- issue 50: one verdict on every rank across node replacements, restores and the store ----
+# Three nodes, one rank each (XOR parity needs three): one spawn per phase, every variant in it.
+VARIANTS = {"n1": {}, "n2": {"replicas": 2}, "np": {"parity_group": 3}}
+REFUSING = "nr"
+
+
+def _step_state(rank: int, step: int, poison: bool = False) -> dict[str, torch.Tensor]:
+    w = torch.arange(256, dtype=torch.float32) + step * 10 + rank
+    if poison and rank == 1:
+        w[5] = float("nan")
+    mask = torch.zeros(16)
+    mask[:10] = float("-inf")  # a constant 10-value mask: the restored step's counts must hold it
+    return {f"w{rank}": w, "mask": mask}
+
+
+def _refused(w: GeminiStorageWriter, rank: int, step: int) -> tuple[str, bool]:
+    """Save a step poisoned on rank 1: (the gemini error this rank got, whether it names the item)."""
+    from gemini_dcp.errors import find_gemini_error
+
+    try:
+        dcp.save(_step_state(rank, step, poison=True), storage_writer=w, checkpoint_id=step)
+    except BaseException as exc:  # noqa: BLE001 - the error is the result
+        err = find_gemini_error(exc)
+        return type(err).__name__, "'w1'" in str(err)
+    return "none", False
+
+
+def _refusing_writer(root: str) -> GeminiStorageWriter:
+    # A short timeout: a save that stalled instead of refusing fails the test in seconds, not minutes.
+    return GeminiStorageWriter(root=root, job_id=REFUSING, replicas=2, nonfinite="refuse", timeout_s=30)
+
+
+def _phase_healthy(rank: int, world_size: int, root: str, *, store: str) -> dict[str, object]:
+    for job, kw in VARIANTS.items():
+        w = GeminiStorageWriter(root=root, job_id=job, persistent=store, persist_every=1, **kw)
+        for step in (1, 2, 3):
+            dcp.save(_step_state(rank, step), storage_writer=w, checkpoint_id=step)
+        w.wait_persisted(3, timeout_s=120)
+    w = _refusing_writer(root)
+    dcp.save(_step_state(rank, 1), storage_writer=w, checkpoint_id=1)
+    refused = _refused(w, rank, 2)
+    dcp.save(_step_state(rank, 2), storage_writer=w, checkpoint_id=2)  # the control group is still usable
+    return {"refused": refused, "steps": LocalTier(root, REFUSING).steps()}
+
+
+def _phase_node1_replaced(rank: int, world_size: int, root: str, *, store: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for job, kw in VARIANTS.items():
+        w = GeminiStorageWriter(root=root, job_id=job, persistent=store, persist_every=1, **kw)
+        restored: object = None
+        if job != "n1":  # n1 saves without restoring: only the agreed baseline knows step 3
+            reader = GeminiStorageReader(root=root, job_id=job, persistent=store)
+            dcp.load(_step_state(rank, 0), storage_reader=reader)
+            restored = (reader.restored_step, sorted(t for t, n in reader.restored_from.items() if n))
+        for step in (4, 5):
+            dcp.save(_step_state(rank, step, poison=True), storage_writer=w, checkpoint_id=step)
+        w.wait_persisted(5, timeout_s=120)
+        tier = LocalTier(root, job)
+        out[job] = {"verdicts": [tier.record(s).healthy for s in (4, 5)], "restored": restored}
+    w = _refusing_writer(root)  # node 1 holds no record: the others' baseline is agreed
+    out["refused"] = _refused(w, rank, 3)
+    dcp.save(_step_state(rank, 3), storage_writer=w, checkpoint_id=3)
+    out["refusing_steps"] = LocalTier(root, REFUSING).steps()
+    return out
+
+
+def _phase_nodes_0_and_2_replaced(rank: int, world_size: int, root: str, *, store: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for job, kw in VARIANTS.items():
+        sd = _step_state(rank, 0)
+        reader = GeminiStorageReader(root=root, job_id=job, persistent=store)
+        dcp.load(sd, storage_reader=reader)
+        want = _step_state(rank, 3)
+        same = all(torch.equal(sd[k], want[k]) for k in want)
+        # Node 1 holds only the unhealthy steps: the restored step's counts (store's health.json) judge the next saves.
+        w = GeminiStorageWriter(root=root, job_id=job, **kw)
+        dcp.save(_step_state(rank, 4, poison=True), storage_writer=w, checkpoint_id=4)
+        dcp.save(_step_state(rank, 5), storage_writer=w, checkpoint_id=5)
+        tier = LocalTier(root, job)
+        out[job] = {"restore": (reader.restored_step, tuple(reader.skipped_unhealthy), same),
+                    "verdicts": [tier.record(s).healthy for s in (4, 5)]}
+    return out
+
+
+def _drains_gone(root: str) -> None:
+    """Wait until the drain servers of ``root``'s jobs exited (idle): a wiped node's server must not outlive it."""
+    import os
+    import time
+
+    from gemini_dcp.persistent.drain import server_pid
+
+    deadline = time.monotonic() + 120
+    for job in VARIANTS:
+        pid = server_pid(LocalTier(root, job).layout.persist_dir)
+        while pid is not None and time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+
+
+def test_one_verdict_across_node_replacements_restores_and_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEMINI_DCP_DRAIN_IDLE_S", "2")
+    store = f"file://{tmp_path / 'store'}"
+    make, cleanup = node_root_factory("gemini-health50")
+    try:
+        roots = make(3)
+        first = run_ranks(_phase_healthy, 3, roots, store=store)
+        assert all(r["refused"] == ("UnhealthyStateError", True) for r in first), first  # in the save, every rank
+        assert all(r["steps"] == [1, 2] for r in first), first
+        _drains_gone(roots[1])
+        wipe(roots[1])  # node 1 replaced: no records, its first saves hold a NaN
+        second = run_ranks(_phase_node1_replaced, 3, roots, store=store)
+        for rank, r in enumerate(second):
+            for job in VARIANTS:
+                assert r[job]["verdicts"] == [False, False], (rank, job, second)  # every node's records agree
+            assert r["n2"]["restored"][0] == 3 and r["np"]["restored"][0] == 3, second
+            assert r["refused"] == ("UnhealthyStateError", True), (rank, second)
+            assert r["refusing_steps"][-1] == 3, second
+        assert "peer" in second[1]["n2"]["restored"][1] and "parity" in second[1]["np"]["restored"][1], second
+        for i in (0, 2):
+            _drains_gone(roots[i])
+            wipe(roots[i])  # nodes 0 and 2 replaced too: only node 1's unhealthy steps and the store are left
+        third = run_ranks(_phase_nodes_0_and_2_replaced, 3, roots, store=store)
+        for rank, r in enumerate(third):
+            for job in VARIANTS:
+                assert r[job]["restore"] == (3, (5, 4), True), (rank, job, third)
+                assert r[job]["verdicts"] == [False, True], (rank, job, third)
+    finally:
+        cleanup()
+
+
+def test_float8_nan_is_counted() -> None:
+    kinds = [n for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+             if hasattr(torch, n)]
+    assert {"float8_e4m3fn", "float8_e5m2"} <= set(kinds)
+    for name in kinds:
+        dtype = getattr(torch, name)
+        t = torch.ones(5000).to(dtype)
+        nan = torch.tensor([float("nan")]).to(dtype).view(torch.uint8)
+        b = t.view(torch.uint8)
+        b[[0, 777, 4999]] = nan
+        want = 3
+        if name == "float8_e5m2":
+            t[10] = float("inf")
+            t[11] = float("-inf")
+            want = 5
+        assert count_nonfinite(t) == want, name
+        assert count_nonfinite(t[::2]) == (2 if want == 5 else 1), name  # not contiguous: indices 0 and 10 only
+        dst = torch.empty_like(b)
+        value, n = copy_checksum_count(dst, b, "crc32c", kind_of(dtype), 1 << 12, None)
+        assert n == want and torch.equal(dst, b) and value == checksum(b, "crc32c"), name
+    assert count_nonfinite(torch.zeros(8).to(torch.float8_e4m3fn)) == 0
+
+
+def test_float8_nan_marks_a_save_unhealthy(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    w = GeminiStorageWriter(root=root, job_id="f8")
+    good = {"w8": torch.ones(64).to(torch.float8_e4m3fn), "g8": torch.ones(64).to(torch.float8_e5m2), "x": torch.ones(4)}
+    dcp.save(good, storage_writer=w, checkpoint_id=1)
+    bad = {k: v.clone() for k, v in good.items()}
+    bad["w8"].view(torch.uint8)[3] = 0x7F  # NaN
+    bad["g8"][5] = float("inf")
+    dcp.save(bad, storage_writer=w, checkpoint_id=2)
+    assert w.last_save is not None and w.last_save.nonfinite == {"w8": 1, "g8": 1}
+    tier = LocalTier(root, "f8")
+    assert tier.record(1).healthy and tier.record(2).healthy is False
+    del w

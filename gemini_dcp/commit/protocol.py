@@ -18,8 +18,9 @@ A save is collective over the checkpoint control group: **every rank calls**
    different bases, and one ``broadcast_object`` of rank 0's planned metadata only when it is
    too large to ride inline and some rank does not hold it yet). A rank whose write failed
    raises its own error; every other rank raises PeerError: nothing is committed.
-   Each report carries its rank's NaN/Inf counts; every rank then judges the step's health
-   alike (local, pure: :meth:`CommitProtocol.judge_health`, :mod:`gemini_dcp.health.rule`):
+   Each report carries its rank's NaN/Inf counts and its proposed baseline (the newest healthy
+   step it knows); every rank then judges the step's health alike against the newest proposal
+   (local, pure: :meth:`CommitProtocol.judge_health`, :mod:`gemini_dcp.health.baseline`):
    with ``nonfinite="refuse"`` an unhealthy step raises UnhealthyStateError on every rank here,
    nothing committed; with ``"mark"`` the record says so.
 4. **replicate** (*all ranks*, when ``replicas > 1`` over several processes: the peer
@@ -76,7 +77,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..core.faults import fault_point
 from ..core.safe_pickle import restricted_loads
-from ..errors import InvalidStepError, PeerError, TierRootError, UnhealthyStateError
+from ..errors import GeminiError, InvalidStepError, PeerError, TierRootError, UnhealthyStateError
+from ..health.baseline import Baseline, agree, baseline_of, restored_baseline
 from ..health.rule import StepHealth, judge, totals
 from ..local.record_types import ChecksumOverlay, RankSlot, ShardRef, StepRecord, metadata_shell_blob
 from ..local.tier import LocalTier
@@ -274,11 +276,14 @@ class CommitProtocol:
         self.committed_layout: Layout | None = None
         self.last_commit_compact = False  # the last commit gather sent this rank's checksums only
         self._split: SplitLayout | None = None  # the replay layout, split per rank (cached)
-        # The health check (gemini_dcp.health): the mode, and the per-FQN non-finite counts of the newest
-        # healthy step (None: none yet; read from the tier once, at the first save).
+        # The health check (gemini_dcp.health): the mode, and the baseline (step, per-FQN totals) of the
+        # newest healthy step agreed at the last save (None: none yet). Proposed at each save's gather
+        # with this node's newest healthy record (read once) and a restore's handoff (gemini_dcp.health.baseline).
         self.nonfinite = "mark"
-        self.health_baseline: dict[str, int] | None = None
+        self.health_baseline: Baseline | None = None
+        self._tier_baseline: Baseline | None = None
         self._baseline_read = False
+        self._handoff = 0  # the number of the last restore handoff taken (gemini_dcp.health.baseline.restored_baseline)
         # The basis: the chunk locations of the last committed save and (the step that first
         # committed them, their count): a plain dcp.save of the same structure sends only checksums.
         self._basis: tuple[tuple[int, int], Layout] | None = None
@@ -367,7 +372,7 @@ class CommitProtocol:
                 host=self.node.host, root_id=self.node.root_id,
                 launch=(self.node.launch_id, self.node.launch_description) if rank == 0 else None,
                 save_bytes=local.save_bytes, delta_offer=local.delta_offer, replica_bases=local.replica_bases,
-                nonfinite=local.nonfinite,
+                nonfinite=local.nonfinite, health_baseline=self.propose_baseline(step),
             )
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below, then re-raised
             error = exc
@@ -429,44 +434,63 @@ class CommitProtocol:
         if record.complete:  # else the coordinator's finish() completes it
             self.last_committed_step = step
         if health is not None and health.healthy:
-            self.health_baseline = totals(health.counts)
+            self.health_baseline = baseline_of(step, totals(health.counts))
         # ---- step 8: hand off to the drain
         steps.after_commit(self.pending_record or record, rank)
         self.last_save_seconds = time.perf_counter() - t0
         return report.results
 
     # ---- the parts -------------------------------------------------------------------------
-    def judge_health(self, step: int, reports: list[RankReport], rank: int) -> StepHealth | None:
-        """The step's health from every rank's non-finite counts against the newest healthy step's
-        (:mod:`gemini_dcp.health.rule`; None with ``nonfinite="ignore"``). Local and the same on
-        every rank: with ``"refuse"`` an unhealthy step raises UnhealthyStateError on every rank,
-        before anything is replicated or committed."""
+    def propose_baseline(self, step: int) -> Baseline | None:
+        """This rank's proposal of the baseline for ``step`` (local; :mod:`gemini_dcp.health.baseline`):
+        a restore's handoff in this process replaces what the writer knew; then the newest of that and
+        this node's newest healthy record below ``step`` (read once). None with ``nonfinite="ignore"``."""
         if self.nonfinite == "ignore":
             return None
-        if self.health_baseline is None and not self._baseline_read:
+        handoff = restored_baseline(self.tier.job_id)
+        if handoff is not None and handoff[0] != self._handoff:
+            self._handoff, self.health_baseline = handoff
+            self._baseline_read = True  # the restored step is where this process resumed: older records do not count
+            self._tier_baseline = None
+        if not self._baseline_read:
             self._baseline_read = True
-            self.health_baseline = self._baseline_from_tier(step)
-        verdict = judge([(rep.rank, rep.nonfinite) for rep in reports], self.health_baseline)
+            self._tier_baseline = self._baseline_from_tier(step)
+        tier = self._tier_baseline if self._tier_baseline is not None and self._tier_baseline[0] < step else None
+        return agree((self.health_baseline, tier))
+
+    def judge_health(self, step: int, reports: list[RankReport], rank: int) -> StepHealth | None:
+        """The step's health from every rank's non-finite counts against the agreed baseline, the newest
+        healthy step any rank's report proposes (:mod:`gemini_dcp.health.baseline`, :mod:`gemini_dcp.health.rule`;
+        None with ``nonfinite="ignore"``). Local and the same on every rank (all see the same reports): with
+        ``"refuse"`` an unhealthy step raises UnhealthyStateError on every rank, before anything is replicated
+        or committed."""
+        if self.nonfinite == "ignore":
+            return None
+        agreed = agree(rep.health_baseline for rep in reports)
+        self.health_baseline = agreed  # a rank that knew none (a replaced node) learns the job's
+        verdict = judge([(rep.rank, rep.nonfinite) for rep in reports], None if agreed is None else dict(agreed[1]))
         if verdict.healthy:
             return verdict
         if self.nonfinite == "refuse":
             raise UnhealthyStateError(
-                f"step {step} holds non-finite values the newest healthy step did not: {verdict.describe()}. "
-                "Nothing was committed (nonfinite='refuse'). Roll back to the newest healthy step "
-                "(dcp.load with GeminiStorageReader) and skip the batch, or pass nonfinite='mark' to commit it marked."
+                f"step {step} holds non-finite values the newest healthy step (step {agreed[0] if agreed else '?'}) "
+                f"did not: {verdict.describe()}. Nothing was committed (nonfinite='refuse'), on any rank. Roll back to "
+                "the newest healthy step (dcp.load with GeminiStorageReader) and skip the batch, or pass "
+                "nonfinite='mark' to commit it marked."
             )
         if rank == 0:
             log.warning("step %s is unhealthy (restores pass over it): %s", step, verdict.describe())
         return verdict
 
-    def _baseline_from_tier(self, step: int) -> dict[str, int] | None:
-        """The per-FQN counts of the newest healthy checked step below ``step`` on this node (None: none)."""
+    def _baseline_from_tier(self, step: int) -> Baseline | None:
+        """The baseline of the newest healthy checked step below ``step`` on this node (None: none)."""
         try:
             for s in reversed(self.tier.steps()):
                 rec = self.tier.record(s) if s < step else None
                 if rec is not None and rec.healthy:
-                    return totals(rec.nonfinite)
-        except OSError:
+                    return baseline_of(s, totals(rec.nonfinite))
+        except (OSError, GeminiError) as exc:  # the others' proposals still judge the step
+            log.warning("step %s: could not read this node's records for the health baseline: %s", step, exc)
             return None
         return None
 

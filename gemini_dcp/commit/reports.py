@@ -78,6 +78,9 @@ class RankReport:
     moved: tuple[tuple[int, int, int], ...] = ()
     # (fqn, count) of this rank's items holding NaN/Inf values (gemini_dcp.health; empty: none, or not counted).
     nonfinite: tuple[tuple[str, int], ...] = ()
+    # The newest healthy step this rank knows, with its per-FQN totals (gemini_dcp.health.baseline):
+    # every rank judges the step against the newest of all the reports' (None: none known, or not checked).
+    health_baseline: tuple[int, tuple[tuple[str, int], ...]] | None = None
 
 
 # Padding an inline metadata blob may cost each rank at most this much in the report gather.

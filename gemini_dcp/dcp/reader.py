@@ -57,7 +57,8 @@ from ..core.faults import fault_point
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
 from ..ext import loader as ext_loader
-from ..health.restore import persisted_unhealthy, warn_health
+from ..health.baseline import Baseline
+from ..health.restore import hand_off, persisted_health, warn_health
 from ..health.rule import is_healthy
 from ..local.record_types import ShardRef, StepRecord
 from ..node import open_tiers
@@ -245,14 +246,16 @@ class GeminiStorageReader(StorageReader):
             local_error = exc
         persisted: list[int] = []
         unhealthy: list[int] = []
+        healthy: dict[int, Baseline] = {}
         if self.persistent is not None and comm.rank == 0:
             persisted = self.persistent.committed_steps()
-            unhealthy = persisted_unhealthy(self.persistent, persisted)
-        # One gather: every node's view, and rank 0's list of persisted steps riding along with its own.
-        gathered = comm.all_gather_object((view, persisted, unhealthy))
+            unhealthy, healthy = persisted_health(self.persistent, persisted)
+        # One gather: every node's view, and rank 0's list of persisted steps (and their health) riding along with its own.
+        gathered = comm.all_gather_object((view, persisted, unhealthy, healthy))
         views = [g[0] for g in gathered]
         persisted = list(gathered[0][1])
         unhealthy = list(gathered[0][2])
+        healthy = dict(gathered[0][3])
         if local_error is not None:
             raise local_error
         if any(v is None for v in views):
@@ -273,10 +276,12 @@ class GeminiStorageReader(StorageReader):
         self.tier.record_restore(decision.step)  # steps newer here are abandoned: this launch's next save drops them
         if decision.fingerprint is None:
             self._decision, self._record = decision, None
+            hand_off(self.job_id, decision.step, None, healthy)  # the next save is judged against this step's counts
             return
         record = self.tier.record(decision.step) if comm.rank == decision.record_src else None
         record = comm.broadcast_object(record, src=decision.record_src)  # type: ignore[arg-type]
         assert record is not None
+        hand_off(self.job_id, decision.step, record, healthy)
         mine = self.tier.record(decision.step)
         if mine is not None and mine.fingerprint() == decision.fingerprint:
             for s in mine.slots:

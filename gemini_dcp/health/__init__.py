@@ -4,6 +4,8 @@
   copy+CRC+count, a vectorized torch fallback, CUDA on the device).
 - :mod:`~gemini_dcp.health.rule` — the rule (more non-finite values in some item than the newest
   healthy step held), pure, judged by every rank from the commit gather.
+- :mod:`~gemini_dcp.health.baseline` — which healthy step that is: the newest any rank's report
+  proposes (the same on every rank, whichever nodes lost their memory), and a restore's handoff.
 
 The mode (``nonfinite="mark"|"refuse"|"ignore"``) is :mod:`gemini_dcp.options.health`;
 restores pick the newest healthy step (:mod:`gemini_dcp.core.restore_order`). docs/health.md.

@@ -13,7 +13,13 @@ A save reads every byte of every item once, to copy and checksum it into the tie
 - CUDA items are counted on the device, before their device-to-host copy (one reduction per item).
 
 A value is non-finite when its exponent bits are all ones; a ``kind`` names the float layout
-(:data:`KINDS`). Integer, bool and float8 items are not counted (kind 0).
+(:data:`KINDS`). Integer and bool items are not counted (kind 0).
+
+float8 items (``float8_e4m3fn``, ``float8_e5m2``, the ``fnuz`` kinds, ``float8_e8m0fnu``, where torch
+has them) are counted by a bit test of their bytes (:data:`FLOAT8_NAN`), right after their copy
+(a second pass over one byte per value; the extension's kernels count kinds 1-4 only,
+:data:`EXT_KINDS`), on the device for CUDA items. Each kind's NaN (and, for ``e5m2``, ±Inf)
+encodings are counted; a kind without an Inf (``e4m3fn`` saturates) has only NaN to count.
 """
 
 from __future__ import annotations
@@ -25,16 +31,33 @@ import torch
 from ..core.checksum import copy_and_checksum
 from ..ext import loader as ext_loader
 
-__all__ = ["KINDS", "count_bytes", "count_nonfinite", "copy_checksum_count", "kind_of", "kind_of_name", "kinds_of"]
+__all__ = ["EXT_KINDS", "FLOAT8_NAN", "KINDS", "count_bytes", "count_nonfinite", "copy_checksum_count", "kind_of",
+           "kind_of_name", "kinds_of"]
 
 #: dtype -> kind of the extension's counting ops: 1 float32, 2 float64, 3 float16, 4 bfloat16
-#: (complex items count their real and imaginary parts).
+#: (complex items count their real and imaginary parts); 5.. the float8 kinds (:data:`FLOAT8_NAN`).
 KINDS: dict[torch.dtype, int] = {
     torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
     torch.complex64: 1, torch.complex128: 2, torch.complex32: 3,
 }
+#: The kinds the extension's kernels count (1..EXT_KINDS); a higher kind is counted here, in torch.
+EXT_KINDS = 4
+#: float8 kind -> (mask, value): a byte ``b`` is NaN/Inf when ``b & mask == value``.
+FLOAT8_NAN: dict[int, tuple[int, int]] = {}
+for _kind, (_name, _mask, _value) in enumerate((
+    ("float8_e4m3fn", 0x7F, 0x7F),  # S.1111.111 is NaN; no Inf
+    ("float8_e5m2", 0x7C, 0x7C),  # exponent all ones: ±Inf, NaN
+    ("float8_e4m3fnuz", 0xFF, 0x80),  # only "negative zero" is NaN; no Inf
+    ("float8_e5m2fnuz", 0xFF, 0x80),
+    ("float8_e8m0fnu", 0xFF, 0xFF),  # an exponent alone: all ones is NaN
+), start=EXT_KINDS + 1):
+    _dt = getattr(torch, _name, None)
+    if isinstance(_dt, torch.dtype):
+        KINDS[_dt] = _kind
+        FLOAT8_NAN[_kind] = (_mask, _value)
 _DTYPE_OF_KIND = {1: torch.float32, 2: torch.float64, 3: torch.float16, 4: torch.bfloat16}
 _ITEMSIZE = {1: 4, 2: 8, 3: 2, 4: 2}
+_FLOAT8_PIECE = 16 << 20  # bytes bit-tested at once (bounds the temporaries)
 
 
 def kind_of(dtype: torch.dtype) -> int:
@@ -69,11 +92,23 @@ def _torch_count(t: torch.Tensor) -> int:
     return int(t.numel() - int(torch.isfinite(t).sum()))
 
 
+def _float8_count(buf: torch.Tensor, kind: int) -> int:
+    """NaN/Inf values of float8 ``kind`` in ``buf`` (flat uint8 bytes, any device), by a bit test per piece."""
+    mask, value = FLOAT8_NAN[kind]
+    total = 0
+    for start in range(0, buf.numel(), _FLOAT8_PIECE):
+        piece = buf[start : start + _FLOAT8_PIECE]
+        total += int(((piece & mask) if mask != 0xFF else piece).eq(value).sum())
+    return total
+
+
 def count_bytes(buf: torch.Tensor, kind: int) -> int:
     """Non-finite values of ``kind`` in ``buf`` (flat uint8 CPU bytes, whole values)."""
     n = buf.numel()
     if not kind or not n:
         return 0
+    if kind > EXT_KINDS:
+        return _float8_count(buf, kind)
     if ext_loader.load():
         return int(torch.ops.gemini_dcp.count_nonfinite(buf, kind, 1))
     size = _ITEMSIZE[kind]
@@ -87,6 +122,8 @@ def count_nonfinite(t: torch.Tensor) -> int:
         return 0
     if t.device.type == "cpu" and t.is_contiguous() and not t.is_quantized and t.layout is torch.strided:
         return count_bytes(t.reshape(-1).view(torch.uint8), kind)
+    if kind > EXT_KINDS:  # float8 on the device, or not contiguous: the same bit test
+        return _float8_count(t.detach().contiguous().reshape(-1).view(torch.uint8), kind)
     return _torch_count(t.detach())
 
 
@@ -95,7 +132,7 @@ def copy_checksum_count(
 ) -> tuple[int, int]:
     """:func:`gemini_dcp.core.checksum.copy_and_checksum` of ``src`` (flat uint8) into ``dst``, plus the
     count of ``src``'s non-finite values of ``kind``: (checksum, count), in one pass where it can."""
-    if kind and algo == "crc32c" and ext_loader.load():
+    if kind and kind <= EXT_KINDS and algo == "crc32c" and ext_loader.load():
         op = torch.ops.gemini_dcp.copy_crc32c_count
         if pace is None:
             crc, cnt = op(dst, src, kind, 0, 0)

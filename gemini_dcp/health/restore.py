@@ -11,21 +11,49 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["persisted_unhealthy", "warn_health"]
+from .baseline import Baseline, baseline_of, note_restored, valid_counts
+from .rule import totals
+
+__all__ = ["hand_off", "persisted_health", "warn_health"]
 
 log = logging.getLogger("gemini_dcp.dcp.reader")
 
 
-def persisted_unhealthy(store: Any, steps: Sequence[int]) -> list[int]:
-    """Those of ``steps`` the persistent ``store`` holds marked unhealthy (a store without health: none)."""
-    fn = getattr(store, "unhealthy_steps", None)
+def persisted_health(store: Any, steps: Sequence[int]) -> tuple[list[int], dict[int, Baseline]]:
+    """The health the persistent ``store`` holds for ``steps``: (those marked unhealthy, the baseline
+    of each one marked healthy). A step without health counts as healthy, without a baseline."""
+    fn = getattr(store, "step_health", None)
+    bad: list[int] = []
+    good: dict[int, Baseline] = {}
     if fn is None:
-        return []
+        return bad, good
     try:
-        return sorted(int(s) for s in fn(steps))
+        for s in steps:
+            data = fn(s)
+            if data is None:
+                continue
+            if not data["healthy"]:
+                bad.append(int(s))
+                continue
+            counts = valid_counts(data.get("nonfinite", []))
+            if counts is None:
+                log.warning("step %s of the persistent tier: its health.json lists malformed counts; ignored", s)
+            else:
+                good[int(s)] = baseline_of(s, totals(counts))
     except Exception as exc:  # noqa: BLE001 - health is advisory for the store's steps: restore goes on
         log.warning("could not read the health of the persistent tier's steps: %s", exc)
-        return []
+    return sorted(bad), good
+
+
+def hand_off(job_id: str, step: int, record: Any, persisted: dict[int, Baseline]) -> None:
+    """Hand the restored ``step``'s counts to this process's writers of ``job_id``
+    (:func:`gemini_dcp.health.baseline.note_restored`): from its step ``record`` (local, peer, parity),
+    else from the persistent tier's health (``persisted``); nothing for a step not checked, or unhealthy."""
+    if record is not None:
+        if getattr(record, "healthy", None) is True:
+            note_restored(job_id, baseline_of(step, totals(getattr(record, "nonfinite", ()))))
+    elif step in persisted:
+        note_restored(job_id, persisted[step])
 
 
 def warn_health(decision: Any, views: Sequence[Any], persisted_bad: Sequence[int], requested: int | None,

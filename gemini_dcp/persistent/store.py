@@ -350,10 +350,14 @@ class PersistentTier:
         """Those of ``steps`` whose drain stored them marked unhealthy (:mod:`.health_file`)."""
         out = []
         for s in steps:
-            data = read_health(self.step_dir(s))
+            data = self.step_health(s)
             if data is not None and not data["healthy"]:
                 out.append(s)
         return out
+
+    def step_health(self, step: int) -> dict[str, Any] | None:
+        """The health the drain stored for ``step`` (:func:`.health_file.read_health`; None: none, counts as healthy)."""
+        return read_health(self.step_dir(step))
 
     def apply_retention(self, protect: Iterable[int] = ()) -> list[int]:
         """Keep the newest ``keep`` complete steps and every ``keep_every``-th; never the newest complete one,

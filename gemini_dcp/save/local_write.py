@@ -70,7 +70,7 @@ from ..commit.slot_pool import SlotPool
 from ..core.checksum import as_bytes, buffer_checksum, checksum, copy_and_checksum
 from ..core.faults import fault_point
 from ..ext import loader as ext_loader
-from ..health.count import copy_checksum_count, count_bytes, kind_of, kinds_of
+from ..health.count import EXT_KINDS, copy_checksum_count, count_bytes, count_nonfinite, kind_of, kinds_of
 from ..local.record_types import ShardRef
 from ..local.slots import align
 from .carry import CarryPlan, CarryTracker, note_plain_write
@@ -174,7 +174,16 @@ def copy_group_counted(
     if dst_bytes is not None and src_bytes is not None and ext_loader.load():
         if not dst_bytes:
             return [], []
-        return torch.ops.gemini_dcp.copy_crc32c_count_many(dst_bytes, src_bytes, kinds)
+        if max(kinds) <= EXT_KINDS:
+            return torch.ops.gemini_dcp.copy_crc32c_count_many(dst_bytes, src_bytes, kinds)
+        # float8 items: copied and checksummed in the fused call, then counted by their bit test
+        sums, counts = torch.ops.gemini_dcp.copy_crc32c_count_many(
+            dst_bytes, src_bytes, [k if k <= EXT_KINDS else 0 for k in kinds])
+        counts = list(counts)
+        for j, k in enumerate(kinds):
+            if k > EXT_KINDS:
+                counts[j] = count_bytes(dst_bytes[j], k)
+        return sums, counts
     torch._foreach_copy_(dsts, list(srcs))
     sums = [hasher(slot_view[o : o + n]) for o, n in spans]
     counts = [0] * len(dsts)
@@ -851,6 +860,8 @@ def _copy_one_counted(t: torch.Tensor, slot: Any, offset: int, n: int, algo: str
     """:func:`_copy_one` plus the item's non-finite values: (checksum, count). A CPU item is counted in
     the copy's own pass (:func:`gemini_dcp.health.count.copy_checksum_count`); a CUDA item on the device."""
     kind = kind_of(t.dtype)
+    if t.is_cuda and kind > EXT_KINDS and n:  # float8: copied, and counted on the device by a bit test
+        return _copy_one(t, slot, offset, n, algo, block, pace, device_copier), count_nonfinite(t)
     if t.is_cuda and kind and n:  # counted on the device, in the checksum's kernel where it can
         device_copier.ensure_registered(slot)
         return device_copier.copy_counted(slot.view(offset, n), t, algo, kind, pace)  # type: ignore[return-value]
