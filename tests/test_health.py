@@ -466,3 +466,12 @@ def test_float8_nan_marks_a_save_unhealthy(tmp_path: Path) -> None:
     tier = LocalTier(root, "f8")
     assert tier.record(1).healthy and tier.record(2).healthy is False
     del w
+    import json
+
+    from typer.testing import CliRunner
+
+    from gemini_dcp_cli.main import app
+
+    res = CliRunner().invoke(app, ["verify", "--root", str(root), "--job", "f8", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["nonfinite"]["2"] == {"w8": 1, "g8": 1}
