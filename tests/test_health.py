@@ -475,3 +475,33 @@ def test_float8_nan_marks_a_save_unhealthy(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["verify", "--root", str(root), "--job", "f8", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["nonfinite"]["2"] == {"w8": 1, "g8": 1}
+
+
+def test_a_restore_from_the_store_hands_its_counts_to_the_next_save(tmp_path: Path) -> None:
+    root, store = _root(tmp_path), tmp_path / "store"
+    w = GeminiStorageWriter(root=root, job_id="hs", persistent=str(store), persist_every=1)
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=w, checkpoint_id=step)
+    w.wait_persisted(2, timeout_s=60)
+    del w
+    fresh = tmp_path / "wiped"  # the node's memory is gone; the store's health.json is all that is left
+    fresh.mkdir(mode=0o700)
+    reader = GeminiStorageReader(root=fresh, job_id="hs", persistent=str(store))
+    dcp.load(_state(0), storage_reader=reader)
+    assert reader.restored_step == 2 and reader.restored_from["persistent"] > 0
+    w = GeminiStorageWriter(root=fresh, job_id="hs")
+    dcp.save(_state(3, poison=True), storage_writer=w, checkpoint_id=3)  # NaN beside the constant mask
+    dcp.save(_state(4), storage_writer=w, checkpoint_id=4)  # the mask alone
+    tier = LocalTier(fresh, "hs")
+    assert tier.record(3).healthy is False and tier.record(4).healthy is True
+    del w
+
+
+def test_the_agreed_baseline_is_the_newest_proposal() -> None:
+    from gemini_dcp.health.baseline import agree, baseline_of, valid_counts
+
+    assert agree([None, None]) is None
+    assert agree([None, baseline_of(3, {"mask": 10}), baseline_of(2, {})]) == (3, (("mask", 10),))
+    assert valid_counts([[0, "w", 1], [1, "mask", 10]]) == ((0, "w", 1), (1, "mask", 10))
+    for bad in ("x", [[0, "w"]], [[0, "w", -1]], [["0", "w", 1]], [[0, 3, 1]], [[True, "w", 1]]):
+        assert valid_counts(bad) is None, bad

@@ -447,7 +447,7 @@ class CommitProtocol:
         this node's newest healthy record below ``step`` (read once). None with ``nonfinite="ignore"``."""
         if self.nonfinite == "ignore":
             return None
-        handoff = restored_baseline(self.tier.job_id)
+        handoff = restored_baseline(self.tier.root, self.tier.job_id)
         if handoff is not None and handoff[0] != self._handoff:
             self._handoff, self.health_baseline = handoff
             self._baseline_read = True  # the restored step is where this process resumed: older records do not count

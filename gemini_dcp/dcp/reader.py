@@ -276,12 +276,12 @@ class GeminiStorageReader(StorageReader):
         self.tier.record_restore(decision.step)  # steps newer here are abandoned: this launch's next save drops them
         if decision.fingerprint is None:
             self._decision, self._record = decision, None
-            hand_off(self.job_id, decision.step, None, healthy)  # the next save is judged against this step's counts
+            hand_off(self.root, self.job_id, decision.step, None, healthy)  # the next save is judged against this step's counts
             return
         record = self.tier.record(decision.step) if comm.rank == decision.record_src else None
         record = comm.broadcast_object(record, src=decision.record_src)  # type: ignore[arg-type]
         assert record is not None
-        hand_off(self.job_id, decision.step, record, healthy)
+        hand_off(self.root, self.job_id, decision.step, record, healthy)
         mine = self.tier.record(decision.step)
         if mine is not None and mine.fingerprint() == decision.fingerprint:
             for s in mine.slots:

@@ -17,13 +17,14 @@ So the baseline is agreed, never read per node:
   memory, the first save is still judged against the step it resumed from. A restored step
   replaces what the writer knew (a rollback goes back to an older step on purpose).
 
-The handoff is per process and per job id (a module-level table; one writer's handoff is never
-another job's). Pure apart from that table; torch-free.
+The handoff is per process, tier root and job id (a module-level table: never another job's, nor
+the same job id's in another root). Pure apart from that table; torch-free.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -35,7 +36,7 @@ Baseline = tuple[int, tuple[tuple[str, int], ...]]
 
 _LOCK = threading.Lock()
 _SEQ = itertools.count(1)
-_RESTORED: dict[str, tuple[int, Baseline]] = {}  # job id -> (handoff number, baseline of the restored step)
+_RESTORED: dict[tuple[str, str], tuple[int, Baseline]] = {}  # (root, job id) -> (handoff number, restored step's baseline)
 
 
 def baseline_of(step: int, totals: Mapping[str, int]) -> Baseline:
@@ -63,14 +64,14 @@ def valid_counts(raw: Any) -> tuple[tuple[int, str, int], ...] | None:
     return tuple(out)
 
 
-def note_restored(job_id: str, baseline: Baseline) -> None:
-    """A restore in this process loaded healthy step ``baseline[0]`` of ``job_id``: its writers judge
-    their next save against it (it replaces what they knew)."""
+def note_restored(root: str | os.PathLike[str], job_id: str, baseline: Baseline) -> None:
+    """A restore in this process loaded healthy step ``baseline[0]`` of ``job_id`` (tier root ``root``):
+    the job's writers judge their next save against it (it replaces what they knew)."""
     with _LOCK:
-        _RESTORED[job_id] = (next(_SEQ), baseline)
+        _RESTORED[(os.path.realpath(root), job_id)] = (next(_SEQ), baseline)
 
 
-def restored_baseline(job_id: str) -> tuple[int, Baseline] | None:
-    """The last :func:`note_restored` of ``job_id`` in this process: (its number, the baseline); None: none."""
+def restored_baseline(root: str | os.PathLike[str], job_id: str) -> tuple[int, Baseline] | None:
+    """The last :func:`note_restored` of ``job_id`` in ``root`` in this process: (its number, the baseline); None: none."""
     with _LOCK:
-        return _RESTORED.get(job_id)
+        return _RESTORED.get((os.path.realpath(root), job_id))

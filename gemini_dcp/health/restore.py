@@ -45,15 +45,15 @@ def persisted_health(store: Any, steps: Sequence[int]) -> tuple[list[int], dict[
     return sorted(bad), good
 
 
-def hand_off(job_id: str, step: int, record: Any, persisted: dict[int, Baseline]) -> None:
-    """Hand the restored ``step``'s counts to this process's writers of ``job_id``
+def hand_off(root: Any, job_id: str, step: int, record: Any, persisted: dict[int, Baseline]) -> None:
+    """Hand the restored ``step``'s counts to this process's writers of ``job_id`` in tier root ``root``
     (:func:`gemini_dcp.health.baseline.note_restored`): from its step ``record`` (local, peer, parity),
     else from the persistent tier's health (``persisted``); nothing for a step not checked, or unhealthy."""
     if record is not None:
         if getattr(record, "healthy", None) is True:
-            note_restored(job_id, baseline_of(step, totals(getattr(record, "nonfinite", ()))))
+            note_restored(root, job_id, baseline_of(step, totals(getattr(record, "nonfinite", ()))))
     elif step in persisted:
-        note_restored(job_id, persisted[step])
+        note_restored(root, job_id, persisted[step])
 
 
 def warn_health(decision: Any, views: Sequence[Any], persisted_bad: Sequence[int], requested: int | None,
