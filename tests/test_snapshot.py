@@ -216,6 +216,42 @@ def test_optimizer_guard_keeps_step_exact(root: str) -> None:
             assert torch.equal(got[f"model.{k}"], v), (step, k)
 
 
+def test_save_returns_only_once_the_previous_step_committed(root: str) -> None:
+    """The bound (docs/async.md): with steps much shorter than a save (a slowed copy, a 2 ms "step"), every
+    ``save(N)`` returns only after step N-1 committed, so a crash finds N-1 or N; ``on_busy="skip"`` skips
+    instead of waiting; ``max_pending=2`` lets one more save be uncommitted."""
+    sd = {"w": torch.zeros(1 << 16)}
+    ck = SlowCheckpointer(GeminiStorageWriter(root=root, job_id="bound", keep=2), interleave=False)
+    try:
+        for step in range(1, 9):
+            sd["w"].fill_(step)
+            ck.save(sd, step)
+            assert ck.last_committed_step == (step - 1 if step > 1 else None)  # the mechanism, not the clock
+            ck.wait_copied()
+            time.sleep(0.002)
+        ck.wait()
+        assert ck.last_committed_step == 8
+    finally:
+        ck.close()
+    skip = SlowCheckpointer(GeminiStorageWriter(root=root, job_id="bound-skip", keep=2), interleave=False,
+                            on_busy="skip")
+    try:
+        first = skip.save(sd, 1)
+        second = skip.save(sd, 2)
+        assert second.skipped or first.finished.is_set()  # skipped unless step 1 already committed
+        skip.wait()
+    finally:
+        skip.close()
+    two = SlowCheckpointer(GeminiStorageWriter(root=root, job_id="bound-two", keep=2), interleave=False, max_pending=2)
+    try:
+        for step in range(1, 6):
+            two.save(sd, step)
+            assert step <= 2 or (two.last_committed_step or 0) >= step - 2
+        two.wait()
+    finally:
+        two.close()
+
+
 def test_errors_surface_on_next_call(root: str) -> None:
     ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="err", keep=1, capacity_bytes=16 << 20))
     sd = {"w": torch.zeros(16 << 20)}  # 2 slots of 64 MiB > 16 MiB budget

@@ -46,6 +46,10 @@ What the guard protects, and what it cannot:
 * ``Stateful`` objects at the top level are turned into state dicts at the
   ``save()`` call, in the calling thread.
 
+The bound: ``save(N)`` queues step N only once fewer than ``max_pending`` (default 1) earlier
+saves are uncommitted (it waits for their commits, with a deadline), so the newest committed step
+at a crash is at most ``max_pending`` older than the last step whose ``save()`` returned.
+
 Errors of a background save are raised by the next ``save()``, ``wait()``,
 ``wait_copied()`` or ``close()`` (as :class:`AsyncCheckpointError` chained to
 the original), never swallowed; every rank fails the same step together,
@@ -159,9 +163,18 @@ class AsyncCheckpointer:
             checkpoint runs on a dedicated gloo group of these ranks.
         interleave: ``True``/``False`` or :class:`InterleaveOptions`; profiling
             needs ``optimizer``.
-        max_pending: saves that may wait behind the running one.
-        on_busy: when ``max_pending`` saves already wait: ``"block"`` (default)
-            waits for room; ``"skip"`` returns a handle marked ``skipped``.
+        max_pending: saves that may be uncommitted at once, the new one
+            included. ``save()`` queues a step only once fewer than
+            ``max_pending`` earlier saves are uncommitted, so when ``save(N)``
+            returns, step ``N - max_pending`` (or a newer one) is committed: with
+            the default 1, the newest committed step at a crash is at most one
+            older than the last step whose ``save()`` returned (docs/async.md,
+            "The bound").
+        on_busy: when ``max_pending`` earlier saves are still uncommitted:
+            ``"block"`` (default) waits for their commits (at most ``timeout_s``,
+            then :class:`AsyncCheckpointError`); ``"skip"`` returns a handle
+            marked ``skipped`` (that step is not saved, the bound holds for the
+            saves that were not skipped).
         timeout_s: guard and close timeout (default: the writer's ``timeout_s``).
         planner: a DCP SavePlanner to plan every save with ``dcp.save``. Default
             (None): :class:`gemini_dcp.snapshot.replay.PlanReplay` — the first save
@@ -240,7 +253,8 @@ class AsyncCheckpointer:
         self._step_marks: list[float] = []  # perf_counter of the last optimizer.step() calls
         self._paced_bytes = 0  # the last finished save's bytes through the pacer
         self._chunks: dict[tuple[int, bool], int] = {}  # (profiler, replication) -> its pacers' chunk size
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, max_pending))
+        self.max_pending = max_pending
+        self._queue: queue.Queue[Any] = queue.Queue()  # bounded by save()'s wait for room (_room)
         self._outstanding: list[SnapshotHandle] = []
         self._lock = threading.Lock()
         self.history: list[SnapshotHandle] = []
@@ -281,13 +295,26 @@ class AsyncCheckpointer:
 
     # -- API --
     def save(self, state_dict: dict[str, Any], step: int) -> SnapshotHandle:
-        """Snapshot ``state_dict`` as ``step``; returns at once (see the module docstring)."""
+        """Snapshot ``state_dict`` as ``step`` and queue its save (see the module docstring).
+
+        Returns at once unless ``max_pending`` earlier saves are still uncommitted: then it first waits
+        for the oldest of them to commit (``on_busy="block"``; at most ``timeout_s``, then
+        :class:`AsyncCheckpointError`) or returns a handle marked ``skipped`` (``on_busy="skip"``). So
+        once ``save(N)`` returned, step ``N - max_pending`` or a newer one is committed.
+        """
         t0 = time.perf_counter()
         if self._closed:
             raise AsyncCheckpointError("save() after close()")
         self._raise_pending()
         step = parse_step(step)
         handle = SnapshotHandle(step)
+        if not self._room(step):
+            handle.skipped = True
+            self._finish(handle)
+            with self._lock:
+                self.history.append(handle)
+            handle.blocked_s = time.perf_counter() - t0
+            return handle
         snap = self.structure.snapshot(state_dict)
         ready = None
         if snap.devices and any(d.type == "cuda" for d in snap.devices):
@@ -302,21 +329,33 @@ class AsyncCheckpointer:
             self.history.append(handle)
             if len(self.history) > self.keep_history:
                 del self.history[: len(self.history) - self.keep_history]
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            if self.on_busy == "skip":
-                handle.skipped = True
-                self._finish(handle)
-                handle.blocked_s = time.perf_counter() - t0
-                return handle
-            with self._lock:  # the caller is blocked: no reason to pace the saves ahead of it
-                ahead = [h for h in self._outstanding if h is not handle]
-            for h in ahead:
-                h.hurry()
-            self._queue.put(job)
+        self._queue.put(job)
         handle.blocked_s = time.perf_counter() - t0
         return handle
+
+    def _room(self, step: int) -> bool:
+        """Whether ``step`` may queue: fewer than ``max_pending`` earlier saves uncommitted, after waiting for
+        the oldest ones to commit (``on_busy="block"``, at most ``timeout_s``); False: skip it (``"skip"``).
+        A failure of a save waited for is raised here (the new step is not queued after it)."""
+        with self._lock:
+            ahead = [h for h in self._outstanding if not h.finished.is_set()]
+        excess = len(ahead) - (self.max_pending - 1)
+        if excess <= 0:
+            return True
+        if self.on_busy == "skip":
+            return False
+        for h in ahead:  # the caller is blocked on their commits: no reason to pace them
+            h.hurry()
+        deadline = time.perf_counter() + self.timeout_s
+        for h in ahead[:excess]:  # saves finish in the order they were queued: the oldest first
+            if not h.finished.wait(max(0.0, deadline - time.perf_counter())):
+                raise AsyncCheckpointError(
+                    f"save of step {step}: step {h.step} did not commit within {self.timeout_s:g} s, and at most "
+                    f"max_pending={self.max_pending} saves may be uncommitted at once (the bound on how far back a "
+                    "crash can set the job). A rank stopped checkpointing, or the tier is too slow for this rate: "
+                    "check every rank's log, or raise timeout_s / max_pending.")
+        self._raise_pending()
+        return True
 
     def wait_copied(self, timeout: float | None = None) -> None:
         """Block until this rank's bytes of every outstanding save are in the tier (the guard)."""
