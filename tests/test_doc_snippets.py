@@ -1,7 +1,8 @@
 """Every Python block of docs/integrations.md and of README.md's "Usage" runs somewhere.
 
 - A block that is a trainer's loop (Lightning, Accelerate) is a copy of an ``examples/`` file's lines between
-  ``# docs: <name>`` and ``# /docs`` (lines marked ``# example-only`` left out): checked here, line for line;
+  ``# docs: <name>`` and ``# /docs`` (lines marked ``# example-only`` left out; several regions of one name joined
+  by an empty line): checked here, line for line;
   the example runs in tests/test_lightning_e2e.py / tests/test_accelerate_e2e.py (kill, resume, bit-exact).
 - Every other block (plain ``dcp.save`` loops, ``dcp.async_save``, the README's usage) is executed here, as
   written, on 2 ranks that are 2 simulated nodes (``replicas=2`` has a peer), twice: a first launch trains
@@ -43,11 +44,13 @@ def sections(path: Path) -> list[tuple[str, list[str]]]:
 
 
 def region(example: str, name: str) -> str:
-    """An example's lines between ``# docs: name`` and ``# /docs``, dedented, ``# example-only`` lines left out."""
+    """An example's lines between ``# docs: name`` and ``# /docs``, dedented, ``# example-only`` lines left out;
+    several such regions (a ``train_dataloader`` and the trainer's lines) are joined by one empty line, in order."""
     text = (REPO / example).read_text()
-    m = re.search(rf"^[ \t]*# docs: {name}\n(.*?)^[ \t]*# /docs\n", text, flags=re.S | re.M)
-    assert m, f"{example} has no '# docs: {name}' region"
-    return textwrap.dedent("".join(ln + "\n" for ln in m.group(1).splitlines() if "# example-only" not in ln))
+    found = re.findall(rf"^[ \t]*# docs: {name}\n(.*?)^[ \t]*# /docs\n", text, flags=re.S | re.M)
+    assert found, f"{example} has no '# docs: {name}' region"
+    return "\n".join(textwrap.dedent("".join(ln + "\n" for ln in part.splitlines() if "# example-only" not in ln))
+                     for part in found)
 
 
 def all_blocks() -> list[tuple[str, str, str]]:

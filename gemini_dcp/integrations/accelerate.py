@@ -29,6 +29,7 @@ never imported here: the object works from the prepared model and optimizer and 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,8 +82,13 @@ class GeminiAcceleratorCheckpoint:
         self._writer: GeminiStorageWriter | None = None
         self.async_save = async_save
         self._snapshots: Any = None
+        self.restored_step: int | None = None
+        """The step the last :meth:`resume` restored (None: nothing was resumed)."""
         self.restored_from: dict[str, int] = {}
-        """Bytes read per tier by the last :meth:`resume` (``GeminiStorageReader.restored_from``)."""
+        """Bytes read per tier (``local``, ``peer``, ``parity``, ``persistent``) by the last :meth:`resume`, summed over
+        the processes (``GeminiStorageReader.restored_from``); empty when nothing was resumed."""
+        self.restore_seconds: float | None = None
+        """Wall seconds of the last :meth:`resume` (finding the step, reading it, putting it into the objects)."""
 
     def _state(self, step: int) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
@@ -102,9 +108,10 @@ class GeminiAcceleratorCheckpoint:
         """Checkpoint the state after ``step`` when ``step`` is a multiple of ``every_n_steps`` (or ``force``).
 
         Blocking ``dcp.save``: returns once every node committed the step. ``async_save``: through
-        :class:`gemini_dcp.AsyncCheckpointer`, returns at once; the copy runs during the next forward/backward
-        and the next ``optimizer.step()`` waits for it (docs/async.md); the newest committed step at a crash
-        may then be one older. All processes must call this.
+        :class:`gemini_dcp.AsyncCheckpointer`: the copy runs during the next forward/backward and the next
+        ``optimizer.step()`` waits for it; ``save(step)`` returns at once unless the previous step is still
+        committing, which it waits for first (docs/async.md, "The bound"): the newest committed step at a
+        crash is at most one older than the last ``step`` whose ``save`` returned. All processes must call this.
         """
         if not force and step % self.every_n_steps:
             return False
@@ -135,9 +142,12 @@ class GeminiAcceleratorCheckpoint:
         """Restore the newest restorable step into the objects and return it; None when there is none.
 
         All processes must call this (after ``accelerator.prepare``). None leaves everything as it was.
+        :attr:`restored_step`, :attr:`restored_from` and :attr:`restore_seconds` say what it did.
         """
         from torch.distributed.checkpoint.state_dict import set_state_dict  # noqa: PLC0415
 
+        begin = time.perf_counter()
+        self.restored_step, self.restored_from, self.restore_seconds = None, {}, None
         self._get_writer()
         reader = GeminiStorageReader(**self._where)  # type: ignore[arg-type]
         step = newest_restorable_step(reader)
@@ -151,8 +161,9 @@ class GeminiAcceleratorCheckpoint:
         for k, v in self.extra.items():
             v.load_state_dict(state[f"extra_{k}"])
         set_rng_state(state[f"rng_{self.accelerator.process_index}"])
-        self.restored_from = dict(reader.restored_from)
-        return int(state["step"])
+        self.restored_step, self.restored_from = int(state["step"]), dict(reader.restored_from)
+        self.restore_seconds = time.perf_counter() - begin
+        return self.restored_step
 
 
 __all__ = ["GeminiAcceleratorCheckpoint"]

@@ -153,6 +153,16 @@ def checkpoint_manager_class() -> Any:
             self.gemini_writer: GeminiStorageWriter | None = None
             self.gemini_async: AsyncCheckpointer | None = None
             self.gemini_last_load: dict[str, Any] = {}
+            """How the last resume from gemini_dcp went: ``path`` (fast_load's), ``reason``, ``read_seconds``,
+            ``optimizer_init``."""
+            self.restored_step: int | None = None
+            """The step the last ``load`` restored, from gemini_dcp or torchtitan's folder (None: a fresh start)."""
+            self.restored_from: dict[str, int] = {}
+            """Bytes read per gemini_dcp tier by the last ``load``, summed over the ranks (empty: from the folder)."""
+            self.restore_seconds: float | None = None
+            """Wall seconds of the last ``load`` that restored a step (finding it, reading it, into the live state)."""
+            self.restored_folder: str | None = None
+            """torchtitan's ``step-<N>`` folder the last ``load`` restored, when it came from there."""
             self.gemini_model_states = ModelStatesCache(ModelWrapper, self.gemini.options.timeout_s)
             self.gemini_save_log: list[dict[str, Any]] = []  # per save: step, state-dict and save() times
 
@@ -220,6 +230,8 @@ def checkpoint_manager_class() -> Any:
 
         @torch.no_grad()
         def _load(self, step: int = -1) -> bool:
+            begin = time.perf_counter()
+            self.restored_step, self.restored_from, self.restore_seconds, self.restored_folder = None, {}, None, None
             folder_step = self._find_load_step() if step == -1 and filesystem.exists(self.folder) else -1
             reader = GeminiStorageReader(options=self.gemini.options)
             has_folder = folder_step >= 0 or (step != -1 and filesystem.exists(self.folder))
@@ -229,8 +241,11 @@ def checkpoint_manager_class() -> Any:
                 if choice.source == "folder" and dist.get_rank() == 0:
                     log.info("gemini_dcp: newest restorable step %s; torchtitan's folder holds step %d: loading it there",
                              "none" if found is None else found, choice.step)
-                return bool(super()._load(step))
-            begin = time.monotonic()
+                loaded = bool(super()._load(step))
+                if loaded and choice.source == "folder":
+                    self.restored_step, self.restored_folder = choice.step, f"{self.folder}/step-{choice.step}"
+                    self.restore_seconds = time.perf_counter() - begin
+                return loaded
             # A fresh optimizer gets the state its first step would create, so torchtitan's state_dict()
             # needs no step over zero gradients (gemini_dcp.init_optimizer_state; refused, with nothing
             # changed, for anything but plain Adam/AdamW without step hooks).
@@ -246,14 +261,16 @@ def checkpoint_manager_class() -> Any:
             got = fast_load(states, storage_reader=reader, step=choice.step)
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(states)  # torchtitan flattens the model states (as its dcp_load)
-            self.gemini_last_load = {"step": reader.restored_step, "from": dict(reader.restored_from), "path": got.path,
-                                     "reason": got.reason, "read_seconds": got.seconds, "optimizer_init": refused or "created"}
+            self.gemini_last_load = {"path": got.path, "reason": got.reason, "read_seconds": got.seconds,
+                                     "optimizer_init": refused or "created"}
+            self.restored_step, self.restored_from = reader.restored_step, dict(reader.restored_from)
+            self.restore_seconds = time.perf_counter() - begin
             if dist.get_rank() == 0:
                 tiers = ", ".join(f"{k}: {v} B" for k, v in reader.restored_from.items() if v) or "-"
                 log.info(
                     "gemini_dcp: resumed from step %s (%s; torchtitan's folder newest: %s) in %.2f s (%s path, tiers read "
                     "in %.2f s; optimizer state %s)", reader.restored_step, tiers, folder_step if folder_step >= 0 else "none",
-                    time.monotonic() - begin, got.path, got.seconds,
+                    self.restore_seconds, got.path, got.seconds,
                     "created without a step" if not refused else f"by torch's step ({'; '.join(refused)})",
                 )
             return True
