@@ -42,7 +42,8 @@ def run(name: str, args: argparse.Namespace, root: Path, out: Path) -> dict[str,
     if name == "accelerate-async":
         cmd.append("--async-save")
     if name == "lightning":
-        cmd += ["--folder", str(out / "folder"), "--folder-every", str(10 * args.steps)]
+        # one epoch for the whole run: the loader's iterator (and its worker) is built once, not every 4 steps
+        cmd += ["--folder", str(out / "folder"), "--folder-every", str(10 * args.steps), "--epoch-steps", str(args.steps)]
     before = loadavg()
     proc = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=1800, cwd=out)
     if proc.returncode:

@@ -8,7 +8,8 @@ the resumed run matches an uninterrupted one only if the model, optimizer, sched
 process's RNG come back. The batch of a step is drawn from the step and the rank (no data position to
 restore). ``--fail-at-step N``: on the first attempt the last rank SIGKILLs itself during step N (after
 backward, before the optimizer step); torchrun restarts the group and the loop resumes from memory.
-``--loss-log`` (rank 0 appends ``step loss.hex()``), ``--dump-final`` (rank 0 saves the final parameters),
+``--loss-log`` (rank 0 appends ``step loss.hex()``), ``--save-log`` (every rank appends ``attempt rank step
+committed`` once ``save(step)`` returned: the newest step it saw committed), ``--dump-final`` (rank 0 saves the final parameters),
 ``--timing-json`` (every step's seconds, the save included) are for tests/test_accelerate_e2e.py and
 benchmarks/bench_integrations.py; ``--save-blocks B`` saves in steps 1..B, 2B+1..3B, ... only (the
 same run with and without a checkpoint per step); ``--every 0`` never saves.
@@ -61,9 +62,17 @@ class Hooks:
 
     def resumed(self, step: int | None, ckpt: GeminiAcceleratorCheckpoint) -> None:
         if self.rank == 0:
-            print("nothing to resume: starting at step 1" if step is None
-                  else f"resumed from step {step} (bytes per tier: {ckpt.restored_from})", flush=True)
+            print("nothing to resume: starting at step 1" if step is None else
+                  f"resumed from step {ckpt.restored_step} (bytes per tier: {ckpt.restored_from}) in "
+                  f"{ckpt.restore_seconds:.2f} s", flush=True)
         self.t0 = time.perf_counter()
+
+    def saved(self, step: int, ckpt: GeminiAcceleratorCheckpoint) -> None:
+        """--save-log: 'attempt rank step committed' once save(step) returned (the async bound's mechanism)."""
+        if self.args.save_log:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            with open(self.args.save_log, "a") as f:
+                f.write(f"{attempt} {self.rank} {step} {ckpt.last_committed_step}\n")
 
     def step_done(self, step: int, loss: torch.Tensor) -> None:
         now = time.perf_counter()
@@ -100,6 +109,7 @@ def main() -> None:
     p.add_argument("--loss-log", default=None)
     p.add_argument("--dump-final", default=None)
     p.add_argument("--timing-json", default=None)
+    p.add_argument("--save-log", default=None, help="every rank appends 'attempt rank step committed' after each save")
     args = p.parse_args()
     global BATCH
     BATCH = args.batch
@@ -129,6 +139,7 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad()
         ckpt.save(step)                            # every process: the state after this step, into node memory
+        hooks.saved(step, ckpt)  # example-only
         hooks.step_done(step, loss)  # example-only
     ckpt.close()                                   # every process: with async_save, waits for the last commit
     # /docs

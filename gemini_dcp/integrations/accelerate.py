@@ -82,6 +82,7 @@ class GeminiAcceleratorCheckpoint:
         self._writer: GeminiStorageWriter | None = None
         self.async_save = async_save
         self._snapshots: Any = None
+        self._last_saved: int | None = None  # the last blocking save's step
         self.restored_step: int | None = None
         """The step the last :meth:`resume` restored (None: nothing was resumed)."""
         self.restored_from: dict[str, int] = {}
@@ -117,6 +118,7 @@ class GeminiAcceleratorCheckpoint:
             return False
         if not self.async_save:
             dcp.save(self._state(step), storage_writer=self._get_writer(), checkpoint_id=step)
+            self._last_saved = step
             return True
         if self._snapshots is None:
             from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
@@ -126,6 +128,14 @@ class GeminiAcceleratorCheckpoint:
                                                 interleave=interleave_for(self.model))
         self._snapshots.save(self._state(step), step)
         return True
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The newest step this process saw committed: the last blocking save's, or with ``async_save`` the newest
+        save that finished (None before). Right after ``save(step)`` returned it is ``step - 1`` or newer."""
+        if self._snapshots is not None:
+            return self._snapshots.last_committed_step  # type: ignore[no-any-return]
+        return self._last_saved
 
     def close(self) -> None:
         """Wait until the last save committed (``async_save``) and stop its thread. All processes call this."""
