@@ -225,3 +225,39 @@ def test_override_factory_keeps_torchtitan_fields_and_validates(tmp_path: Path) 
         tt.gemini_checkpoint(base, gemini_every=0)
     with pytest.raises(ConfigError):
         tt.gemini_checkpoint_config(gemini_replicas=0)
+
+
+RESTORE_STATS = ("restored_step", "restored_from", "restore_seconds")  # docs/integrations.md: the same on every one
+
+
+def test_accelerate_restore_statistics_one_process(tmp_path: Path) -> None:
+    """``GeminiAcceleratorCheckpoint`` (no Accelerate needed: it reads ``process_index`` only) says what its resume
+    did with the reader's names: the step, bytes per tier, seconds; a fresh job says nothing was resumed."""
+    from types import SimpleNamespace
+
+    from gemini_dcp.integrations.accelerate import GeminiAcceleratorCheckpoint
+
+    root = tmp_path / "tier"
+    root.mkdir(mode=0o700)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    acc = SimpleNamespace(process_index=0)
+    ckpt = GeminiAcceleratorCheckpoint(acc, model, opt, root=str(root), job_id="stats")
+    assert (ckpt.restored_step, ckpt.restored_from, ckpt.restore_seconds) == (None, {}, None)
+    assert ckpt.resume() is None and ckpt.restored_step is None  # a fresh job
+    ckpt.save(3)
+    assert ckpt.last_committed_step == 3
+    fresh = torch.nn.Linear(4, 4)
+    again = GeminiAcceleratorCheckpoint(acc, fresh, torch.optim.AdamW(fresh.parameters()), root=str(root), job_id="stats")
+    assert again.resume() == 3 and again.restored_step == 3
+    assert torch.equal(fresh.weight, model.weight)
+    assert again.restored_from["local"] > 0 and again.restored_from["persistent"] == 0
+    assert again.restore_seconds is not None and again.restore_seconds > 0
+    reader = GeminiStorageReader(root=root, job_id="stats")
+    assert all(hasattr(reader, name) for name in RESTORE_STATS)
+    for module in ("lightning", "torchtitan"):  # their classes need their trainers: the same names in the source
+        text = (REPO / "gemini_dcp" / "integrations" / f"{module}.py").read_text()
+        assert all(f"self.{name}" in text for name in RESTORE_STATS), module

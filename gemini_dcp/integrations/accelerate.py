@@ -9,6 +9,9 @@ Accelerate leaves the loop to the user, so the integration is one object beside 
         ckpt.save(step)                      # every ``every_n_steps`` steps, into node (and peer) memory
     ckpt.close()                             # async_save=True: waits for the last commit
 
+After :meth:`~GeminiAcceleratorCheckpoint.resume`: ``restored_step``, ``restored_from`` (bytes per tier) and
+``restore_seconds``, the names the reader and the Lightning and torchtitan integrations use.
+
 What a step holds: the model and optimizer state (``torch.distributed.checkpoint.state_dict.get_state_dict``
 of the prepared objects: DDP's replicated tensors once, FSDP2's DTensor shards as shards), the schedulers'
 ``state_dict()``, the step, and every process's RNG states (torch CPU, CUDA where present, Python's

@@ -21,7 +21,9 @@ for a third-party storage writer, so gemini_dcp comes in as a subclass, :class:`
   gemini_dcp); ``--checkpoint.load_step N`` loads step N from gemini_dcp if it holds it, else from the folder.
   A resume from gemini_dcp goes through :func:`gemini_dcp.fast_load` (straight from the node's slots
   into the live model and optimizer state when the structure is the one saved; ``dcp.load`` with
-  the same reader otherwise: a reshard, a wiped node, the persistent tier).
+  the same reader otherwise: a reshard, a wiped node, the persistent tier). What it restored: the manager's
+  ``restored_step``, ``restored_from`` (bytes per tier), ``restore_seconds`` and ``restored_folder`` — the
+  names the reader and the Lightning and Accelerate integrations use (docs/integrations.md).
 
 Select it without touching torchtitan's code, on the command line of any config::
 
