@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--fail-at", type=int, default=9)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "async-bound.json"))
+    p.add_argument("--keep-logs", default=None, help="copy the log and save log of every run where the bound broke here")
     args = p.parse_args()
     rows = []
     with private_tier_root("bench_bound_") as root:
@@ -60,6 +61,11 @@ def main() -> None:
             row = {"run": i, "rc": r.returncode, "last_returned_save": last, "resumed": resumed,
                    "bound_held": resumed is not None and resumed >= last - 1, "bit_exact": exact, "load": load}
             rows.append(row)
+            if args.keep_logs and not row["bound_held"]:
+                keep = Path(args.keep_logs) / f"run{i}"
+                keep.mkdir(parents=True, exist_ok=True)
+                (keep / "log").write_text(log)
+                (keep / "saves").write_text((out / "saves").read_text())
             print(json.dumps(row), flush=True)
     summary = {"runs": len(rows), "bound_held": sum(r["bound_held"] for r in rows),
                "bit_exact": sum(r["bit_exact"] for r in rows),
