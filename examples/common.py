@@ -613,13 +613,17 @@ def run_loop(args: argparse.Namespace, ctx: Ctx, app: TrainState, ckpt: Checkpoi
         t_train = time.perf_counter() - t0
         ctx.events.emit("step_done", step=step, seconds=t_train, loss=loss)
         ckpt_s = ckpt.maybe_save(step, app, ctx)
+        t_step = time.perf_counter() - t0  # the whole step as training sees it: train + checkpoint
         losses.append((step, loss))
         if ctx.rank == 0 and args.loss_log:
             with open(args.loss_log, "a") as f:
                 f.write(f"{step} {loss.hex()}\n")
         if step % args.log_every == 0 or step == args.steps:
+            # ckpt: the time training waited for checkpointing (a blocking save; AsyncCheckpointer:
+            # save()'s return plus the guard in the next optimizer step, already inside iter);
+            # wall: the whole step, what scripts/main_job.sh compares with a run without checkpoints.
             extra = f"  ckpt {ckpt_s * 1e3:.1f} ms" if ckpt_s is not None else ""
-            ctx.log(f"step {step:4d}  loss {loss:.6f}  iter {t_train * 1e3:.1f} ms{extra}")
+            ctx.log(f"step {step:4d}  loss {loss:.6f}  iter {t_train * 1e3:.1f} ms{extra}  wall {t_step * 1e3:.1f} ms")
         step += 1
     ctx.events.emit("finished", step=app.step)
     return losses
