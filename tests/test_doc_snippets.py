@@ -1,4 +1,4 @@
-"""Every Python block of docs/integrations.md and of README.md's "Usage" runs somewhere.
+"""Every Python block of docs/integrations.md, docs/getting-started.md and README.md's "Usage" runs somewhere.
 
 - A block that is a trainer's loop (Lightning, Accelerate) is a copy of an ``examples/`` file's lines between
   ``# docs: <name>`` and ``# /docs`` (lines marked ``# example-only`` left out; several regions of one name joined
@@ -26,6 +26,7 @@ from mp_utils import node_root_factory, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "integrations.md"
+GETTING_STARTED = REPO / "docs" / "getting-started.md"
 README = REPO / "README.md"
 EXAMPLES = {  # the block's section -> (example file, region name, the test that runs it)
     "Lightning": ("examples/lightning_resume.py", "lightning", "tests/test_lightning_e2e.py"),
@@ -56,13 +57,14 @@ def region(example: str, name: str) -> str:
 def all_blocks() -> list[tuple[str, str, str]]:
     """(file, section, block) for every Python block the test covers."""
     blocks = [("integrations.md", h, b) for h, bs in sections(DOCS) for b in bs]
+    blocks += [("getting-started.md", h, b) for h, bs in sections(GETTING_STARTED) for b in bs]
     blocks += [("README.md", h, b) for h, bs in sections(README) if h == "Usage" for b in bs]
     return blocks
 
 
 def test_every_block_is_covered_and_none_catches_base_exception() -> None:
     seen = {h for _, h, _ in all_blocks()}
-    assert {"Lightning", "Accelerate", "Usage"} <= seen, seen
+    assert {"Lightning", "Accelerate", "Usage", "Add it to your loop"} <= seen, seen
     for where, heading, block in all_blocks():
         assert "BaseException" not in block, (where, heading)
         compile(block, f"{where}:{heading}", "exec")
@@ -107,7 +109,7 @@ def _run_blocks(rank: int, world_size: int, root: str, sections: list[list[str]]
 def test_blocks_run_and_resume(tmp_path: Path) -> None:
     """All executed sections in one pair of launches (each its own job id): 3 steps, then 2 more after a resume."""
     names = sorted({(w, h) for w, h, _ in all_blocks() if h not in EXAMPLES and not h.startswith(COMPILED_ONLY)})
-    assert len(names) >= 3, names  # the plain loop, dcp.async_save, the README's usage
+    assert len(names) >= 4, names  # the plain loop, dcp.async_save, the README's usage, getting started
     jobs = [re.findall(r'job_id="([^"]+)"', "".join(b for w, h, b in all_blocks() if (w, h) == n)) for n in names]
     assert len({j for js in jobs for j in js}) == len(names), f"each section needs a job id of its own: {jobs}"
     blocks = [[b for w, h, b in all_blocks() if (w, h) == n] for n in names]
