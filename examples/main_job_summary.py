@@ -8,9 +8,12 @@ Reads the logs of the job's runs (``examples/train_fsdp2.py`` prints one line pe
 - the main run: ``AsyncCheckpointer`` every step, a rank SIGKILLed mid-run, torchrun's restart and the
   resume from memory.
 
-The cost per step is paired by step: the median over the steps of (main run's step - baseline's same
-step), the steps right after each start (warm-up: the first save builds the snapshot's structures)
-left out. Equality: the final parameters' sha256 and every step's loss (bit-exact, from ``--loss-log``).
+The cost per step: the time the training loop waited for checkpointing, measured in the main run
+(``save()`` and the guard in the next optimizer step), against the baseline's step; and the step time
+against the baseline, paired by step (the median over the steps of main run's step - baseline's same step),
+next to the difference between the two baseline runs (the host's own noise: on a shared machine it can
+exceed the cost). The steps right after each start (warm-up: the first save builds the snapshot's
+structures) are left out. Equality: the final parameters' sha256 and every step's loss (bit-exact, from ``--loss-log``).
 
     python examples/main_job_summary.py --main LOG --main-loss FILE --baseline LOG FILE [--baseline LOG FILE]
 
@@ -25,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-STEP = re.compile(r"^step +(\d+) +loss \S+ +iter ([\d.]+) ms(?: +ckpt ([\d.]+) ms)? +wall ([\d.]+) ms", re.M)
+STEP = re.compile(r"^step +(\d+) +loss \S+ +iter ([\d.]+) ms(?: +ckpt ([\d.]+) ms(?: \(save [\d.]+, guard [\d.]+\))?)? +wall ([\d.]+) ms", re.M)
 ATTEMPT = re.compile(r"attempt (\d+);")
 WARMUP = 2  # steps left out after each start
 
@@ -77,13 +80,18 @@ def main(argv: list[str] | None = None) -> int:
         main_ms = [main_wall[s] for s in paired]
         diff = statistics.median(m - b for m, b in zip(main_ms, base_ms))
         b_med = statistics.median(base_ms)
+        each = [statistics.median(b[s] for s in paired) for b in base]
+        noise = (max(each) - min(each)) / b_med if len(each) > 1 else 0.0
         print(f"checkpointing: AsyncCheckpointer, a save every step into node memory ({len(paired)} steps compared)")
         print(f"  step time, median: {statistics.median(main_ms):.1f} ms with checkpoints, {b_med:.1f} ms without "
-              f"(the same run, no checkpoints, {len(base)} run(s) around the main run)")
-        print(f"  cost of checkpointing per step (paired by step, median): {diff:+.1f} ms ({100 * diff / b_med:+.1f}%)")
+              f"(the same run without checkpoints, before and after: {' / '.join(f'{m:.1f}' for m in each)} ms)")
         if ckpt:
-            print(f"  training waited for the checkpoint (save() + the guard in the next optimizer step): "
-                  f"median {statistics.median(ckpt):.2f} ms per step")
+            waited = statistics.median(ckpt)
+            print(f"  cost of checkpointing per step, measured in the run: training waited {waited:.2f} ms for it "
+                  f"(save() + the guard in the next optimizer step) = {100 * waited / b_med:.1f}% of the baseline step")
+        verdict = "within the host's noise" if abs(diff) <= noise * b_med else "outside the host's noise"
+        print(f"  step time against the baseline (paired by step, median): {diff:+.1f} ms ({100 * diff / b_med:+.1f}%); "
+              f"the two baseline runs differ by {100 * noise:.1f}%: {verdict}")
     else:
         print("no steps to compare (see the logs)")
     for line in main_log.splitlines():

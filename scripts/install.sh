@@ -42,8 +42,9 @@ fi
 HERE=$(pwd -P)
 FROM=$(cd / && "$PY" -c 'import gemini_dcp, os; print(os.path.dirname(os.path.dirname(os.path.realpath(gemini_dcp.__file__))))' 2>/dev/null || true)
 # Also when pyproject.toml's torch range changed since the install (the metadata doctor reads would be stale).
-# (ruff and mypy, run by scripts/test.sh, come with the test extra.)
-if [ "$FROM" != "$HERE" ] || ! have pytest-timeout || ! have moto || ! have ruff || ! have mypy || support stale; then
+# (ruff and mypy, run by scripts/test.sh, and the docs site's mkdocs come with the test extra.)
+if [ "$FROM" != "$HERE" ] || ! have pytest-timeout || ! have moto || ! have ruff || ! have mypy || ! have mkdocs-material \
+    || ! have mkdocstrings-python || support stale; then
   pipi -e ".[test]"
 fi
 # Build the C++ extension ahead of time (cached per machine) rather than in the first save of a job;

@@ -13,6 +13,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
+"""Seconds every checkpoint collective, peer transfer and store call may take before it fails (``timeout_s``)."""
 
 
 def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:

@@ -23,7 +23,9 @@ __all__ = [
 ]
 
 DEFAULT_ROOT = "/dev/shm/gemini_dcp"
+"""The tier root when neither ``root=`` nor ``$GEMINI_DCP_ROOT`` is given."""
 DEFAULT_KEEP = 2
+"""Committed steps kept in a node's memory (``keep=``)."""
 ENV_ROOT = "GEMINI_DCP_ROOT"  # tier root of this node (default DEFAULT_ROOT)
 ENV_NODE_ID = "GEMINI_DCP_NODE_ID"  # identity of this node (default <hostname>:<root>)
 ENV_JOB_ID = "GEMINI_DCP_JOB_ID"  # the job (default $TORCHELASTIC_RUN_ID, else "default")
@@ -60,8 +62,12 @@ class LocalOptions:
     job_id: str | None = None
     node_id: str | None = None
     keep: int = DEFAULT_KEEP
+    """Committed steps kept in memory (>= 1); the newest committed step is never evicted before a newer one commits."""
     checksum: ChecksumAlgo = "auto"
+    """The shards' checksum: ``"auto"`` (crc32c through the extension, else xxh3), ``"xxh3"``, ``"crc32c"``
+    or ``"xsum64"`` (the GPU checksum)."""
     capacity_bytes: int | None = None
+    """A cap on this job's bytes in the tier root (None: the root's free space is the limit)."""
 
     def __post_init__(self) -> None:
         check_path(self.root, "root", "pass the tier root as a str or pathlib.Path (e.g. root='/dev/shm/gemini_dcp'), "

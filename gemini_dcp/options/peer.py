@@ -49,7 +49,10 @@ class PeerOptions:
 
     replicas: int = 1
     placement: PlacementStrategy = "mixed"
+    """Which nodes hold whose copies: ``"group"``, ``"ring"`` or ``"mixed"`` (GEMINI's placements; default mixed)."""
     on_peer_failure: OnPeerFailure = "raise"
+    """A failed or corrupt peer transfer: ``"raise"`` fails the save (``PeerError``); ``"degrade"`` commits with
+    fewer replicas and warns."""
     parity_group: int | None = None
 
     def __post_init__(self) -> None:

@@ -58,9 +58,9 @@ class GeminiOptions:
     persistent: PersistentOptions = field(default_factory=PersistentOptions)
     incremental: IncrementalOptions = field(default_factory=IncrementalOptions)
     timeout_s: float = DEFAULT_TIMEOUT_S
-    #: What a save does with NaN/Inf values: "mark" (default), "refuse" or "ignore"
-    #: (:mod:`gemini_dcp.options.health`; ``GEMINI_DCP_NONFINITE``).
     nonfinite: NonfiniteMode = "mark"
+    """What a save does with NaN/Inf values: ``"mark"`` (default), ``"refuse"`` or ``"ignore"``
+    (:mod:`gemini_dcp.options.health`; ``$GEMINI_DCP_NONFINITE``)."""
     peer_transport: PeerTransport = "gloo"
     """What moves the peer tier's bytes (replicas, parity stripes, lost-node restores): ``"gloo"``
     (torch.distributed over TCP), ``"nixl"`` (NIXL one-sided WRITEs over UCX: RDMA, shared memory;

@@ -1,0 +1,136 @@
+"""The documentation site (mkdocs.yml): it builds with ``--strict``, and its reference covers the public API.
+
+- ``mkdocs build --strict`` fails on a broken link or anchor, a page missing from the nav, and a
+  ``::: name`` the code does not have (mkdocstrings): the build runs here, into a temporary folder.
+- mkdocstrings renders a name without a docstring silently, so the coverage is checked here: every name
+  of ``gemini_dcp.__all__``, ``gemini_dcp.options.__all__`` and ``gemini_dcp.snapshot.__all__`` has a
+  ``:::`` entry in ``docs/reference/`` (a name of ``gemini_dcp.errors`` through the module's entry) and a
+  docstring of its own; every field of an options dataclass is described (its own docstring, or named in
+  the class docstring); every ``gemini-dcp`` command is listed in ``docs/reference/cli.md`` and has a
+  section in ``docs/cli.md``; every ``GEMINI_DCP_*`` variable the package reads is in
+  ``docs/reference/environment.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = REPO / "docs" / "reference"
+
+
+def directives() -> dict[str, list[str]]:
+    """``::: target`` of every reference page -> its ``members: [...]`` (empty: the whole object)."""
+    out: dict[str, list[str]] = {}
+    for page in sorted(REFERENCE.glob("*.md")):
+        text = page.read_text()
+        for m in re.finditer(r"^::: (\S+)\n((?:    .*\n)*)", text, flags=re.M):
+            members = re.search(r"members: \[([^\]]*)\]", m.group(2))
+            out[m.group(1)] = [s.strip() for s in members.group(1).split(",")] if members else []
+    return out
+
+
+def _defined_in(module: str, name: str) -> str:
+    """The module that defines ``module.name`` (the package's lazy names resolve to their modules)."""
+    obj = getattr(importlib.import_module(module), name)
+    return getattr(obj, "__module__", module) if callable(obj) else module
+
+
+def _covered(target: str, module: str, name: str, entries: dict[str, list[str]]) -> bool:
+    home = _defined_in(module, name)
+    for path in (f"{module}.{name}", f"{home}.{name}"):
+        if path in entries:
+            return True
+    for mod in (module, home):  # a module-level entry: all its public members, or the listed ones
+        if mod in entries and (not entries[mod] or name in entries[mod]):
+            return True
+    return False
+
+
+PUBLIC = [("gemini_dcp", n) for n in importlib.import_module("gemini_dcp").__all__ if n != "__version__"]
+PUBLIC += [("gemini_dcp.options", n) for n in importlib.import_module("gemini_dcp.options").__all__]
+PUBLIC += [("gemini_dcp.snapshot", n) for n in importlib.import_module("gemini_dcp.snapshot").__all__]
+
+
+def test_every_public_name_has_a_reference_entry_and_a_docstring() -> None:
+    entries = directives()
+    missing = [f"{m}.{n}" for m, n in PUBLIC if not _covered(f"{m}.{n}", m, n, entries)]
+    assert not missing, f"no '::: name' entry in docs/reference/*.md for: {missing}"
+    undocumented = []
+    for module, name in PUBLIC:
+        obj = getattr(importlib.import_module(module), name)
+        if callable(obj):
+            if not (obj.__dict__.get("__doc__") if isinstance(obj, type) else obj.__doc__):
+                undocumented.append(f"{module}.{name}")
+        else:  # a constant: its docstring is the string right after its assignment (griffe reads it)
+            static = _static(module, name)
+            if static is None or not static.docstring:
+                undocumented.append(f"{module}.{name}")
+    assert not undocumented, f"public names without a docstring: {undocumented}"
+
+
+def _static(module: str, name: str):  # type: ignore[no-untyped-def]
+    """griffe's view of ``module.name`` (an import followed to its definition)."""
+    griffe = pytest.importorskip("griffe")
+    pkg = griffe.load("gemini_dcp", search_paths=[str(REPO)], resolve_aliases=False)
+    obj = pkg[module.removeprefix("gemini_dcp").lstrip(".")][name] if module != "gemini_dcp" else pkg[name]
+    while obj.is_alias:
+        obj = pkg[obj.target_path.removeprefix("gemini_dcp.")]
+    return obj
+
+
+def test_every_option_field_is_described() -> None:
+    options = importlib.import_module("gemini_dcp.options")
+    bare = []
+    for name in options.__all__:
+        cls = getattr(options, name)
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            continue
+        doc = cls.__doc__ or ""
+        static = _static("gemini_dcp.options", name)
+        for f in dataclasses.fields(cls):
+            member = static.members.get(f.name)
+            if f.name not in doc and not (member is not None and member.docstring):
+                bare.append(f"{name}.{f.name}")
+    assert not bare, f"option fields described neither by a docstring nor in their class docstring: {bare}"
+
+
+def test_every_cli_command_is_in_the_reference_and_the_guide() -> None:
+    main = importlib.import_module("gemini_dcp_cli.main")
+    listed = directives().get("gemini_dcp_cli.main", [])
+    guide = (REPO / "docs" / "cli.md").read_text()
+    for cmd in main.app.registered_commands:
+        fn = cmd.callback
+        assert fn.__name__ in listed, f"gemini-dcp {cmd.name}: add {fn.__name__} to docs/reference/cli.md's members"
+        assert fn.__doc__, f"gemini-dcp {cmd.name}: {fn.__name__} has no docstring (its --help text)"
+        assert re.search(rf"^## `{cmd.name}`", guide, flags=re.M), f"docs/cli.md has no '## `{cmd.name}`' section"
+
+
+def test_every_environment_variable_is_documented() -> None:
+    page = (REFERENCE / "environment.md").read_text()
+    read = set()
+    for src in (REPO / "gemini_dcp").rglob("*.py"):
+        read |= set(re.findall(r"GEMINI_DCP_[A-Z0-9_]*[A-Z0-9]\b", src.read_text()))
+    missing = sorted(v for v in read if f"`{v}`" not in page)
+    assert not missing, f"docs/reference/environment.md does not list: {missing}"
+
+
+@pytest.mark.timeout(300)
+def test_site_builds_strict(tmp_path: Path) -> None:
+    """The whole site, as CI builds it: a broken link, anchor or reference entry fails."""
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.fail("mkdocs is not installed: `pip install -e '.[test]'` (scripts/install.sh does)")
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO, capture_output=True, text=True, timeout=280, env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    assert (tmp_path / "site" / "reference" / "storage" / "index.html").exists()
