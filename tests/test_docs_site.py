@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -77,10 +79,16 @@ def test_every_public_name_has_a_reference_entry_and_a_docstring() -> None:
     assert not undocumented, f"public names without a docstring: {undocumented}"
 
 
+@functools.cache
+def _package():  # type: ignore[no-untyped-def]
+    """griffe's static view of the package (what mkdocstrings renders)."""
+    griffe = pytest.importorskip("griffe")
+    return griffe.load("gemini_dcp", search_paths=[str(REPO)], resolve_aliases=False)
+
+
 def _static(module: str, name: str):  # type: ignore[no-untyped-def]
     """griffe's view of ``module.name`` (an import followed to its definition)."""
-    griffe = pytest.importorskip("griffe")
-    pkg = griffe.load("gemini_dcp", search_paths=[str(REPO)], resolve_aliases=False)
+    pkg = _package()
     obj = pkg[module.removeprefix("gemini_dcp").lstrip(".")][name] if module != "gemini_dcp" else pkg[name]
     while obj.is_alias:
         obj = pkg[obj.target_path.removeprefix("gemini_dcp.")]
@@ -130,7 +138,7 @@ def test_site_builds_strict(tmp_path: Path) -> None:
         pytest.fail("mkdocs is not installed: `pip install -e '.[test]'` (scripts/install.sh does)")
     run = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=REPO, capture_output=True, text=True, timeout=280, env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"},
+        cwd=REPO, capture_output=True, text=True, timeout=280, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     assert (tmp_path / "site" / "reference" / "storage" / "index.html").exists()
