@@ -226,7 +226,8 @@ def test_ops_release_the_gil(built: bool) -> None:
     assert results and results[0] == results[1]
     # With the GIL held for the whole op the main thread would get in only at the
     # switch points around the two calls (a handful of spins).
-    assert spins > 1000, f"only {spins} spins in {elapsed:.3f} s: the op seems to hold the GIL"
+    # (a loose floor: on a loaded host the main thread gets a fraction of a core, still far above a handful)
+    assert spins > 100, f"only {spins} spins in {elapsed:.3f} s: the op seems to hold the GIL"
 
 
 # ------------------------------------------------------------------------------------- xsum64
