@@ -235,17 +235,18 @@ class GroupRun:
 
 
 def run_group(specs: list[dict[str, Any]], bound_s: float, *, kill_on_death: bool = True,
-              kill_at: tuple[int, float, int] | None = None) -> GroupRun:
+              kill_at: tuple[int, float, int] | None = None, target: Any = None) -> GroupRun:
     """Start one process per spec; when one exits non-zero, SIGKILL the others (unless
     ``kill_on_death`` is False); anything alive after ``bound_s`` is killed and reported.
     ``kill_at=(rank, delay_s, signal)``: the parent sends ``signal`` to that rank ``delay_s``
-    after the start (a fault at a random point, not at a named phase)."""
+    after the start (a fault at a random point, not at a named phase). ``target``: the body of each
+    process (default :func:`rank_main`; ``tests/soak_trials.py`` passes its own)."""
     ctx = context()
     port = free_port()
     t0 = time.monotonic()
     procs = []
     for s in specs:
-        p = ctx.Process(target=rank_main, args=({**s, "port": port},), daemon=False)
+        p = ctx.Process(target=target or rank_main, args=({**s, "port": port},), daemon=False)
         p.start()
         procs.append(p)
     killed: list[int] = []

@@ -469,6 +469,7 @@ class CommitProtocol:
         agreed = agree(rep.health_baseline for rep in reports)
         self.health_baseline = agreed  # a rank that knew none (a replaced node) learns the job's
         verdict = judge([(rep.rank, rep.nonfinite) for rep in reports], None if agreed is None else dict(agreed[1]))
+        fault_point("health.judge")
         if verdict.healthy:
             return verdict
         if self.nonfinite == "refuse":

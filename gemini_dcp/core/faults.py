@@ -10,7 +10,7 @@ makes every process append the phases it reached to ``<dir>/<pid>.phases`` as
 harness uses them to prove every boundary is reached and that a fault fired). The drain
 process inherits both variables from the rank that started it.
 
-The phase names are part of the test contract; see :data:`PHASES`.
+The phase names are part of the test contract; see :data:`PHASES` and :data:`CONDITIONAL_PHASES`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,20 @@ PHASES: tuple[str, ...] = (
     # load (GeminiStorageReader)
     "load.after_decide",         # the step to restore is agreed
     "load.mid_copy",             # some chunks copied into the live tensors
+    # health (every save with nonfinite="mark" or "refuse")
+    "health.judge",              # the step's verdict decided, before a refusal or the replication
+    # rollback (every restore notes the step it restored in the job dir)
+    "rollback.marker",           # before the restore marker (abandoned steps, new timeline) is written
 )
+
+#: Fault points reached only with a feature on (so not by the clean job of the phase test):
+#: phase -> what reaches it.
+CONDITIONAL_PHASES: dict[str, str] = {
+    "drain.bridge_upload": "a step due while the node's drain process still imports torch (bridge=True): "
+                           "the training process uploads it",
+    "nixl.exchange": "peer_transport='nixl': a receive's descriptor is posted to the sender",
+    "nixl.transfer": "peer_transport='nixl': a WRITE of a send is posted",
+}
 
 _counts: Counter[str] = Counter()
 
@@ -90,4 +103,4 @@ def reached(log_dir: str | os.PathLike[str]) -> dict[str, set[int]]:
     return out
 
 
-__all__ = ["ENV_FAULT", "ENV_FAULT_LOG", "PHASES", "fault_point", "reached"]
+__all__ = ["CONDITIONAL_PHASES", "ENV_FAULT", "ENV_FAULT_LOG", "PHASES", "fault_point", "reached"]

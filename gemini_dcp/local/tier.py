@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from ..core.config import resolve_job_id, resolve_root
+from ..core.faults import fault_point
 from ..errors import ChecksumMismatchError, GeminiError, TierFullError, TierRootError
 from ..options.local import root_from_env
 from ..transport.launch import LaunchInfo
@@ -283,6 +284,7 @@ class LocalTier:
         data = {"step": int(step), "launch_id": launch.launch_id, "launch": launch.description, "abandoned": newer,
                 "timeline": timeline}
         blob = json.dumps(data, sort_keys=True).encode()
+        fault_point("rollback.marker")
         path = self.layout.job_dir / RESTORE_MARKER
         try:
             if read_private_bytes(path) == blob:

@@ -68,6 +68,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.faults import fault_point
+
 __all__ = [
     "DESC_BYTES", "NIXL_MODULES", "SERVE_DRIVE_S", "UCX_DEFAULTS", "NixlEngine", "RecvOp", "SendOp", "describe", "engine",
     "landed", "load_nixl", "prestart", "probe",
@@ -180,6 +182,7 @@ class NixlEngine:
         desc = torch.zeros(DESC_BYTES, dtype=torch.uint8)
         desc[: _HEADER * 8] = torch.tensor([_MAGIC, token, buf.data_ptr(), n, len(md)], dtype=torch.int64).view(torch.uint8)
         desc[_HEADER * 8 : _HEADER * 8 + len(md)] = torch.frombuffer(bytearray(md), dtype=torch.uint8)
+        fault_point("nixl.exchange")  # registered, the descriptor not yet sent
         try:
             work = dist.isend(desc, dst=peer, group=group)
         except BaseException:
@@ -395,6 +398,7 @@ class SendOp:
         local = eng.agent.get_xfer_descs([(self.buf.data_ptr() + off, n, 0)], "DRAM")
         remote = eng.agent.get_xfer_descs([(addr + off, n, 0)], "DRAM")
         h = eng.agent.initialize_xfer("WRITE", local, remote, name, token if notify else b"")
+        fault_point("nixl.transfer")  # the WRITE prepared, not posted
         if eng.agent.transfer(h) == "ERR":
             eng.agent.release_xfer_handle(h)
             raise RuntimeError("NIXL WRITE failed to post")

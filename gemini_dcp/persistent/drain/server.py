@@ -29,6 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ...core.faults import fault_point
 from ...errors import ChecksumMismatchError, GeminiError, PersistentTierError, UntrustedDataError
 from ...local.slot_holds import HOLD_S, refresh_holds, release_holds
 from ...options.persistent import DrainOptions
@@ -370,6 +371,8 @@ class _Server:
         def work() -> None:
             t0 = time.monotonic()
             try:
+                if self.bridge:
+                    fault_point("drain.bridge_upload")  # the training process uploads this step
                 uploader = self._upload_side()
                 # A bridge uploads in the training process: no zip CRC32 for its files (as in the drain's own
                 # process, prepare_process), only while it uploads.
