@@ -79,10 +79,15 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "nan": ("no", "yes"),
     "rollback": ("no", "yes"),
     "transport": ("gloo", "nixl") if nixl_available() else ("gloo",),
-    "persistent": ("off", "bridge", "no_bridge"),
+    "persistent": ("off", "thread", "bridge", "no_bridge"),
     "launch": ("env", "tcp", "file", "store"),
     "two_jobs": ("no", "yes"),
 }
+
+#: feature -> weights of its values where not uniform. A drain *process* imports torch afresh (~10 s
+#: on a loaded 2-core host): drawn less often than a drain thread, still some hundreds of times in 10,000.
+WEIGHTS: dict[str, tuple[float, ...]] = {"persistent": (6, 3, 0.6, 0.6)}
+STORE_ON = ("thread", "bridge", "no_bridge")
 
 SIGNALS = ("SIGKILL", "SIGTERM", "SIGSTOP")
 SAVE_PHASES = tuple(p for p in PHASES if p.split(".")[0] in ("save", "replicate", "commit", "health"))
@@ -138,7 +143,7 @@ class Trial:
 def draw(seed: int) -> Trial:
     """The trial of ``seed``: every feature drawn, then one fault fitted to them."""
     rng = random.Random(seed)
-    f = {k: rng.choice(v) for k, v in FEATURES.items()}
+    f = {k: rng.choices(v, weights=WEIGHTS.get(k))[0] for k, v in FEATURES.items()}
     red = f["redundancy"]
     if red in ("replicas3", "parity3"):
         layout = rng.choice(LAYOUTS_3N + LAYOUTS_4N)
@@ -163,6 +168,8 @@ def draw(seed: int) -> Trial:
         if f["transport"] == "nixl":
             pools.append(NIXL_PHASES)
         phase = rng.choice(rng.choice(pools))
+        if phase == "drain.bridge_upload":
+            f["persistent"] = "bridge"  # reached only by a bridge (a drain process still importing torch)
         rank = rng.randrange(world)
         if phase.startswith("commit."):  # only a node leader (its lowest rank) writes a record
             rank = min(r for r, n in enumerate(layout) if n == layout[rank])
@@ -177,11 +184,11 @@ def draw(seed: int) -> Trial:
     elif kind == "enospc_store":
         fault["kib"] = rng.choice((8, 24, 48))
         if f["persistent"] == "off":
-            f["persistent"] = rng.choice(("bridge", "no_bridge"))
+            f["persistent"] = rng.choice(STORE_ON)
     elif kind == "stale_lock":
         fault.update(lock=rng.choice(("launch", "drain")), node=rng.randrange(nodes))
         if fault["lock"] == "drain" and f["persistent"] == "off":
-            f["persistent"] = rng.choice(("bridge", "no_bridge"))
+            f["persistent"] = rng.choice(STORE_ON)
     timeout = 6.0 if fault.get("sig") == "SIGSTOP" else 20.0
     return Trial(seed=seed, layout=layout, features=f, fault=fault, steps=steps, keep=keep, nan_at=nan_at,
                  rollback_after=rollback_after, timeout_s=timeout)
@@ -356,6 +363,7 @@ def rank_main(spec: dict[str, Any]) -> None:
         "WORLD_SIZE": str(spec["world"]), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
         "GEMINI_DCP_DRAIN_IDLE_S": "1", "GEMINI_DCP_DRAIN_PEER_TIMEOUT_S": "3", "GEMINI_DCP_DRAIN_ATTEMPTS": "2",
         "GEMINI_DCP_DRAIN_BRIDGE": "0" if spec["features"]["persistent"] == "no_bridge" else "1",
+        "GEMINI_DCP_DRAIN_MODE": "thread" if spec["features"]["persistent"] == "thread" else "process",
         "GEMINI_DCP_NODE_ID": f"node{spec['node']}",
     })
     for k in (fh.ENV_FAULT, fh.ENV_FAULT_LOG):
@@ -527,6 +535,7 @@ def stale_main(spec: dict[str, Any]) -> None:
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0", "GEMINI_DCP_NODE_ID": f"node{spec['node']}"})
     for k in (fh.ENV_FAULT, fh.ENV_FAULT_LOG):
         os.environ.pop(k, None)
+    _die_with_parent()
     try:
         import torch.distributed as dist
 
@@ -542,6 +551,16 @@ def stale_main(spec: dict[str, Any]) -> None:
     sys.exit(0)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the soak driver dies (a killed soak leaves no stale holder)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _hold_drain_lock(persist_dir: Path) -> int:
     """A stale drain server: a child that holds ``daemon.lock`` of the job's persist dir, stopped."""
     import fcntl
@@ -552,6 +571,7 @@ def _hold_drain_lock(persist_dir: Path) -> int:
     pid = os.fork()
     if pid == 0:  # the child: lock, tell the parent, stop
         try:
+            _die_with_parent()
             os.close(r)
             fd = os.open(persist_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -1077,6 +1097,9 @@ def main(argv: list[str] | None = None) -> int:
         rec = run_trial(draw(args.seed_only))
         print(json.dumps(rec, indent=1, default=str))
         return 0 if rec["outcome"] == "pass" else 1
+    # SIGTERM (a stopped soak) unwinds like an exception: the trial's finally kills its stale
+    # holders and unmounts its tmpfs; the trials done so far are already in the file
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     base = args.seed if args.seed is not None else int(time.time())
     out = Path(args.out)
     run = {"id": f"{base}-{os.getpid()}", "seed": base, "started_unix": round(time.time()), "trials": 0, "seconds": 0.0,
@@ -1084,23 +1107,25 @@ def main(argv: list[str] | None = None) -> int:
     batch: list[dict[str, Any]] = []
     t0 = time.time()
     bad = 0
-    for i in range(args.trials):
-        if args.deadline and time.time() > args.deadline:
-            break
-        rec = run_trial(draw(base * 1_000_003 + i))
-        batch.append(rec)
-        run["trials"] += 1
-        if rec["outcome"] != "pass":
-            bad += 1
-            print(json.dumps(_failure(rec), default=str), flush=True)
-        if len(batch) >= args.flush_every:
-            run["seconds"] = round(time.time() - t0, 1)
-            doc = accumulate(batch, out, run)
-            batch = []
-            print(f"[{run['trials']}] {run['seconds']:.0f}s {run['seconds'] / run['trials']:.2f} s/trial; "
-                  f"file: {doc['trials']} trials {doc['outcomes']}", flush=True)
-    run["seconds"] = round(time.time() - t0, 1)
-    accumulate(batch, out, run)
+    try:
+        for i in range(args.trials):
+            if args.deadline and time.time() > args.deadline:
+                break
+            rec = run_trial(draw(base * 1_000_003 + i))
+            batch.append(rec)
+            run["trials"] += 1
+            if rec["outcome"] != "pass":
+                bad += 1
+                print(json.dumps(_failure(rec), default=str), flush=True)
+            if len(batch) >= args.flush_every:
+                run["seconds"] = round(time.time() - t0, 1)
+                doc = accumulate(batch, out, run)
+                batch = []
+                print(f"[{run['trials']}] {run['seconds']:.0f}s {run['seconds'] / run['trials']:.2f} s/trial; "
+                      f"file: {doc['trials']} trials {doc['outcomes']}", flush=True)
+    finally:
+        run["seconds"] = round(time.time() - t0, 1)
+        accumulate(batch, out, run)  # the finished trials since the last write, even when stopped
     return 0 if bad == 0 else 1
 
 
