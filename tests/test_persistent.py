@@ -66,12 +66,9 @@ def _persist_dir(root: str, job: str) -> Path:
 def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> None:
     url = f"file://{store}"
     job = "f"
-    t_saves = []
     for step in (1, 2, 3, 4, 6):
         w = GeminiStorageWriter(root=root, job_id=job, persistent=url, persist_every=2, persist_keep=2)
-        t0 = time.perf_counter()
         dcp.save(plain_state(step), storage_writer=w, checkpoint_id=step)
-        t_saves.append(time.perf_counter() - t0)
         assert wait_idle(_persist_dir(root, job), 180)
     pt = PersistentTier(url, job)
     # every 2nd step drained; persist_keep=2 kept the newest two complete ones
@@ -107,7 +104,8 @@ def test_drain_to_file_store_loads_with_stock_dcp(root: str, store: Path) -> Non
     assert wait_idle(_persist_dir(root, job), 180)
     assert "already holds" in drain_status(_persist_dir(root, job))["steps"]["6"]["detail"]
     assert (step_dir / ".metadata").stat().st_mtime_ns == mtime
-    assert max(t_saves) < 5.0  # the save never waited for an upload (first includes the store probe)
+    # (how long a save takes beside a drain is a benchmark's question, benchmarks/bench_persistent.py: no
+    # wall-clock bound here, a loaded host would fail it)
 
 
 # ---- kill the drain midway: nothing torn, resumed after "restart" ------------------------------

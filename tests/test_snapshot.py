@@ -104,7 +104,7 @@ def _load_plain(root: str, job: str, step: int, like: dict[str, Any]) -> dict[st
 def test_save_returns_fast_and_roundtrips(root: str) -> None:
     big = {f"t{i}": torch.rand(4 << 20) for i in range(16)}  # 256 MiB
     ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="fast", keep=1))
-    blocked = []
+    blocked, copies = [], []
     try:
         for step in range(4):
             for t in big.values():
@@ -114,12 +114,15 @@ def test_save_returns_fast_and_roundtrips(root: str) -> None:
             # The caller's guard would be wait_copied() (we modify the tensors next); waiting for the commit keeps
             # the next save() from waiting for it (the bound), so blocked_s is save()'s own work.
             h.wait()
+            copies.append(h.copy_s)
         ck.wait()
         assert ck.last_committed_step == 3
         assert ck.stats()["plans"] == {"planned": 1, "replayed": 3}  # planned once by dcp.save, then replayed
     finally:
         ck.close()
-    assert statistics.median(blocked) <= 5e-3, blocked
+    # the mechanism, not the clock: save() returns without doing the copy (it blocks a small fraction
+    # of what the background copy of the same bytes takes, however slow a loaded host makes both)
+    assert statistics.median(blocked) < 0.5 * statistics.median(copies), (blocked, copies)
     got = _load_plain(root, "fast", 3, big)
     assert all(torch.equal(got[k], torch.full_like(v, 3)) for k, v in big.items())
 
