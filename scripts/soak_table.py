@@ -58,10 +58,28 @@ def render(doc: dict[str, Any]) -> str:
     ]
     by_feature = doc.get("by_feature", {})
     lines += _table("feature=value", by_feature, sorted(by_feature))
-    lines += ["", "Trials per fault (a signal trial counts under its signal, its phase, the pair, and "
-                  "`fired:` when the process really reached the phase and died there):", ""]
     by_fault = doc.get("by_fault", {})
-    lines += _table("fault", by_fault, sorted(by_fault, key=_fault_order))
+    faults = doc.get("faults", {})
+    lines += ["", "Signals at a named phase (`fired`: the process reached the phase and the signal hit it; "
+                  "the rest drew a phase their features never reach, e.g. `replicate.*` with one copy):", ""]
+    sigs = ("SIGKILL", "SIGTERM", "SIGSTOP")
+    lines += ["| phase | trials | " + " | ".join(sigs) + " | fired | " + " | ".join(OUTCOMES) + " |",
+              "|---|---:|" + "---:|" * (len(sigs) + 1 + len(OUTCOMES))]
+    phases = sorted({k.split(":")[1] for k in by_fault if k.startswith("phase:")})
+    for ph in phases:
+        counts = by_fault.get(f"phase:{ph}", {})
+        fired = sum(faults.get(f"fired:{ph}:{s}", 0) for s in sigs)
+        lines.append(f"| `{ph}` | {sum(counts.values())} | " + " | ".join(str(faults.get(f"phase:{ph}:{s}", 0)) for s in sigs)
+                     + f" | {fired} | " + " | ".join(str(counts.get(o, 0)) for o in OUTCOMES) + " |")
+    for s_ in sigs:
+        counts = by_fault.get(f"signal:{s_}", {})
+        lines.append(f"| all, {s_} | {sum(counts.values())} | " + " | ".join(
+            str(sum(counts.values())) if x == s_ else "" for x in sigs) + " | "
+            + str(sum(v for k, v in faults.items() if k.startswith("fired:") and k.endswith(s_))) + " | "
+            + " | ".join(str(counts.get(o, 0)) for o in OUTCOMES) + " |")
+    lines += ["", "The other faults:", ""]
+    others = sorted((k for k in by_fault if not k.startswith(("phase:", "signal:", "fired:"))), key=_fault_order)
+    lines += _table("fault", by_fault, others)
     failures = doc.get("failures", [])
     lines += ["", f"Failures ({len(failures)} kept; the newest {min(len(failures), SHOWN_FAILURES)} shown). "
                   "Reproduce one with `PYTHONPATH=. python tests/soak_trials.py --seed-only SEED`:", ""]

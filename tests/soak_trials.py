@@ -173,7 +173,9 @@ def draw(seed: int) -> Trial:
         rank = rng.randrange(world)
         if phase.startswith("commit."):  # only a node leader (its lowest rank) writes a record
             rank = min(r for r, n in enumerate(layout) if n == layout[rank])
-        fault.update(phase=phase, nth=rng.randint(1, 2), sig=rng.choices(SIGNALS, weights=(60, 20, 20))[0], rank=rank)
+        # a restore reaches a load phase once per rank: only its first reach can fire
+        nth = 1 if phase in LOAD_PHASES else rng.randint(1, 2)
+        fault.update(phase=phase, nth=nth, sig=rng.choices(SIGNALS, weights=(60, 20, 20))[0], rank=rank)
     elif kind in ("wipe", "enospc_tier"):
         fault["node"] = rng.randrange(nodes)
         if kind == "enospc_tier":
