@@ -381,13 +381,16 @@ def rank_main(spec: dict[str, Any]) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        t0 = time.monotonic()
         mesh = _init_group(spec)
+        result["init_s"] = round(time.monotonic() - t0, 3)
         try:
             if spec["mode"] == "train":
                 _train(spec, mesh, out, result)
             else:
                 result["restores"] = [_restore(spec, mesh, j, None, spec.get("store")) for j in spec["jobs"]]
         finally:
+            result["work_s"] = round(time.monotonic() - t0 - result["init_s"], 3)
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         code = 3
@@ -802,6 +805,9 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     rec["seconds"] = round(time.monotonic() - t0, 3)
+    rec["groups_s"] = {k: obs[k]["seconds"] for k in ("train", "restore") if k in obs}
+    rec["ranks_s"] = {k: [(x or {}).get(f) for x in obs.get(f"{k}_results") or [] for f in ("init_s", "work_s")]
+                      for k in ("train", "restore")}
     rec.update(judge(t, obs))
     return rec
 
