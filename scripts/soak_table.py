@@ -80,6 +80,11 @@ def render(doc: dict[str, Any]) -> str:
     lines += ["", "The other faults:", ""]
     others = sorted((k for k in by_fault if not k.startswith(("phase:", "signal:", "fired:"))), key=_fault_order)
     lines += _table("fault", by_fault, others)
+    ev = doc.get("events", {})
+    if ev:
+        lines += ["", "What the trials really did (summed over trials; rank 0's journal events, errors by name, "
+                      "the tiers restores came from, `fast_load`'s path, bits flipped, tmpfs mounted): "
+                  + ", ".join(f"`{k}` {v}" for k, v in sorted(ev.items())) + "."]
     failures = doc.get("failures", [])
     lines += ["", f"Failures ({len(failures)} kept; the newest {min(len(failures), SHOWN_FAILURES)} shown). "
                   "Reproduce one with `PYTHONPATH=. python tests/soak_trials.py --seed-only SEED`:", ""]
