@@ -1048,7 +1048,8 @@ MAX_FAILURES = 2000  # failures kept in the file (counts go on beyond)
 def tally(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts of a batch of trial records, in the results file's shape (added by :func:`accumulate`)."""
     doc: dict[str, Any] = {"trials": 0, "seconds": 0.0, "outcomes": {}, "features": {}, "faults": {},
-                           "by_feature": {}, "by_fault": {}, "known": {}, "events": {}}
+                           "by_feature": {}, "by_fault": {}, "known": {}, "events": {},
+                           "seconds_by": {}}
 
     def bump(d: dict[str, Any], k: str, n: float = 1) -> None:
         d[k] = d.get(k, 0) + n
@@ -1056,6 +1057,9 @@ def tally(records: list[dict[str, Any]]) -> dict[str, Any]:
     for r in records:
         doc["trials"] += 1
         doc["seconds"] += r.get("seconds", 0.0)
+        for key in (f"fault={r['fault_kind']}", f"persistent={r['features'].get('persistent')}",
+                    f"ranks={len(r.get('layout', ()))}"):
+            bump(doc["seconds_by"], key, round(r.get("seconds", 0.0), 3))
         outcome = r["outcome"] if not r.get("known") else "known"
         bump(doc["outcomes"], outcome)
         if r.get("known"):
