@@ -1133,8 +1133,36 @@ def accumulate(records: list[dict[str, Any]], path: Path = RESULTS, run: dict[st
     return doc
 
 
+def reclassify(seed: int, known: str, path: Path = RESULTS) -> bool:
+    """Mark the failure of ``seed`` as explained (``known``: an issue, or a harness fix and its commit):
+    its counts move from its outcome to ``known``. False if the file has no such unexplained failure."""
+    import fcntl
+
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        doc = json.loads(path.read_text())
+        hit = next((f for f in doc["failures"] if f["seed"] == seed and not f.get("known")), None)
+        if hit is None:
+            return False
+        was = hit["outcome"]
+        hit["known"] = known
+        kind = hit.get("fault_kind") or hit["fault"].split(" ", 1)[0]
+        rec = {**hit, "fault_kind": kind}
+        tables = [doc["outcomes"]] + [doc["by_feature"].get(f"{k}={v}", {}) for k, v in hit["features"].items()] + [
+            doc["by_fault"].get(k, {}) for k in fault_keys(rec)]
+        for t in tables:
+            if t.get(was, 0) > 0:
+                t[was] -= 1
+                t["known"] = t.get("known", 0) + 1
+        doc.setdefault("known", {})[known] = doc.get("known", {}).get(known, 0) + 1
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, path)
+    return True
+
+
 def _failure(r: dict[str, Any]) -> dict[str, Any]:
-    keep = ("seed", "outcome", "known", "fault", "features", "layout", "steps", "keep", "nan_at", "rollback_after",
+    keep = ("seed", "outcome", "known", "fault", "fault_kind", "features", "layout", "steps", "keep", "nan_at", "rollback_after",
             "detail", "fired", "seconds")
     return {k: r[k] for k in keep if k in r}
 
@@ -1147,7 +1175,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=0.0, help="stop starting trials at this unix time (0: none)")
     ap.add_argument("--flush-every", type=int, default=5, help="trials between writes of the results file")
     ap.add_argument("--seed-only", type=int, default=None, help="run the trial of this seed, print its record, exit")
+    ap.add_argument("--reclassify", type=int, default=None, metavar="SEED",
+                    help="mark the failure of SEED in --out as explained by --known, and exit")
+    ap.add_argument("--known", default="", help="with --reclassify: the issue or harness fix that explains it")
     args = ap.parse_args(argv)
+    if args.reclassify is not None:
+        if not args.known:
+            ap.error("--reclassify needs --known")
+        return 0 if reclassify(args.reclassify, args.known, Path(args.out)) else 1
     if args.seed_only is not None:
         rec = run_trial(draw(args.seed_only))
         print(json.dumps(rec, indent=1, default=str))

@@ -120,3 +120,8 @@ def test_results_accumulate_in_one_file(tmp_path: Path) -> None:
     assert doc["faults"]["signal:SIGKILL"] == 2 and doc["faults"]["fired:save.mid_copy:SIGKILL"] == 2
     assert doc["faults"]["wipe"] == 1 and [f["seed"] for f in doc["failures"]] == [6]
     assert [r["trials"] for r in doc["runs"]] == [3]
+    # a failure explained later moves to "known"
+    assert st.reclassify(6, "harness fix abc123", path) and not st.reclassify(6, "again", path)
+    doc = json.loads(path.read_text())
+    assert doc["outcomes"] == {"pass": 2, "fail": 0, "known": 1} and doc["known"] == {"harness fix abc123": 1}
+    assert doc["by_fault"]["wipe"] == {"fail": 0, "known": 1} and doc["failures"][0]["known"] == "harness fix abc123"
