@@ -16,7 +16,20 @@ from __future__ import annotations
 
 
 class GeminiError(Exception):
-    """Root of every error raised by gemini_dcp."""
+    """Root of every error raised by gemini_dcp.
+
+    ``from_another_rank``: True on the error a rank raises only because another rank failed (so that
+    every rank leaves a collective step together); that rank's own error says what happened, and
+    :func:`find_gemini_error` prefers it.
+    """
+
+    from_another_rank: bool = False
+
+
+def mark_from_another_rank(err: GeminiError) -> GeminiError:
+    """Mark ``err`` as raised only because another rank failed (see :class:`GeminiError`); returns it."""
+    err.from_another_rank = True
+    return err
 
 
 class ConfigError(GeminiError, ValueError):
@@ -93,7 +106,8 @@ class UnhealthyStateError(GeminiError):
 
 
 def find_gemini_error(exc: BaseException) -> GeminiError | None:
-    """Return the first :class:`GeminiError` inside ``exc``.
+    """Return the first :class:`GeminiError` inside ``exc``, preferring a rank's own error to one
+    raised only because another rank failed (``from_another_rank``).
 
     Looks at ``exc`` itself, its ``__cause__``/``__context__`` chain, and, for a
     DCP ``CheckpointException``, at every rank's wrapped failure. (A ``read_metadata``
@@ -102,12 +116,15 @@ def find_gemini_error(exc: BaseException) -> GeminiError | None:
     """
     seen: set[int] = set()
     stack: list[BaseException] = [exc]
+    echo: GeminiError | None = None
     while stack:
         cur = stack.pop()
         if id(cur) in seen:
             continue
         seen.add(id(cur))
-        if isinstance(cur, GeminiError):
+        if isinstance(cur, GeminiError) and cur.from_another_rank:
+            echo = echo or cur  # the rank that failed first may be further in: keep looking
+        elif isinstance(cur, GeminiError):
             return cur
         failures = getattr(cur, "failures", None)
         if isinstance(failures, dict):
@@ -118,4 +135,4 @@ def find_gemini_error(exc: BaseException) -> GeminiError | None:
         for nxt in (cur.__cause__, cur.__context__):
             if nxt is not None:
                 stack.append(nxt)
-    return None
+    return echo

@@ -960,6 +960,8 @@ def judge(t: Trial, obs: dict[str, Any]) -> dict[str, Any]:
     # the restore of each job
     # a fault that may destroy the only copy of a committed step: an older step or a clean error is fine
     loss = fk["kind"] in ("wipe", "flip") and t.replicas == 1 and t.parity is None
+    # docs/parity.md: a present but corrupt data slot is not rebuilt from parity (only a lost one is)
+    loss = loss or (fk["kind"] == "flip" and t.parity is not None and "/slot-" in str(obs.get("flipped")))
     for job_i, job in enumerate(JOBS if t.features["two_jobs"] == "yes" else JOBS[:1]):
         res = [(x or {}).get("restores", [None] * 2)[job_i] if x and "restores" in x else x
                for x in (obs.get("restore_results") or [])]

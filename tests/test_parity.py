@@ -172,3 +172,45 @@ def test_parity_that_cannot_rebuild_falls_back_to_the_persistent_tier(nodes, tmp
     out = run_ranks(_load_with_store, 4, n, store=store)
     assert all(o["ok"] and o["step"] == 1 for o in out), out
     assert out[0]["from"].get("persistent", 0) > 0, out[0]
+
+
+def _flip_data_byte(root: str, rank: int, step: int) -> None:
+    tier = LocalTier(root, "par")
+    rec = tier.record(step)
+    assert rec is not None
+    slot = rec.slot_of(rank)
+    assert slot is not None
+    path = tier.slot_path(rank, slot.slot)
+    data = bytearray(path.read_bytes())
+    data[64] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_data_byte_is_named_on_every_rank(nodes) -> None:
+    """Found by the feature soak (issue 55): a bit flipped in rank 0's data slot of the newest step.
+    Every rank reports the corrupt shard itself, not only "another rank failed" (find_gemini_error
+    prefers a rank's own error to the echo other ranks raise). The slot is present, so it is not
+    rebuilt from parity (only lost ones are: docs/parity.md): with no store, the restore refuses."""
+    roots = nodes(4)
+    run_ranks(_save, 4, roots, steps=[1, 2])
+    _flip_data_byte(roots[0], 0, 2)
+    out = run_ranks(_load, 4, roots)
+    for o in out:
+        assert o.get("error") == "ChecksumMismatchError", out
+        assert "saved by rank 0" in o["message"] and "every copy tried" in o["message"], out
+
+
+def test_find_gemini_error_prefers_a_ranks_own_error() -> None:
+    from gemini_dcp.errors import ChecksumMismatchError, ShardUnavailableError, mark_from_another_rank
+
+    class Wrapped(Exception):  # DCP's CheckpointException: every rank's failure by rank
+        def __init__(self, failures: dict[int, BaseException]) -> None:
+            super().__init__("wrapped")
+            self.failures = failures
+
+    own = ChecksumMismatchError("rank 0's shard is corrupt")
+    echoes = {r: mark_from_another_rank(ShardUnavailableError("another rank failed")) for r in (1, 2, 3)}
+    for failures in ({0: own, **echoes}, {**echoes, 0: own}):
+        assert find_gemini_error(Wrapped(failures)) is own
+    assert find_gemini_error(Wrapped(dict(echoes))) in echoes.values()  # only echoes: one of them
+    assert not own.from_another_rank

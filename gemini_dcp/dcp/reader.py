@@ -55,7 +55,7 @@ from ..core.compat import failed_metadata, raise_if_failed
 from ..core.config import DEFAULT_JOB_IDS, parse_step
 from ..core.faults import fault_point
 from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
-from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError
+from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError, mark_from_another_rank
 from ..ext import loader as ext_loader
 from ..health.baseline import Baseline
 from ..health.restore import hand_off, persisted_health, warn_health
@@ -259,7 +259,7 @@ class GeminiStorageReader(StorageReader):
         if local_error is not None:
             raise local_error
         if any(v is None for v in views):
-            raise ShardUnavailableError("another rank could not read its tier root; see its error.")
+            raise mark_from_another_rank(ShardUnavailableError("another rank could not read its tier root; see its error."))
         try:
             decision = decide(  # same result on every rank
                 views, self._requested, self.job_id, persisted if self.persistent is not None else None,
@@ -405,9 +405,9 @@ class GeminiStorageReader(StorageReader):
             if error is not None:
                 traceback.clear_frames(error.__traceback__)
                 raise error
-            raise ShardUnavailableError(
+            raise mark_from_another_rank(ShardUnavailableError(
                 "another rank failed to restore its shards (see its error); nothing was copied into the state dict."
-            )
+            ))
         # Every rank holds a verified copy of every chunk it needs: only now may bytes land in the state dict.
         self._staging.land(planner)
         self.rank_restored_from = tier_bytes(counts)
