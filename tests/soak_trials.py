@@ -485,7 +485,7 @@ def _train(spec: dict[str, Any], mesh: Any, out: Path, result: dict[str, Any]) -
                 rolled = True
                 if ck is not None:
                     settle(True)
-                back = _agreed_target(out, rank, step, nan_at)
+                back = _agreed_target(out, rank, step, nan_at, spec["keep"])
                 if back is not None:
                     _journal(out, rank, e="rolling", to=back, tl=tl + 1)
                     got = _restore(spec, mesh, job, back, None)
@@ -506,15 +506,16 @@ def _train(spec: dict[str, Any], mesh: Any, out: Path, result: dict[str, Any]) -
                 result["close_error"] = _error_of(exc)
 
 
-def _agreed_target(out: Path, rank: int, below: int, nan_at: Any) -> int | None:
-    """The rollback target: the newest step < ``below`` every rank journaled saved, not the NaN step
-    (agreed with an all-reduce, as a training loop would agree on its loss)."""
+def _agreed_target(out: Path, rank: int, below: int, nan_at: Any, keep: int) -> int | None:
+    """The rollback target: the newest step < ``below`` every rank journaled saved, not the NaN step,
+    and still kept (``keep`` newest; an older one may be evicted by design), agreed with an all-reduce
+    as a training loop would agree on its loss. None: no such step, no rollback."""
     import torch
     import torch.distributed as dist
 
     best = 0
     for ev in read_journal(out, rank):
-        if (ev.get("e") == "saved" and ev.get("job") == 0 and ev["step"] < below and ev["tl"] == 0
+        if (ev.get("e") == "saved" and ev.get("job") == 0 and below - keep < ev["step"] < below and ev["tl"] == 0
                 and not (nan_at is not None and ev["step"] == nan_at[1])):
             best = max(best, ev["step"])
     t = torch.tensor([best], dtype=torch.int64)
