@@ -23,7 +23,8 @@ fail on their own within their timeout), ``none`` (no fault).
 Speed: every rank process is forked from a forkserver that has torch and gemini_dcp imported
 (~1-2 s a trial instead of ~3 s per process). The parent never initializes torch.distributed.
 
-Usage (``scripts/soak.sh`` wraps it)::
+Usage (the feature soak, ``tests/soak_trials.py`` run by ``scripts/soak.sh``, forks its ranks from
+this module's forkserver and uses :func:`run_group`)::
 
     python tests/fault_harness.py --trials 1000 --seed 7 --out benchmarks/results/soak-DATE.json
 """

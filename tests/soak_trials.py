@@ -699,7 +699,7 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = {"seed": t.seed, "fault": t.label(), "fault_kind": t.fault["kind"], "features": t.features,
                            "layout": list(t.layout), "steps": t.steps, "keep": t.keep, "nan_at": t.nan_at,
                            "rollback_after": t.rollback_after}
-    obs: dict[str, Any] = {"hangs": [], "notes": []}
+    obs: dict[str, Any] = {"hangs": []}
     try:
         roots = [tmp / f"node{n}" for n in range(t.nodes)]
         for r in roots:
@@ -790,8 +790,6 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
         if store:
             for r in roots:
                 _clear(r)
-            if fk["kind"] == "enospc_tier":
-                pass
             run = _run(t, _specs(t, "restore", roots, out, fault=None, fault_log=None, store=store), kill_on_death=True)
             obs["store_restore"] = {"codes": run.codes, "timed_out": run.timed_out}
             obs["store_results"] = _results(out, "restore", t.world)

@@ -1,4 +1,4 @@
-"""CI sample of the fault-injection harness (tests/fault_harness.py; the soak is scripts/soak.sh).
+"""CI sample of the fault-injection harness (tests/fault_harness.py; the soak is tests/soak_trials.py, scripts/soak.sh).
 
 Every named save/replicate/commit phase once with SIGKILL on 2 simulated nodes, every load and
 drain phase, a SIGTERM, a kill between two nodes' commits with ``keep=1`` and a node lost, a
