@@ -937,6 +937,9 @@ def judge(t: Trial, obs: dict[str, Any]) -> dict[str, Any]:
     problems += h.rollback_bad
     # training's errors: each explained by the fault (or by a peer's death), and the package's own
     train = obs.get("train") or {}
+    keep1_full = t.keep == 1 and t.nan_at is not None and t.features["nonfinite"] == "mark" and any(
+        "TierFullError" in f"{(x or {}).get('error')} {(x or {}).get('message', '')}" and "healthy" in (x or {}).get(
+            "message", "") for x in obs.get("train_results") or [])
     for r, res in enumerate(obs.get("train_results") or []):
         code = (train.get("codes") or [0] * t.world)[r]
         if res is None and code not in (0, None) and r not in train.get("killed", []) and not (
@@ -950,9 +953,9 @@ def judge(t: Trial, obs: dict[str, Any]) -> dict[str, Any]:
             continue  # a rank whose peer was killed or stopped fails as gloo or the package says
         if gem and fk["kind"] in ("enospc_tier", "enospc_store", "stale_lock"):
             continue  # TierFullError, PersistentTierError, JobConflictError: the fault, said clearly
-        if name == "TierFullError" and t.keep == 1 and t.nan_at is not None and t.features["nonfinite"] == "mark" \
-                and "healthy" in res.get("message", ""):
-            continue  # docs/health.md: keep=1 cannot hold the newest healthy step and one more; the save refuses
+        if keep1_full:
+            continue  # docs/health.md: keep=1 cannot hold the newest healthy step and one more; the save
+            # refuses (under AsyncCheckpointer on the rank that found it; its peers then fail as gloo says)
         if fk["kind"] in ("enospc_tier", "enospc_store", "stale_lock") and any(
                 (x or {}).get("gemini") for x in obs["train_results"]):
             continue  # a peer left with the fault's error: this rank fails as gloo says
