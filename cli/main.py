@@ -372,6 +372,9 @@ def gc_cmd(
     force: Annotated[bool, typer.Option("--force", help="Touch a live job anyway: one whose launch lock is held "
                                                          "(a trainer, maybe in another container) or whose files "
                                                          "processes have open.")] = False,
+    stop_drain: Annotated[bool, typer.Option(
+        "--stop-drain", help="With --remove-job: wait until the job's drain server (it uploads the job's steps to the "
+        "persistent tier) has no upload pending, stop it, then remove the job.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be removed; remove nothing.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -382,7 +385,7 @@ def gc_cmd(
     if remove_job:
         if not job:
             raise ConfigError("--remove-job deletes a whole job's memory: name the job explicitly with --job.")
-        rep = remove(root, job, force=force, dry_run=dry_run, exclude_pids=me)
+        rep = remove(root, job, force=force, dry_run=dry_run, exclude_pids=me, stop_drain=stop_drain)
         if as_json:
             _emit_json({"ok": True, "action": "remove-job", **rep.to_dict()})
             return
@@ -390,6 +393,8 @@ def gc_cmd(
         _out().print(f"{verb} job {rep.job_id!r} from {escape(rep.root)}: {len(rep.steps)} step(s) {rep.steps}, "
                      f"{bytes_h(rep.freed_bytes)} freed")
         return
+    if stop_drain:
+        raise ConfigError("--stop-drain stops the job's drain server before --remove-job removes the job: use it with --remove-job.")
     rep = collect_garbage(root, job, keep, dry_run=dry_run, exclude_pids=me, force=force)
     if as_json:
         _emit_json({"ok": True, "action": "gc", **rep.to_dict()})

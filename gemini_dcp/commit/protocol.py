@@ -313,12 +313,9 @@ class CommitProtocol:
                 agreed.failed_step, agreed.global_step,
             )
         if agreed.repeated:
-            raise InvalidStepError(
-                f"step {step} was already saved by this launch ({self.node.launch_description}) in job "
-                f"{self.tier.job_id!r}: a second dcp.save of the same step would replace the first. Save model and "
-                "optimizer in one state dict (dcp.save({'model': ..., 'optim': ...})), or give each its own writer "
-                "with a separate job_id."
-            )
+            raise InvalidStepError(repeated_save_message(
+                step, self.tier.job_id, self.node.launch_description, self.tier.last_restore(self.node.launch_id)
+            ))
         self.global_step = agreed.global_step
         self.tier.begin_save(step, agreed.global_step)
 
@@ -621,3 +618,20 @@ class CommitProtocol:
             split = self._split = SplitLayout.of(layout)
         return split
 
+
+def repeated_save_message(step: int, job_id: str, launch: str, last_restore: int | None) -> str:
+    """Why a save of ``step`` is refused as a repeat within this launch's timeline, and the fix that fits:
+    two saves of one step (model and optimizer apart), or a rollback that did not go through gemini_dcp."""
+    head = f"step {step} was already saved by this launch ({launch}) in job {job_id!r}"
+    split = ("Save model and optimizer in one state dict (dcp.save({'model': ..., 'optim': ...})), or give each its "
+             "own writer with a separate job_id.")
+    rollback = ("If training went back to an earlier step (a rollback), restore that step through gemini_dcp first "
+                "(dcp.load(..., storage_reader=GeminiStorageReader(...)) or gemini_dcp.fast_load): the saves after "
+                "it then start a new timeline and may reuse these step numbers.")
+    if last_restore is not None and last_restore < step:
+        return (f"{head} after its rollback to step {last_restore}, on the new timeline: a second dcp.save of the same "
+                f"step would replace the first. {split}")
+    since = ("this launch restored no step since" if last_restore is None else
+             f"this launch's last restore was of step {last_restore}, which does not go back before step {step}")
+    return (f"{head}, and {since}: a second dcp.save of the same step would replace the first. If model and optimizer "
+            f"are saved in separate dcp.save calls: {split} {rollback}")

@@ -9,9 +9,12 @@ collective fallback, with no extra round).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..errors import CheckpointNotFoundError, ShardUnavailableError, StepNotFoundError
+
+if TYPE_CHECKING:
+    from .timelines import Lineage
 
 GIB = float(1 << 30)
 
@@ -39,8 +42,10 @@ class StepView:
     parity_lanes: tuple[tuple[int, ...], ...] = ()
     # Marked unhealthy by its save's health check (gemini_dcp.health): passed over unless requested.
     unhealthy: bool = False
-    # A step of a timeline a rollback abandoned, once a step of the new one committed on this node.
+    # A step of a timeline a rollback abandoned, by this node's lineage (gemini_dcp.core.timelines).
     superseded: bool = False
+    # The timeline it was saved on ("" before any rollback): judged against the newest lineage of all views.
+    timeline: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,8 @@ class NodeView:
     steps: tuple[StepView, ...] = ()
     other_jobs: tuple[str, ...] = ()
     root: str = ""
+    # The job's lineage as this node knows it (gemini_dcp.core.timelines), as JSON ("" : the root lineage).
+    lineage: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +165,8 @@ def decide(
     job_id: str,
     persistent_steps: Sequence[int] | None = None,
     persistent_unhealthy: Sequence[int] = (),
+    persistent_timelines: Mapping[int, str] | None = None,
+    lineage: Lineage | None = None,
 ) -> RestoreDecision:
     """Choose the newest restorable healthy step (or check ``requested``) from all nodes' views.
 
@@ -166,14 +175,22 @@ def decide(
     is restorable if the persistent tier has the same step (memory serves what
     it has, persistent the rest). Without ``requested``, steps marked unhealthy (by any node's
     record, or ``persistent_unhealthy``) are passed over while a healthy one is restorable
-    (``skipped_unhealthy`` lists them), and superseded steps (an abandoned timeline) are never chosen.
+    (``skipped_unhealthy`` lists them), and steps of an abandoned timeline are never chosen:
+    a copy a node marks superseded, or one that ``lineage`` (the job's history,
+    :func:`gemini_dcp.core.timelines.job_lineage`) does not keep, the store's steps judged by
+    ``persistent_timelines`` (step -> the timeline it was saved on; absent: ``""``).
     """
     if requested is not None:
         return _decide(views, requested, job_id, persistent_steps)
-    gone = {sv.step for v in views for sv in v.steps if sv.superseded}
-    if gone:
-        views = [_without(v, gone) for v in views]
-        persistent_steps = None if persistent_steps is None else [s for s in persistent_steps if s not in gone]
+
+    def live(step: int, timeline: str) -> bool:
+        return lineage is None or lineage.live(step, timeline)
+
+    views = [replace(v, steps=tuple(sv for sv in v.steps if not sv.superseded and live(sv.step, sv.timeline)))
+             for v in views]
+    if persistent_steps is not None:
+        timelines = persistent_timelines or {}
+        persistent_steps = [s for s in persistent_steps if live(s, timelines.get(s, ""))]
     bad = {sv.step for v in views for sv in v.steps if sv.unhealthy} | set(persistent_unhealthy)
     if bad:
         healthy_views = [_without(v, bad) for v in views]

@@ -34,6 +34,7 @@ method); each stage's mechanics live in :mod:`gemini_dcp.restore` and the tiers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -54,7 +55,15 @@ from ..core.chunk_sink import describe_item
 from ..core.compat import failed_metadata, raise_if_failed
 from ..core.config import DEFAULT_JOB_IDS, parse_step
 from ..core.faults import fault_point
-from ..core.restore_order import NodeView, RestoreDecision, StepView, Unrestorable, decide, unrestorable_error
+from ..core.restore_order import (
+    NodeView,
+    RestoreDecision,
+    StepView,
+    Unrestorable,
+    decide,
+    unrestorable_error,
+)
+from ..core.timelines import after_restore, job_lineage
 from ..errors import CheckpointMismatchError, GeminiError, ShardUnavailableError, mark_from_another_rank
 from ..ext import loader as ext_loader
 from ..health.baseline import Baseline
@@ -247,23 +256,28 @@ class GeminiStorageReader(StorageReader):
         persisted: list[int] = []
         unhealthy: list[int] = []
         healthy: dict[int, Baseline] = {}
+        stored: tuple[dict[int, str], str] = ({}, "")  # the store's steps' timelines, and its newest lineage (JSON)
         if self.persistent is not None and comm.rank == 0:
             persisted = self.persistent.committed_steps()
             unhealthy, healthy = persisted_health(self.persistent, persisted)
-        # One gather: every node's view, and rank 0's list of persisted steps (and their health) riding along with its own.
-        gathered = comm.all_gather_object((view, persisted, unhealthy, healthy))
+            stored = _store_timelines(self.persistent, persisted)
+        # One gather: every node's view, and rank 0's list of persisted steps (their health, their timelines)
+        # riding along with its own.
+        gathered = comm.all_gather_object((view, persisted, unhealthy, healthy, stored))
         views = [g[0] for g in gathered]
         persisted = list(gathered[0][1])
         unhealthy = list(gathered[0][2])
         healthy = dict(gathered[0][3])
+        ptimelines, plineage = gathered[0][4]
         if local_error is not None:
             raise local_error
         if any(v is None for v in views):
             raise mark_from_another_rank(ShardUnavailableError("another rank could not read its tier root; see its error."))
+        lineage = job_lineage(views, [plineage])  # the job's history: the newest any node or the store knows
         try:
             decision = decide(  # same result on every rank
                 views, self._requested, self.job_id, persisted if self.persistent is not None else None,
-                persistent_unhealthy=unhealthy,
+                persistent_unhealthy=unhealthy, persistent_timelines=ptimelines, lineage=lineage,
             )
         except ShardUnavailableError as exc:
             problems = getattr(exc, "problems", ())
@@ -273,7 +287,11 @@ class GeminiStorageReader(StorageReader):
         self._local = {}
         self.skipped_unhealthy = list(decision.skipped_unhealthy)
         warn_health(decision, views, unhealthy, self._requested, self.job_id, comm.rank)
-        self.tier.record_restore(decision.step)  # steps newer here are abandoned: this launch's next save drops them
+        # The history after this restore (a rollback when live steps newer than it exist): the same on every
+        # rank; it takes effect when this launch commits its next save, never through a restore alone.
+        self.tier.record_restore(
+            decision.step, after_restore(lineage, decision, views, persisted, ptimelines, current_launch().launch_id)
+        )
         if decision.fingerprint is None:
             self._decision, self._record = decision, None
             hand_off(self.root, self.job_id, decision.step, None, healthy)  # the next save is judged against this step's counts
@@ -432,7 +450,7 @@ class GeminiStorageReader(StorageReader):
 
     def _node_view(self, rank: int) -> NodeView:
         steps: list[StepView] = []
-        superseded = self.tier.superseded_steps()  # an abandoned timeline, once the new one committed here
+        superseded = self.tier.superseded_steps()  # an abandoned timeline, by this node's lineage
         for step, rec in self.tier.records().items():
             steps.append(
                 StepView(
@@ -445,9 +463,12 @@ class GeminiStorageReader(StorageReader):
                     parity_lanes=held_lanes(rec),
                     unhealthy=not is_healthy(rec),
                     superseded=step in superseded,
+                    timeline=rec.timeline,
                 )
             )
-        return NodeView(rank, self.node_id, tuple(steps), tuple(self.tier.other_jobs()), str(self.root))
+        lineage = self.tier.lineage()
+        return NodeView(rank, self.node_id, tuple(steps), tuple(self.tier.other_jobs()), str(self.root),
+                        lineage=json.dumps(lineage.to_json()) if lineage.gen else "")
 
     def _ref(self, index: MetadataIndex) -> ShardRef:
         assert self._record is not None
@@ -606,3 +627,14 @@ def _run_id(description: str) -> str | None:
     """The torchrun run id in a launch description (``run <id> at ...``), None for a launch outside torchrun."""
     parts = description.split()
     return parts[1] if len(parts) > 1 and parts[0] == "run" and parts[1] != "-" else None
+
+
+def _store_timelines(store: Any, steps: Sequence[int]) -> tuple[dict[int, str], str]:
+    """The timeline of each of the store's ``steps`` and the store's newest lineage as JSON (rank 0 of a
+    restore; plain data for the gather). Unreadable: logged, and every step counts as the root timeline's."""
+    try:
+        timelines, lineage = store.timelines(steps)
+    except Exception as exc:  # noqa: BLE001 - the restore goes on with what memory knows
+        log.warning("could not read the timelines of the persistent tier's steps: %s", exc)
+        return {}, ""
+    return timelines, json.dumps(lineage.to_json()) if lineage.gen else ""

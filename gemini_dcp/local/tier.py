@@ -15,9 +15,11 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from ..core.config import resolve_job_id, resolve_root
 from ..core.faults import fault_point
+from ..core.timelines import ROOT, Lineage
 from ..errors import ChecksumMismatchError, GeminiError, TierFullError, TierRootError
 from ..options.local import root_from_env
 from ..transport.launch import LaunchInfo
@@ -25,6 +27,7 @@ from .job_dir import (
     JobLayout,
     atomic_write_bytes,
     check_root,
+    ensure_private_dir,
     list_jobs,
     read_private_bytes,
     remove_quietly,
@@ -36,7 +39,8 @@ from .slot_holds import drop_hold, held_slots
 log = logging.getLogger(__name__)
 
 _MAX_DECODED = 16  # decoded records kept per LocalTier (newest steps)
-RESTORE_MARKER = "restored.json"  # in the job dir: the last restore from this tier (see note_restore)
+TIMELINES = "timelines.json"  # in the job dir: the job's lineage as this node knows it (core.timelines)
+RESTORES_DIR = "restores"  # in the job dir: one marker per launch that restored (see note_restore)
 _warned: set[str] = set()  # odd entries already reported by this process (one warning each)
 
 
@@ -230,24 +234,22 @@ class LocalTier:
 
         Kept: ``newest``, the newest ``keep`` steps up to it, and ``global_step`` (G, the
         newest step known committed on every node: until every node committed a newer one,
-        it may be the only step restorable everywhere). Steps *after* ``newest`` are deleted
-        only when a restore in launch ``launch_id`` abandoned them (:meth:`note_restore`):
-        the job went back to an older step and saves a new timeline. Otherwise they are kept
-        (another launch's steps are never deleted just because this one saves older steps).
-        ``healthy_step``, the newest healthy step (:mod:`gemini_dcp.health`), is kept however many
-        unhealthy steps follow it.
+        it may be the only step restorable everywhere). ``newest`` was saved by launch
+        ``launch_id``: a rollback of that launch (:meth:`note_restore`) takes effect now (the
+        job's lineage, :mod:`gemini_dcp.core.timelines`, becomes the launch's), and every step of
+        an abandoned timeline is dropped wherever it sits (a restart must never fall back into
+        it). Steps *after* ``newest`` of the live history are kept (another launch's steps are
+        never deleted just because this one saves older steps). ``healthy_step``, the newest
+        healthy step (:mod:`gemini_dcp.health`), is kept however many unhealthy steps follow it.
         """
         evicted: list[int] = []
+        lineage = self.launch_lineage(launch_id) if launch_id is not None else self.lineage()
+        self._commit_lineage(lineage, launch_id)
         steps = self.steps()
-        abandoned = self.abandoned_steps(launch_id) if launch_id is not None else set()
-        timeline = self.timeline(launch_id) if abandoned and launch_id is not None else ""
         for step in steps:
-            # An abandoned step is dropped wherever it sits (even below ``newest``: a restart must
-            # never fall back into the abandoned timeline), unless this launch saved it anew on its timeline.
-            if step in abandoned and step != newest and step != global_step:
-                rec = self.record(step)
-                anew = rec is not None and rec.launch_id == launch_id and rec.timeline == timeline
-                if not anew and self.delete_record(step):
+            rec = self.record(step)
+            if rec is not None and not lineage.live(step, rec.timeline) and step != newest and step != global_step:
+                if self.delete_record(step):
                     evicted.append(step)
         steps = [s for s in steps if s not in evicted]
         newer = [s for s in steps if s > newest]
@@ -265,90 +267,97 @@ class LocalTier:
                 evicted.append(step)
         return evicted
 
-    # ---- restores that abandon newer steps -----------------------------------------------
-    def note_restore(self, step: int, launch: LaunchInfo) -> None:
-        """Record that launch ``launch`` restored ``step`` from this job (a marker in the job dir).
+    # ---- timelines: restores that abandon newer steps ------------------------------------
+    def lineage(self) -> Lineage:
+        """The job's live history as this node knows it (:mod:`gemini_dcp.core.timelines`): the
+        rollbacks a step of their new timeline committed here (or that this node learnt from a
+        restore); the root lineage when there were none."""
+        return read_lineage(self.layout.job_dir)
 
-        The steps newer than ``step`` held on this node at that moment are *abandoned*: the
-        job continues from ``step`` on a new timeline, and this launch's first save deletes
-        them (:meth:`retain`). Without such a marker newer steps are never deleted.
-        Called by the reader on every rank; idempotent.
+    def _commit_lineage(self, lineage: Lineage, launch_id: str | None) -> None:
+        """Make ``lineage`` this node's (only ever a newer one); prune other launches' restore markers
+        that can no longer apply (a reader's, a dead launch's)."""
+        if lineage.gen <= self.lineage().gen:
+            return
+        atomic_write_bytes(self.layout.job_dir / TIMELINES, json.dumps(lineage.to_json(), sort_keys=True).encode())
+        mine = self._marker_path(launch_id)
+        for path in self._marker_files():
+            if path == mine:
+                continue
+            data = _read_json(path)
+            lin = Lineage.from_json(data.get("lineage")) if data is not None else None
+            if lin is None or lin.gen <= lineage.gen:
+                remove_quietly(path)
+
+    def note_restore(self, step: int, launch: LaunchInfo, lineage: Lineage) -> None:
+        """Record that launch ``launch`` restored ``step``, after which the job's history is
+        ``lineage`` (a marker of that launch in ``restores/``; idempotent, called on every rank).
+
+        The marker changes nothing by itself: a restore by a process that never saves (an eval
+        sidecar, a notebook) leaves the live job's history and saves alone. A lineage newer
+        than the node's takes effect when the launch commits its next save (:meth:`retain`):
+        from then on the steps it abandoned are never restored and are evicted first.
         """
-        newer = [s for s in self.steps() if s > step]
-        # The new timeline's id: the same for every rank of this node (the same records), another for
-        # each rollback (the abandoned records differ: their creation times and timelines).
-        seen = [(s, r.created_unix, r.timeline) for s in newer if (r := self.record(s)) is not None]
-        timeline = hashlib.sha256(repr((launch.launch_id, int(step), seen)).encode()).hexdigest()[:16] if newer else ""
-        if not newer:  # nothing abandoned: this launch stays on the timeline it saves on
-            timeline = self.timeline(launch.launch_id)
-        data = {"step": int(step), "launch_id": launch.launch_id, "launch": launch.description, "abandoned": newer,
-                "timeline": timeline}
+        data = {"step": int(step), "launch_id": launch.launch_id, "launch": launch.description,
+                "lineage": lineage.to_json()}
         blob = json.dumps(data, sort_keys=True).encode()
         fault_point("rollback.marker")
-        path = self.layout.job_dir / RESTORE_MARKER
+        path = self._marker_path(launch.launch_id)
         try:
             if read_private_bytes(path) == blob:
                 return
         except (OSError, GeminiError):  # absent, or not ours / a link: replaced by our own below
             pass
+        ensure_private_dir(path.parent)
         atomic_write_bytes(path, blob)
 
-    def record_restore(self, step: int) -> None:
+    def record_restore(self, step: int, lineage: Lineage) -> None:
         """:meth:`note_restore` for this process's launch; a failure is logged, never raised
-        (the restore goes on; newer steps are then simply kept)."""
+        (the restore goes on; the job's history then stays as it was)."""
         from ..transport.launch import current_launch  # noqa: PLC0415
 
         try:
-            self.note_restore(step, current_launch())
+            self.note_restore(step, current_launch(), lineage)
         except Exception as exc:  # noqa: BLE001 - a marker must not fail a load
             log.warning("could not note the restore of step %s in %s: %s", step, self.layout.job_dir, exc)
 
-    def abandoned_steps(self, launch_id: str) -> set[int]:
-        """Steps a restore in ``launch_id`` abandoned (empty without such a restore)."""
-        data = self._restore_marker()
-        if data is None or data.get("launch_id") != launch_id:
-            return set()
-        return {int(s) for s in data.get("abandoned", []) if isinstance(s, int)}
+    def last_restore(self, launch_id: str) -> int | None:
+        """The step launch ``launch_id`` last restored from this job (None: it restored none)."""
+        data = _read_json(self._marker_path(launch_id))
+        step = None if data is None else data.get("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+    def launch_lineage(self, launch_id: str | None) -> Lineage:
+        """The history launch ``launch_id`` saves on: its last restore's lineage when that is newer
+        than the node's (a rollback not yet committed), else the node's."""
+        mine = self.lineage()
+        data = _read_json(self._marker_path(launch_id)) if launch_id is not None else None
+        lin = Lineage.from_json(data.get("lineage")) if data is not None else None
+        return lin if lin is not None and lin.gen > mine.gen else mine
 
     def timeline(self, launch_id: str | None) -> str:
-        """The timeline launch ``launch_id`` saves on: the id of its last restore that abandoned newer
-        steps (:meth:`note_restore`), else "" (recorded in each step record it commits)."""
-        data = self._restore_marker()
-        if data is None or launch_id is None or data.get("launch_id") != launch_id:
-            return ""
-        return str(data.get("timeline", ""))
+        """The timeline launch ``launch_id`` saves on (recorded in each step record it commits)."""
+        return self.launch_lineage(launch_id).tip
 
     def superseded_steps(self) -> set[int]:
-        """Steps of an abandoned timeline, once a step of the new timeline committed on this node:
-        never restored by default (eviction removes them first)."""
-        data = self._restore_marker()
-        if data is None or not data.get("abandoned"):
-            return set()
-        launch, timeline = data.get("launch_id"), str(data.get("timeline", ""))
-        records = self.records()
-
-        def anew(rec: StepRecord) -> bool:
-            return rec.launch_id == launch and rec.timeline == timeline
-
-        if not any(anew(rec) and s > int(data.get("step", -1)) for s, rec in records.items()):
-            return set()
-        return {int(s) for s in data["abandoned"] if isinstance(s, int) and s in records and not anew(records[s])}
+        """Steps held here whose timeline this node's lineage abandoned: never restored by default."""
+        lineage = self.lineage()
+        return {s for s, rec in self.records().items() if not lineage.live(s, rec.timeline)}
 
     def newest_healthy(self, upto: int | None = None) -> int | None:
         """The newest step (at most ``upto``) whose record is healthy and checked (None: none)."""
         records = {s: r for s in self.steps() if (upto is None or s <= upto) and (r := self.record(s)) is not None}
         return newest_healthy(records, None if upto is None else upto + 1)
 
-    def _restore_marker(self) -> dict[str, object] | None:
-        path = self.layout.job_dir / RESTORE_MARKER
+    def _marker_path(self, launch_id: str | None) -> Path:
+        tag = hashlib.sha256(str(launch_id).encode()).hexdigest()[:16]
+        return self.layout.job_dir / RESTORES_DIR / f"{tag}.json"
+
+    def _marker_files(self) -> list[Path]:
         try:
-            data = json.loads(read_private_bytes(path))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, GeminiError) as exc:
-            _warn_once(str(path), "ignoring unreadable restore marker %s: %s", path, exc)
-            return None
-        return data if isinstance(data, dict) else None
+            return sorted((self.layout.job_dir / RESTORES_DIR).glob("*.json"))
+        except OSError:
+            return []
 
     def usage_bytes(self) -> int:
         total = 0
@@ -375,13 +384,43 @@ def newest_healthy(records: dict[int, StepRecord], below: int | None) -> int | N
 
 
 def _not_abandoned(tier: LocalTier, steps: list[int]) -> list[int]:
-    """Those of ``steps`` that no restore in this launch abandoned."""
+    """Those of ``steps`` that the history this launch saves on keeps (no rollback abandoned them)."""
     if not steps:
         return []
     from ..transport.launch import current_launch  # noqa: PLC0415
 
-    gone = tier.abandoned_steps(current_launch().launch_id)
-    return [s for s in steps if s not in gone]
+    lineage = tier.launch_lineage(current_launch().launch_id)
+    return [s for s in steps if (rec := tier.record(s)) is None or lineage.live(s, rec.timeline)]
+
+
+def read_lineage(job_dir: Path) -> Lineage:
+    """The lineage in ``job_dir``'s timeline file (:meth:`LocalTier.lineage`; the root one when absent or
+    unreadable, reported once). Also read by the drain, which stores it beside each step it commits."""
+    path = job_dir / TIMELINES
+    try:
+        raw = read_private_bytes(path)
+    except FileNotFoundError:
+        return ROOT
+    except (OSError, GeminiError) as exc:
+        _warn_once(str(path), "ignoring unreadable timeline file %s: %s", path, exc)
+        return ROOT
+    lin = Lineage.from_json(raw)
+    if lin is None:
+        _warn_once(f"bad:{path}", "ignoring timeline file %s: not a lineage written by gemini_dcp", path)
+        return ROOT
+    return lin
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A small JSON object of ours in the job dir (None: absent or unreadable, reported once)."""
+    try:
+        data = json.loads(read_private_bytes(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, GeminiError) as exc:
+        _warn_once(str(path), "ignoring unreadable restore marker %s: %s", path, exc)
+        return None
+    return data if isinstance(data, dict) else None
 
 
 # ---- one live launch per job and root ---------------------------------------------------------

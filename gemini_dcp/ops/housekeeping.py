@@ -12,16 +12,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..errors import ConfigError, JobConflictError, TierRootError
+from ..errors import ConfigError, GeminiError, JobConflictError, TierRootError
 from ..local.job_dir import remove_quietly
 from ..local.job_files import job_usage_bytes, open_job, read_record_or_reason
 from ..local.launch_lock import live_launches
 from ..local.record_types import StepRecord
 from ..options.local import DEFAULT_KEEP
+from ..options.persistent import DrainOptions
+from ..persistent.drain.client import SERVER_MODULE
+from ..persistent.drain.paths import Paths
+from ..persistent.drain.status import drain_status
+
+STOP_DRAIN_WAIT_S = 600.0  # remove_job(stop_drain=True): how long the drain's pending uploads may take
 
 
 def processes_using(path: Path, *, exclude: Iterable[int] = ()) -> dict[int, str]:
@@ -215,12 +223,17 @@ def remove_job(
     force: bool = False,
     dry_run: bool = False,
     exclude_pids: Iterable[int] = (),
+    stop_drain: bool = False,
+    drain_wait_s: float = STOP_DRAIN_WAIT_S,
 ) -> RemoveReport:
     """Delete every file of a finished job in this root (its memory goes back to the node).
 
     Refuses while a launch holds the job's launch lock (from any container sharing the
     volume: :class:`~gemini_dcp.errors.JobConflictError` naming it) or a process has the job's
-    files open or mapped (a trainer still running), unless ``force``.
+    files open or mapped (a trainer still running), unless ``force``. The job's own drain server
+    (it uploads the job's steps to the persistent tier, and exits by itself after its idle
+    timeout) is named as such; ``stop_drain`` waits (up to ``drain_wait_s``) until it has no
+    upload left, stops it, and goes on.
     """
     layout = open_job(root, job_id)
     if not force:
@@ -232,12 +245,13 @@ def remove_job(
                 "pass --force if that launch is hung."
             )
         users = processes_using(layout.job_dir, exclude=exclude_pids)
+        drains = drain_servers(layout.persist_dir, users)
+        if stop_drain and drains and set(users) <= set(drains):
+            stop_drain_servers(layout.persist_dir, drains, drain_wait_s)
+            users = processes_using(layout.job_dir, exclude=exclude_pids)
+            drains = drain_servers(layout.persist_dir, users)
         if users:
-            who = ", ".join(f"{pid} ({name})" for pid, name in sorted(users.items()))
-            raise ConfigError(
-                f"job {layout.job_id!r} is still in use in {layout.root}: processes {who} have its checkpoint files "
-                "open. Stop the job first, or pass --force if those processes are gone or hung."
-            )
+            raise ConfigError(_busy_message(layout.job_id, layout.root, layout.persist_dir, users, drains))
     freed = job_usage_bytes(layout)
     steps = layout.record_steps()
     if not dry_run:
@@ -253,6 +267,98 @@ def remove_job(
     return RemoveReport(root=str(layout.root), job_id=layout.job_id, removed=not dry_run, freed_bytes=freed, steps=steps)
 
 
+
+
+def drain_servers(persist_dir: Path, users: dict[int, str]) -> dict[int, float]:
+    """Those of ``users`` (pid -> name) that are the job's drain servers: pid -> their idle timeout (s)."""
+    out: dict[int, float] = {}
+    for pid in users:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+        except OSError:
+            continue
+        if SERVER_MODULE not in argv or not any(a.startswith(str(persist_dir)) for a in argv):
+            continue
+        idle = DrainOptions().idle_s
+        if "--options" in argv and argv.index("--options") + 1 < len(argv):
+            try:
+                idle = DrainOptions.from_json(argv[argv.index("--options") + 1]).idle_s
+            except GeminiError:
+                pass
+        out[pid] = idle
+    return out
+
+
+def _pending_uploads(persist_dir: Path) -> list[int]:
+    p = Paths(persist_dir)
+    return sorted(set(p.pending()) | set(p.adopt.pending()))
+
+
+def _busy_message(job_id: str, root: Path, persist_dir: Path, users: dict[int, str], drains: dict[int, float]) -> str:
+    others = {pid: name for pid, name in users.items() if pid not in drains}
+    parts = [f"job {job_id!r} is still in use in {root}:"]
+    if drains:
+        pending = _pending_uploads(persist_dir)
+        idle = max(drains.values())
+        last = _last_drain_activity(persist_dir)
+        left = max(0.0, idle - (time.time() - last)) if last is not None and not pending else None
+        when = (f"about {left:.0f} s from now" if left is not None else "once its uploads are done")
+        pids = ", ".join(f"{pid} ({users[pid]})" for pid in sorted(drains))
+        parts.append(
+            f"process {pids} is the job's drain server, which uploads its steps to the persistent tier "
+            f"({'uploads of steps ' + str(pending) + ' still pending' if pending else 'no upload pending'}); it exits by "
+            f"itself after {idle:g} s idle, {when}. Wait for it and run this again, or pass --stop-drain to stop it "
+            "once its uploads are done and then remove the job."
+        )
+    if others:
+        who = ", ".join(f"{pid} ({name})" for pid, name in sorted(others.items()))
+        parts.append(f"processes {who} have its checkpoint files open. Stop the job first, or pass --force if those "
+                     "processes are gone or hung.")
+    elif drains:
+        parts.append("(--force removes the files at once, cutting off an upload in flight: only for a hung server.)")
+    return " ".join(parts)
+
+
+def _last_drain_activity(persist_dir: Path) -> float | None:
+    """When the drain last did something (its newest status entry), as a UNIX time; None if unknown."""
+    times = [float(t) for st in (drain_status(persist_dir), drain_status(Paths(persist_dir).adopt.dir))
+             for e in st.get("steps", {}).values() if isinstance(e, dict)
+             if isinstance(t := e.get("unix"), (int, float))]
+    return max(times) if times else None
+
+
+def stop_drain_servers(persist_dir: Path, drains: dict[int, float], wait_s: float) -> None:
+    """Wait until the job's drain has no upload pending (up to ``wait_s``), then stop its servers
+    (``drains``: pid -> idle timeout) and wait for them to exit. ConfigError if an upload is still
+    pending at the deadline, or a server does not exit."""
+    deadline = time.monotonic() + wait_s
+    while _pending_uploads(persist_dir):
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"the drain server of {persist_dir} still has uploads of steps {_pending_uploads(persist_dir)} pending "
+                f"after {wait_s:g} s: the job was not removed. Wait for them (`gemini-dcp inspect` shows the drain), "
+                "or pass --force to cut them off."
+            )
+        time.sleep(0.2)
+    for pid in drains:
+        if drain_servers(persist_dir, {pid: "?"}):  # still that server (not a reused pid)
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    while any(_alive(pid) for pid in drains):  # an exiting server shows no command line while it still holds files
+        if time.monotonic() >= deadline + 10.0:
+            raise ConfigError(f"the drain server(s) {sorted(drains)} of {persist_dir} did not exit when stopped.")
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _launch_text(info: dict[str, object]) -> str:

@@ -44,6 +44,7 @@ writable tier writes and deletes a tiny object under ``<url>/<job_id>/``.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
@@ -65,6 +66,7 @@ from ..core.checksum import checksum
 from ..core.chunk_sink import StagedChunks, check_chunk, corrupt_message
 from ..core.config import resolve_job_id
 from ..core.regular_file import open_regular
+from ..core.timelines import Lineage, newest as newest_lineage
 from ..errors import ChecksumMismatchError, ConfigError, PersistentTierError, StepNotFoundError
 from ..local.record_types import ShardRef
 from ..options.checks import check_timeout
@@ -92,6 +94,7 @@ from .store_calls import (
     rm_quiet,
     url_to_fs,
 )
+from .timeline_file import JOB_TIMELINE, read_timeline
 
 __all__ = [
     "MAX_READ_THREADS",
@@ -359,18 +362,63 @@ class PersistentTier:
         """The health the drain stored for ``step`` (:func:`.health_file.read_health`; None: none, counts as healthy)."""
         return read_health(self.step_dir(step))
 
-    def apply_retention(self, protect: Iterable[int] = ()) -> list[int]:
+    def timelines(self, steps: Iterable[int]) -> tuple[dict[int, str], Lineage]:
+        """The timeline each of ``steps`` was saved on (:mod:`.timeline_file`; absent: ``""``) and the
+        newest lineage their files hold (the job's history as the store knows it)."""
+        out: dict[int, str] = {}
+        lineages: list[Lineage | None] = [self.read_lineage()]
+        for s in steps:
+            out[s], lin = read_timeline(self.step_dir(s))
+            lineages.append(lin)
+        return out, newest_lineage(lineages)
+
+    def read_lineage(self) -> Lineage | None:
+        """The job-level lineage a drain wrote (:meth:`write_lineage`); None when there is none."""
+        path = f"{self.base}/{JOB_TIMELINE}"
+        try:
+            raw = self.call("read of", path, self.fs.cat_file, path)
+        except (OSError, PersistentTierError):
+            return None
+        return Lineage.from_json(raw)
+
+    def write_lineage(self, lineage: Lineage) -> None:
+        """Tell the store about a rollback before the new timeline's first step is drained: with the
+        node's memory lost before that step is durable, a restore still never takes an abandoned step."""
+        known = self.read_lineage()
+        if known is not None and known.gen >= lineage.gen:
+            return
+        job = StepDir(self.fs, self.base, self.is_local, self.shown(self.base), timeout_s=self._deadline)
+        job.put_bytes(JOB_TIMELINE, json.dumps(lineage.to_json(), sort_keys=True).encode(), atomic=True)
+
+    def live_steps(self, steps: Iterable[int], lineage: Lineage | None = None) -> list[int]:
+        """Those of ``steps`` that no rollback abandoned, judged by ``lineage`` joined with the store's own."""
+        steps = list(steps)
+        timelines, known = self.timelines(steps)
+        lin = newest_lineage([known, lineage])
+        return [s for s in steps if lin.live(s, timelines.get(s, ""))]
+
+    def apply_retention(self, protect: Iterable[int] = (), lineage: Lineage | None = None) -> list[int]:
         """Keep the newest ``keep`` complete steps and every ``keep_every``-th; never the newest complete one,
         nor the newest healthy one while unhealthy steps follow it (:mod:`gemini_dcp.health`).
 
         Incomplete step directories older than the newest complete step, and not
         in ``protect`` (still being drained), are leftovers of abandoned drains
-        and are removed too. Returns the steps deleted.
+        and are removed too, and so are the steps of a timeline a rollback abandoned (by
+        ``lineage`` joined with the store's own, :mod:`gemini_dcp.core.timelines`): they count for
+        nothing, and are never restored by default. Returns the steps deleted.
         """
         steps = self.all_steps()
         complete = [s for s in steps if self.is_complete(s)]
         if not complete:
             return []
+        live = set(self.live_steps(complete, lineage))
+        abandoned = [s for s in complete if s not in live and s not in set(protect)]
+        for s in abandoned:
+            self.delete_step(s)
+        steps = [s for s in steps if s not in abandoned]
+        complete = [s for s in complete if s in live]
+        if not complete:
+            return abandoned
         newest = complete[-1]
         keep = set(complete if self.keep is None else complete[-self.keep :])
         if self.keep_every:
@@ -381,7 +429,7 @@ class PersistentTier:
                 keep.add(s)
                 break
         protect = set(protect)
-        deleted = []
+        deleted = abandoned
         for s in steps:
             if s in keep or s in protect:
                 continue

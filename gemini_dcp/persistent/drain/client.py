@@ -39,6 +39,7 @@ __all__ = ["DEFAULT_WAIT_S", "SERVER_MODULE", "Drainer", "ensure_server", "serve
 
 SERVER_MODULE = "gemini_dcp.persistent.drain.server"
 DEFAULT_WAIT_S = 300.0  # wait_persisted's bound when the store has no timeout of its own
+DUE_KEEP = 64  # saves whose (fingerprint, timeline) a Drainer remembers for wait_persisted
 
 _THREADS: dict[str, threading.Thread] = {}
 _THREADS_LOCK = threading.Lock()
@@ -62,6 +63,8 @@ class Drainer:
         self.paths = Paths(tier.layout.persist_dir)
         self.mode = mode or self.options.resolved_mode(persistent.protocol)
         self.last_due: int | None = None
+        # step -> (fingerprint, timeline) of the saves this process submitted as due: what wait_persisted waits for
+        self.due_saves: dict[int, tuple[str, str]] = {}
         self.hold = keep >= 2
         self.store = StoreTarget(
             url=persistent.url, job_id=persistent.job_id, keep=persistent.keep, keep_every=persistent.keep_every,
@@ -107,6 +110,9 @@ class Drainer:
         if not self.due(record.step):
             return False
         self.last_due = record.step  # on every rank: what wait_persisted() waits for by default
+        self.due_saves[record.step] = (record.fingerprint(), record.timeline)  # this save, not another of its number
+        for old in sorted(self.due_saves)[:-DUE_KEEP]:
+            del self.due_saves[old]
         own = record.ranks_of(record.node_id)
         if not own or rank != min(own):
             return False
@@ -137,7 +143,13 @@ class Drainer:
         """
         target = self.last_due if step is None else int(step)
         limit = float(self.store.timeout_s or DEFAULT_WAIT_S) if timeout_s is None else float(timeout_s)
-        return wait_durable(self.paths, self.persistent, target, limit, poll_s=poll_s, revive=self.ensure_server)
+        expect = None if target is None else self.due_saves.get(target)
+        if expect is None and target is not None:  # not submitted by this process: the save this node holds
+            rec = self.tier.record(target)
+            if rec is not None:
+                expect = (rec.fingerprint(), rec.timeline)
+        return wait_durable(self.paths, self.persistent, target, limit, poll_s=poll_s, revive=self.ensure_server,
+                            expect=expect)
 
     def resume(self) -> None:
         """Start a server for requests left by a previous worker generation (after a restart).
@@ -162,33 +174,39 @@ def _import_upload_side() -> None:
 
 def wait_durable(
     paths: Paths, store: Any, step: int | None, timeout_s: float, *, poll_s: float = 0.02,
-    revive: Callable[[], None] | None = None,
+    revive: Callable[[], None] | None = None, expect: tuple[str, str] | None = None,
 ) -> int | None:
     """Wait until ``step`` (or a newer step that superseded it in the drain) is durable in ``store``.
 
     Durable: ``.metadata`` committed, seen in this node's drain status (the committing node) or
-    in ``store.committed_steps()`` (any node). Returns the newest committed step of the store
-    (``step`` None: at once, nothing is waited for). Raises :class:`PersistentTierError` with the
-    drain's reason when the step's drain failed for good, and :class:`PersistentTimeoutError`
-    (a ``PersistentTierError``) after ``timeout_s``, with the last failed attempt if any.
-    ``revive`` (the server start) is called now and then while the step's request is pending,
-    so a drain server that died meanwhile is replaced.
+    in the store (any node). ``expect``, ``(fingerprint, timeline)`` of the save waited for, makes
+    it *this save* of the step: after a rollback the abandoned timeline's drain of the same step
+    number, or its newer steps, never count (a newer step counts only when the store's history,
+    :mod:`gemini_dcp.core.timelines`, keeps this save's timeline at ``step``). Returns the newest
+    live committed step of the store (``step`` None: at once, nothing is waited for). Raises
+    :class:`PersistentTierError` with the drain's reason when the step's drain failed for good,
+    and :class:`PersistentTimeoutError` (a ``PersistentTierError``) after ``timeout_s``, with the
+    last failed attempt if any. ``revive`` (the server start) is called now and then while the
+    step's request is pending, so a drain server that died meanwhile is replaced.
     """
     if step is None:
         return _newest_durable(store)
     deadline = time.monotonic() + timeout_s
     watch = step
+    fingerprint, timeline = expect if expect is not None else (None, None)
     store_every = 0.1 if getattr(store, "is_local", False) or getattr(store, "protocol", "") == "memory" else 1.0
     next_store = next_revive = 0.0
     last_failure: str | None = None
     while True:
         st = step_states(paths.dir).get(watch)
+        if st is not None and fingerprint is not None and st.fingerprint != fingerprint:
+            st = None  # the status of another save of this step number (an abandoned timeline's)
         if st is not None:
             if st.superseded_by is not None and st.superseded_by > watch:
-                watch = st.superseded_by
+                watch, fingerprint = st.superseded_by, None  # a newer save of the same timeline
                 continue
             if st.state == "durable":
-                newest = _newest_durable(store)
+                newest = _newest_durable(store, timeline)
                 return watch if newest is None else max(newest, watch)
             if st.state == "failed":
                 if not st.retrying:
@@ -201,9 +219,9 @@ def wait_durable(
         now = time.monotonic()
         if now >= next_store:
             next_store = now + store_every
-            newest = _newest_durable(store)
-            if newest is not None and newest >= watch:
-                return newest
+            done = _durable_in_store(store, watch, fingerprint, timeline)
+            if done is not None:
+                return done
         if now >= deadline:
             tail = f" The last attempt failed: {last_failure}." if last_failure else ""
             raise PersistentTimeoutError(
@@ -217,8 +235,29 @@ def wait_durable(
         time.sleep(min(poll_s, max(0.0, deadline - now)))
 
 
-def _newest_durable(store: Any) -> int | None:
+def _durable_in_store(store: Any, step: int, fingerprint: str | None, timeline: str | None) -> int | None:
+    """The newest live committed step of ``store`` when the save waited for is durable there, else None:
+    ``step`` committed from the save with ``fingerprint``, or (no fingerprint known) a live step at or
+    after ``step`` while the store's history keeps ``timeline`` at ``step``."""
     steps = store.committed_steps()
+    if timeline is None:  # nothing known of the save: any step at or after it, as before timelines
+        return max(steps) if steps and max(steps) >= step else None
+    live = store.live_steps(steps)
+    if fingerprint is not None and step in steps:
+        index = store.read_index(step)
+        if index is not None and index.fingerprint == fingerprint:
+            return max(live, default=step)
+    if fingerprint is None or step not in steps:
+        _, lineage = store.timelines(steps)
+        if lineage.live(step, timeline) and any(s >= step for s in live):
+            return max(live)
+    return None
+
+
+def _newest_durable(store: Any, timeline: str | None = None) -> int | None:
+    steps = store.committed_steps()
+    if timeline is not None and hasattr(store, "live_steps"):
+        steps = store.live_steps(steps)
     return max(steps) if steps else None
 
 

@@ -234,7 +234,11 @@ class _Server:
         self.retry_at: dict[int, float] = {}
         self.last_await_poll = 0.0
         self.last_hold_refresh = 0.0
-        self.newest_done = 0  # the newest step this server finished (on rank 0's node: committed)
+        # step -> fingerprint of the save whose request is uploading or awaiting (a rollback's new save of the
+        # same step number writes another request over it: see _forget_replaced)
+        self.work_fp: dict[int, str] = {}
+        # step -> when its request was written, of the steps this server finished (on rank 0's node: committed)
+        self.finished: dict[int, float] = {}
 
     def _upload_side(self) -> Any:
         if self.uploader is None:
@@ -250,7 +254,7 @@ class _Server:
                 return
             if self.bridge and self.upload_thread is None and not self.awaiting and not lock_held(self.p.warming_lock):
                 return  # the node's server is warm: it takes the lock (and what is pending) from here
-            reqs = self._requests()
+            reqs = self._forget_replaced(self._drop_abandoned_timeline(self._requests()))
             busy = self.upload_thread is not None
             for step, req in sorted(reqs.items()):
                 if step not in self.awaiting and step != self.uploading and not (self.p.stage(step) / "staged").exists():
@@ -296,6 +300,34 @@ class _Server:
                 self._abandon(step, str(exc))
         return out
 
+    def _drop_abandoned_timeline(self, reqs: dict[int, DrainRequest]) -> dict[int, DrainRequest]:
+        """Abandon the requests of steps a rollback left behind (:mod:`gemini_dcp.core.timelines`): a
+        request for a *lower* step written after them means the job went back and saves a new timeline.        """
+        newest_written = max(reqs.values(), key=lambda r: r.created_unix, default=None)
+        if newest_written is None:
+            return reqs
+        low = newest_written.step
+        for step in [s for s in reqs if s > low and reqs[s].created_unix < newest_written.created_unix]:
+            if step == self.uploading:
+                continue  # let it finish: the store's history marks it abandoned, and its retention drops it
+            self._abandon(step, f"a rollback abandoned its timeline (step {low} was saved after it)")
+            del reqs[step]
+        return reqs
+
+    def _forget_replaced(self, reqs: dict[int, DrainRequest]) -> dict[int, DrainRequest]:
+        """Drop the work on a step whose request another save of the same number replaced (after a
+        rollback): that request is staged and uploaded anew (an upload in flight is let finish, and
+        its outcome ignored: :meth:`_reap_upload`)."""
+        for step, req in reqs.items():
+            fp = self.work_fp.get(step)
+            if fp is not None and fp != req.fingerprint and step != self.uploading:
+                log.info("step %d: another save of this step number replaced its request (a rollback); draining it", step)
+                self.awaiting.pop(step, None)
+                self.work_fp.pop(step, None)
+                self.attempts.pop(step, None)
+                self.retry_at.pop(step, None)
+        return reqs
+
     # -- staging (no torch) -------------------------------------------------------------------
     def _stage(self, req: DrainRequest, *, copy: bool) -> None:
         """Make ``req`` ready to upload: read in place from its held slots when it uploads next
@@ -324,11 +356,12 @@ class _Server:
                     release_holds(req.holds, step)
             write_atomic(d / "staged", json.dumps({"direct": direct, "held": direct and bool(req.holds),
                                                    "seconds": time.monotonic() - t0}).encode())
-            self.status.set(step, "staged", bytes=need, stage_seconds=round(time.monotonic() - t0, 4))
+            self.status.set(step, "staged", fresh=True, fingerprint=req.fingerprint, bytes=need,
+                            stage_seconds=round(time.monotonic() - t0, 4))
         except FileNotFoundError as exc:
-            self._abandon(step, f"its memory slot is gone before it could be staged ({exc})")
+            self._abandon(step, f"its memory slot is gone before it could be staged ({exc})", fingerprint=req.fingerprint)
         except OSError as exc:
-            self._abandon(step, f"staging failed: {exc}")
+            self._abandon(step, f"staging failed: {exc}", fingerprint=req.fingerprint)
 
     def _refresh_holds(self, reqs: dict[int, DrainRequest]) -> None:
         """Keep the holds of the steps still to be read alive (a dead server's lapse after ``HOLD_S``)."""
@@ -365,6 +398,7 @@ class _Server:
         step = ready[0]
         req = reqs[step]
         self.uploading = step
+        self.work_fp[step] = req.fingerprint
         self.upload_result = None
         self.status.set(step, "uploading")
 
@@ -402,6 +436,9 @@ class _Server:
         step, self.uploading = self.uploading, None
         if res is None or step is None:
             return
+        if self._replaced(step):  # the outcome is of a save whose request another one replaced meanwhile
+            self.work_fp.pop(step, None)
+            return
         _, outcome, detail = res
         if outcome == "done":
             self._finish(step)
@@ -424,22 +461,30 @@ class _Server:
             return
         self.last_await_poll = time.monotonic()
         for step, since in list(self.awaiting.items()):
-            if self.newest_done > step:
-                # Another node may have coalesced this step away (its drain skipped to a newer
-                # one), so its part may never come; a newer step is in the store, so stop waiting.
-                self._abandon(step, f"superseded by step {self.newest_done}, committed while this step "
-                              "waited for the other nodes' parts", superseded_by=self.newest_done)
-                continue
             path = self.p.request(step)
+            req: DrainRequest | None = None
             try:
                 req = DrainRequest.from_json(path.read_bytes(), str(path))
-                done = self._upload_side().try_commit(req)
             except FileNotFoundError:
                 self.awaiting.pop(step, None)
                 continue
-            except Exception as exc:  # noqa: BLE001
+            except (OSError, GeminiError) as exc:  # unreadable: logged, still waiting (the peer timeout ends it)
                 log.warning("step %d: checking other nodes' parts failed: %s", step, exc)
-                done = False
+            # A newer step saved after this one (never one of a timeline a rollback abandoned) is in the store.
+            written = req.created_unix if req is not None else 0.0
+            newer = [s for s, done_at in self.finished.items() if s > step and done_at >= written]
+            if newer:
+                # Another node may have coalesced this step away (its drain skipped to a newer
+                # one), so its part may never come; a newer step is in the store, so stop waiting.
+                self._abandon(step, f"superseded by step {max(newer)}, committed while this step "
+                              "waited for the other nodes' parts", superseded_by=max(newer))
+                continue
+            done = False
+            if req is not None:
+                try:
+                    done = self._upload_side().try_commit(req)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("step %d: checking other nodes' parts failed: %s", step, exc)
             if done:
                 self.awaiting.pop(step, None)
                 self._finish(step)
@@ -449,18 +494,36 @@ class _Server:
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def _finish(self, step: int) -> None:
-        self.newest_done = max(self.newest_done, step)
+        path = self.p.request(step)
+        try:  # when its save was requested: a step of an abandoned timeline supersedes nothing saved after it
+            self.finished[step] = DrainRequest.from_json(path.read_bytes(), str(path)).created_unix
+        except (OSError, GeminiError):
+            self.finished[step] = time.time()
+        for old in sorted(self.finished)[:-16]:
+            del self.finished[old]
         self.status.set(step, "done")
         self._cleanup(step)
 
-    def _abandon(self, step: int, reason: str, *, superseded_by: int | None = None) -> None:
+    def _abandon(self, step: int, reason: str, *, superseded_by: int | None = None, fingerprint: str | None = None) -> None:
         log.warning("step %d: drain abandoned: %s", step, reason)
-        info = {"superseded_by": superseded_by} if superseded_by is not None else {}
+        info: dict[str, Any] = {"superseded_by": superseded_by} if superseded_by is not None else {}
+        if fingerprint is not None:  # abandoned before it was staged: its entry starts anew
+            info.update(fresh=True, fingerprint=fingerprint)
         self.status.set(step, "abandoned", reason=reason, **info)
         self.awaiting.pop(step, None)
         self._cleanup(step)
 
+    def _replaced(self, step: int) -> bool:
+        """Whether the request of ``step`` now is of another save than the one this server worked on."""
+        fp = self.work_fp.get(step)
+        path = self.p.request(step)
+        try:
+            return fp is not None and DrainRequest.from_json(path.read_bytes(), str(path)).fingerprint != fp
+        except (OSError, GeminiError):
+            return False
+
     def _cleanup(self, step: int) -> None:
+        self.work_fp.pop(step, None)
         path = self.p.request(step)
         try:
             release_holds(DrainRequest.from_json(path.read_bytes(), str(path)).holds, step)

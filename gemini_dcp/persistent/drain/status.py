@@ -108,7 +108,8 @@ class StepDrain:
     ``state``: ``queued`` (requested, not uploading yet), ``writing`` (uploading, or its part is
     written and another node commits), ``durable`` (this node committed its ``.metadata``), or
     ``failed`` (``reason`` says why; ``retrying`` when another attempt follows).
-    ``superseded_by``: a newer step that replaced this one in the drain queue.
+    ``superseded_by``: a newer step that replaced this one in the drain queue. ``fingerprint``: of the
+    save this drain is of (None: not known), telling it from another save of the same step number.
     """
 
     step: int
@@ -117,6 +118,7 @@ class StepDrain:
     retrying: bool = False
     superseded_by: int | None = None
     unix: float | None = None
+    fingerprint: str | None = None
 
 
 def step_states(persist_dir: str | os.PathLike[str]) -> dict[int, StepDrain]:
@@ -132,6 +134,7 @@ def step_states(persist_dir: str | os.PathLike[str]) -> dict[int, StepDrain]:
         if not isinstance(entry, dict):
             continue
         raw = entry.get("state")
+        fp = entry.get("fingerprint") if isinstance(entry.get("fingerprint"), str) else None
         why = entry.get("reason") or entry.get("detail") or None
         sup = entry.get("superseded_by")
         sup = sup if isinstance(sup, int) and not isinstance(sup, bool) else None
@@ -140,14 +143,15 @@ def step_states(persist_dir: str | os.PathLike[str]) -> dict[int, StepDrain]:
         elif raw == "abandoned" or (raw == "failed" and step not in pending):
             state = "failed"
         elif raw == "failed":
-            out[step] = StepDrain(step=step, state="failed", reason=why, retrying=True, unix=entry.get("unix"))
+            out[step] = StepDrain(step=step, state="failed", reason=why, retrying=True, unix=entry.get("unix"),
+                                  fingerprint=fp)
             continue
         elif raw in ("uploading", "part-written", "done"):
             state = "writing"
         else:
             state = "queued"
         out[step] = StepDrain(step=step, state=state, reason=why if state != "writing" or raw == "done" else None,
-                              superseded_by=sup, unix=entry.get("unix"))
+                              superseded_by=sup, unix=entry.get("unix"), fingerprint=fp)
     for step in pending - set(out):
         out[step] = StepDrain(step=step, state="queued")
     return out
@@ -168,7 +172,9 @@ class StatusBook:
         self.p = p
         self._lock = threading.Lock()
 
-    def set(self, step: int, state: str, **info: Any) -> None:
+    def set(self, step: int, state: str, *, fresh: bool = False, **info: Any) -> None:
+        """Record ``state`` (and ``info``) of ``step``; ``fresh``: a new save of the step number starts
+        its entry anew (nothing of an earlier drain of the same number stays in it)."""
         with self._lock:
             try:
                 status = json.loads(self.p.status.read_bytes())
@@ -176,6 +182,8 @@ class StatusBook:
                 status = {"steps": {}}
             steps = status.setdefault("steps", {})
             entry = steps.setdefault(str(step), {})
+            if fresh:
+                entry.clear()
             entry.update(info)
             entry["state"] = state
             entry["unix"] = time.time()

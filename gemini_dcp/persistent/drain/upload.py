@@ -36,12 +36,14 @@ from ...local.job_dir import open_private
 from ...local.record_codec import read_record
 from ...local.record_types import StepRecord
 from ...local.slot_holds import holds_intact, release_holds
+from ...local.tier import read_lineage
 from ...options.persistent import DrainOptions
 from ..health_file import write_health
 from ..side_files import SIDE_FILE_GLOBALS, PartMarker, node_tag
 from ..stock_format import items_of_record, try_finalize, write_rank_file
 from ..store import PersistentTier
 from ..store_calls import DEFAULT_TIMEOUT_S
+from ..timeline_file import write_timeline
 from .fused import FusedDest, fused_reader
 from .paths import Paths, write_atomic
 from .request import DrainRequest, FileResult, Progress, SlotRef, StoredItem
@@ -141,6 +143,9 @@ class Uploader:
         sd = ptier.step_dir(step)
         node_id = adoption_marker_id(req.node_id, req.adopted_from) if req.adopted_from else req.node_id
         if not progress.begun:
+            lineage = read_lineage(Path(req.record_path).parent.parent)
+            if lineage.gen:  # a rollback: the store learns of it before the new timeline's step lands there
+                ptier.write_lineage(lineage)
             if _already_in_store(ptier, step, req.fingerprint):
                 return "done", "the store already holds this exact save of the step"
             slots: tuple[SlotRef, ...] | None = None
@@ -237,6 +242,8 @@ class Uploader:
             record = fresh
         ptier = self._tier(req)
         write_health(ptier.step_dir(step), record)  # beside the stock layout, before .metadata (the commit)
+        lineage = read_lineage(Path(req.record_path).parent.parent)  # the job's history as this node knows it now
+        write_timeline(ptier.step_dir(step), record.timeline, lineage)
         ok, _missing = try_finalize(
             ptier.step_dir(step), step, record.metadata, req.fingerprint, list(record.metadata.storage_data),
             req.store.job_id, prefer_node=dict(enumerate(record.rank_nodes)),
@@ -246,7 +253,7 @@ class Uploader:
             log.info("step %d committed to %s", step, ptier.step_url(step))
             protect = set(self.p.pending()) - {step}
             try:
-                deleted = ptier.apply_retention(protect=protect)
+                deleted = ptier.apply_retention(protect=protect, lineage=lineage)
                 if deleted:
                     log.info("retention deleted steps %s from %s", deleted, ptier.url)
             except Exception as exc:  # noqa: BLE001 - retention must not undo a commit
@@ -283,7 +290,7 @@ def _adoption_still_needed(
     """``(None, slots)``: the slots of an adoption request that no part marker of the same save
     covers yet; or ``(outcome, ())`` when nothing is left to do (a newer step is complete: the
     store's retention drops this one anyway; or the lost nodes' parts got there after all)."""
-    newer = [s for s in ptier.committed_steps() if s > step]
+    newer = [s for s in ptier.live_steps(ptier.committed_steps()) if s > step]  # an abandoned timeline's: no
     if newer:
         return ("done", f"step {max(newer)} is complete in the store; step {step} is no longer needed there"), ()
     covered = {
