@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..core.chunk_sink import check_chunk, copy_verified, stored_view
 from ..core.compat import DCP_FORMAT_VERSION, metadata_kwargs
 from ..core.config import resolve_node_id, resolve_root
+from ..core.timelines import newest as newest_lineage
 from ..errors import (
     ConfigError,
     PersistentTierError,
@@ -297,7 +298,11 @@ def open_step(
         jid = ptier.job_id
     persisted = ptier.committed_steps() if ptier is not None else []
     records = {s: r for s, r in (tier.records().items() if tier is not None and tier.layout.exists() else []) if r.complete}
-    if step is None:
+    if step is None:  # the newest step of the live history: never one of a timeline a rollback abandoned
+        timelines, known = ptier.timelines(persisted) if ptier is not None else ({}, None)
+        lineage = newest_lineage([known, tier.lineage() if tier is not None and tier.layout.exists() else None])
+        persisted = [s for s in persisted if lineage.live(s, timelines.get(s, ""))]
+        records = {s: r for s, r in records.items() if lineage.live(s, r.timeline)}
         cands = sorted(set(records) | set(persisted))
         if not cands:
             where = f"tier root {tier.root if tier else root}" + (f" or {ptier.url}" if ptier else "")
