@@ -248,7 +248,8 @@ def _train_beside_a_reader(rank: int, world_size: int, root: str) -> dict[str, A
     reader = GeminiStorageReader(root=root, job_id="side")
     dcp.load(sd, storage_reader=reader)
     return {"side": side.stdout.split()[-1], "repeat": repeat, "restored": reader.restored_step,
-            "values": torch.equal(sd[f"w{rank}"], _sd(rank, 600)[f"w{rank}"]), "steps": LocalTier(root, "side").steps()}
+            "values": torch.equal(sd[f"w{rank}"], _sd(rank, 600)[f"w{rank}"]), "steps": LocalTier(root, "side").steps(),
+            "markers": len(list((Path(root) / "side" / "restores").glob("*.json")))}
 
 
 def test_a_foreign_reader_leaves_the_live_jobs_rollback_alone() -> None:
@@ -258,5 +259,6 @@ def test_a_foreign_reader_leaves_the_live_jobs_rollback_alone() -> None:
         assert got["side"] == "6"  # the reader saw the committed history: the rollback is not committed yet
         assert "after its rollback to step 4" in got["repeat"], got
         assert got["restored"] == 6 and got["values"] and got["steps"][-1] == 6, got
+        assert got["markers"] == 1, got  # the reader's marker went with the live job's next commit; its own stays
     finally:
         cleanup()

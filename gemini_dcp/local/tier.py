@@ -276,10 +276,12 @@ class LocalTier:
 
     def _commit_lineage(self, lineage: Lineage, launch_id: str | None) -> None:
         """Make ``lineage`` this node's (only ever a newer one); prune other launches' restore markers
-        that can no longer apply (a reader's, a dead launch's)."""
-        if lineage.gen <= self.lineage().gen:
-            return
-        atomic_write_bytes(self.layout.job_dir / TIMELINES, json.dumps(lineage.to_json(), sort_keys=True).encode())
+        that can no longer apply (a reader's, a dead launch's: one per restart otherwise)."""
+        current = self.lineage()
+        if lineage.gen > current.gen:
+            atomic_write_bytes(self.layout.job_dir / TIMELINES, json.dumps(lineage.to_json(), sort_keys=True).encode())
+            current = lineage
+        lineage = current
         mine = self._marker_path(launch_id)
         for path in self._marker_files():
             if path == mine:
