@@ -11,12 +11,19 @@ bytes that no restore can reach: a mapping whose file is no longer the one its p
 dropped and the slot made anew (written in full) at its next use, and :meth:`SlotPool.check_linked`
 fails a save whose slot went while it was written, before anything commits.
 
+A writer's first ``keep + 1`` saves would each land in a new slot, and allocating fresh tmpfs
+pages costs several times the copy itself; :meth:`SlotPool.prefault` grows the ring's other
+slots in a background thread as soon as the first plan knows the sizes, so the second save of a
+job costs what its tenth does. A slot is grown only under its ``lock`` (the one a save writes it
+under), so a save never sees a slot half grown.
+
 Local work only (no collective): each rank calls it for the slots it writes or receives.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from ..errors import TierFullError, TierRootError
 from ..local.slots import ALIGN, SlotFile, free_bytes, round_capacity, tier_full_message
@@ -37,9 +44,15 @@ class SlotPool:
         self.keep = keep
         self.capacity_bytes = capacity_bytes
         self._slots: dict[tuple[int, int], SlotFile] = {}
+        self._lock = threading.Lock()  # the slot map: the save's thread and the prefault thread
+        self._prefaulted: set[tuple[int, int]] = set()
 
     def slot(self, rank: int, idx: int) -> SlotFile:
         """The slot file ``idx`` of ``rank`` on this node, created (empty) and mapped on first use."""
+        with self._lock:
+            return self._slot(rank, idx)
+
+    def _slot(self, rank: int, idx: int) -> SlotFile:
         key = (rank, idx)
         slot = self._slots.get(key)
         if slot is not None and not slot.linked():
@@ -83,6 +96,45 @@ class SlotPool:
                     f"job {self.tier.job_id!r} would use {(used + delta) / 2**30:.3f} GiB in {self.tier.root}, over "
                     f"its capacity_bytes budget of {cap / 2**30:.3f} GiB: raise capacity_bytes or lower keep."
                 )
+
+    def prefault(self, rank: int, tensor_bytes: int, items: int) -> threading.Thread | None:
+        """Grow ``rank``'s ring slots that cannot hold one save of ``tensor_bytes`` over ``items``
+        items, in a background thread (returned; None when there is nothing to do).
+
+        Each slot is grown once per (size, slot), under its ``lock`` taken without waiting: a slot a
+        save is writing is left to that save. A failure (a full tier) is left to the save that
+        needs the slot, which raises TierFullError itself. Call after :meth:`check_space`.
+        """
+        if tensor_bytes == 0:
+            return None
+        need = tensor_bytes + ALIGN * items
+        todo = []
+        for idx in range(self.keep + 1):
+            key = (rank, idx)
+            path = self.tier.slot_path(rank, idx)
+            have = path.stat().st_size if path.exists() else 0
+            if have < need and key not in self._prefaulted:
+                self._prefaulted.add(key)
+                todo.append(idx)
+        if not todo:
+            return None
+
+        def run() -> None:
+            for idx in todo:
+                try:
+                    slot = self.slot(rank, idx)
+                    if not slot.lock.acquire(blocking=False):
+                        continue  # a save is writing it: that save grows it
+                    try:
+                        slot.ensure_capacity(need, budget_check=self.budget_check)
+                    finally:
+                        slot.lock.release()
+                except (OSError, TierFullError, TierRootError, ValueError) as exc:
+                    log.debug("prefault of slot %d of rank %d skipped: %s", idx, rank, exc)
+
+        thread = threading.Thread(target=run, name="gemini-slot-prefault", daemon=True)
+        thread.start()
+        return thread
 
     def check_space(self, rank: int, tensor_bytes: int, items: int) -> None:
         """Fail before writing when ``rank``'s ring of slots cannot fit in the tier root.

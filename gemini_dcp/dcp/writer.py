@@ -438,9 +438,13 @@ class GeminiStorageWriter(StorageWriter):
     def _check_space(self, plan: SavePlan) -> None:
         """Fail before writing when the ring of slots cannot fit in the tier root."""
         held = self._planned_total
-        if held is None or held[0] is not plan:  # a replayed plan is the same object save after save
+        fresh = held is None or held[0] is not plan  # a replayed plan is the same object save after save
+        if fresh:
             held = self._planned_total = (plan, sum(_planned_bytes(item) for item in plan.items))
+        assert held is not None
         self.slot_pool.check_space(self._rank, held[1], len(plan.items))
+        if fresh:  # the ring's other slots get their pages off the critical path (SlotPool.prefault)
+            self.slot_pool.prefault(self._rank, held[1], len(plan.items))
 
     def _write_local(self, plan: SavePlan, planner: SavePlanner, step: int, rank: int) -> LocalWrite:
         """Step 2 of the commit protocol: resolve this rank's DCP items and copy them, checksummed,
