@@ -1,5 +1,5 @@
 """The benchmark gate: the data-path figures users read, each against its baseline in the same run,
-compared with the previous run; exits 1 when one got worse by more than its noise band.
+compared with the last runs; exits 1 when one got worse by more than its noise band.
 
     python benchmarks/gate.py              # ~1 min on the 2-core machine; appends to the history
     python benchmarks/gate.py --quick      # a smoke run (small state); never appended, never fails
@@ -22,7 +22,7 @@ beside them. Figures (all world 1, float32 state in 8 tensors unless said):
 
 The history (``benchmarks/results/gate-history.jsonl``) holds one JSON line per run: commit,
 time, load average, state size and every ratio. A ratio fails when it exceeds the previous run's
-by more than ``BANDS`` (relative). The bands come from repeated runs on the 2-core machine while
+by more than ``BANDS`` (relative) over the median of the last three full runs. The bands come from repeated runs on the 2-core machine while
 other work ran (the largest run-to-run change of each ratio, rounded up; see ``BANDS``); tighten
 them from a quiet machine's spread when one is available. Lower is better for every ratio.
 """
@@ -87,11 +87,11 @@ def compare(current: dict[str, float], previous: dict[str, float] | None,
     return lines, failures
 
 
-def last_entry(path: Path) -> dict[str, Any] | None:
-    """The newest full (not --quick) entry of the history file, None when there is none."""
+def last_entries(path: Path, n: int = 3) -> list[dict[str, Any]]:
+    """The newest ``n`` full (not --quick) entries of the history file, oldest first."""
     if not path.exists():
-        return None
-    last = None
+        return []
+    entries = []
     for line in path.read_text().splitlines():
         line = line.strip()
         if not line:
@@ -101,8 +101,16 @@ def last_entry(path: Path) -> dict[str, Any] | None:
         except ValueError:
             continue
         if isinstance(entry, dict) and isinstance(entry.get("ratios"), dict) and not entry.get("quick"):
-            last = entry
-    return last
+            entries.append(entry)
+    return entries[-n:]
+
+
+def reference(entries: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Each ratio's median over ``entries`` (None: no entries): one outlying run does not move the gate."""
+    if not entries:
+        return None
+    names = {k for e in entries for k in e["ratios"]}
+    return {k: statistics.median(e["ratios"][k] for e in entries if k in e["ratios"]) for k in names}
 
 
 # ---- measurements -----------------------------------------------------------------------------
@@ -275,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
              "loadavg": [round(x, 2) for x in os.getloadavg()], "mib": mib, "reps": reps,
              "quick": bool(args.quick), "ratios": {k: round(v, 4) for k, v in result["ratios"].items()},
              "raw_seconds": result["seconds"]}
-    previous = last_entry(args.history)
-    lines, failures = compare(entry["ratios"], None if previous is None or args.quick else previous["ratios"])
+    previous = last_entries(args.history)
+    lines, failures = compare(entry["ratios"], None if args.quick else reference(previous))
+    against = ", ".join(e.get("commit", "?") for e in previous)
     print(f"gate: commit {entry['commit']}, {mib} MiB x {reps}, load {entry['loadavg']}, {entry['seconds']} s"
-          + (f"; against {previous['commit']}" if previous and not args.quick else ""))
+          + (f"; against the median of {against}" if previous and not args.quick else ""))
     for line in lines:
         print("  " + line)
     if not args.quick and not args.no_record:

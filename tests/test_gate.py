@@ -1,6 +1,6 @@
 """benchmarks/gate.py's comparison: a ratio worse than the previous run by more than its band fails,
-within it passes, a figure new or dropped is reported and never fails; the history's last full entry
-is the reference. No benchmark runs here."""
+within it passes, a figure new or dropped is reported and never fails; the median of the history's last
+full entries is the reference. No benchmark runs here."""
 
 from __future__ import annotations
 
@@ -40,15 +40,17 @@ def test_new_and_dropped_figures_never_fail_and_the_first_run_passes() -> None:
     assert failures == []
 
 
-def test_the_reference_is_the_last_full_entry(tmp_path: Path) -> None:
+def test_the_reference_is_the_median_of_the_last_full_entries(tmp_path: Path) -> None:
     gate = _gate()
     history = tmp_path / "h.jsonl"
-    assert gate.last_entry(history) is None
+    assert gate.last_entries(history) == [] and gate.reference([]) is None
     rows = [{"commit": "a", "ratios": {"x": 1.0}}, {"commit": "b", "ratios": {"x": 2.0}},
-            {"commit": "c", "quick": True, "ratios": {"x": 9.0}}]
+            {"commit": "c", "ratios": {"x": 9.0}}, {"commit": "d", "ratios": {"x": 2.5}},
+            {"commit": "e", "quick": True, "ratios": {"x": 99.0}}]
     history.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
-    last = gate.last_entry(history)
-    assert last is not None and last["commit"] == "b"
+    last = gate.last_entries(history)
+    assert [e["commit"] for e in last] == ["b", "c", "d"]
+    assert gate.reference(last) == {"x": 2.5}  # the outlier 9.0 does not set the bar
 
 
 def test_every_measured_ratio_has_a_band() -> None:
