@@ -32,7 +32,36 @@ def test_groups_merge_the_remainder_into_the_last_group() -> None:
 def test_lanes_take_the_lth_rank_of_each_node() -> None:
     rank_nodes = ["a", "a", "b", "b", "c", "c"]
     assert parity_lanes(["a", "b", "c"], rank_nodes, 3) == [(0, 2, 4), (1, 3, 5)]
-    assert parity_lanes(["a", "b", "c"], ["a", "b", "c", "c"], 3) == [(0, 1, 2)]  # rank 3 alone: unprotected
+    # node c holds two ranks: lane 1 would be rank 3 alone; it takes rank 1 (node b) from lane 0
+    assert parity_lanes(["a", "b", "c"], ["a", "b", "c", "c"], 3) == [(0, 2), (1, 3)]
+    # the soak's layout (4 ranks on 3 nodes, two on the first): every rank protected
+    assert parity_lanes(["n0", "n1", "n2"], ["n0", "n0", "n1", "n2"], 3) == [(0, 2), (1, 3)]
+    # one node holds more ranks than the others together: its extra rank cannot be protected
+    assert parity_lanes(["a", "b", "c"], ["a", "a", "a", "b", "c"], 3) == [(0, 3), (1, 4)]
+
+
+def test_every_rank_is_protected_where_the_layout_allows_it() -> None:
+    import itertools
+    import random
+    rng = random.Random(7)
+    for _ in range(2000):
+        nodes = [f"n{i}" for i in range(rng.randint(2, 7))]
+        rank_nodes = [rng.choice(nodes) for _ in range(rng.randint(2, 14))]
+        g = rng.randint(3, 5)
+        lanes = parity_lanes(nodes, rank_nodes, g)
+        seen = list(itertools.chain.from_iterable(lanes))
+        assert len(seen) == len(set(seen))  # a rank is in one lane at most
+        for lane in lanes:
+            assert len(lane) >= 2
+            assert len({rank_nodes[r] for r in lane}) == len(lane)  # members on distinct nodes
+        for group in parity_groups([n for n in nodes if n in rank_nodes], g):
+            counts = sorted((rank_nodes.count(n) for n in group), reverse=True)
+            members = [r for r, n in enumerate(rank_nodes) if n in group]
+            unprotected = [r for r in members if r not in seen]
+            if counts[0] <= sum(counts[1:]) and len(counts) >= 2:
+                # at most one lane per depth level can be lone; the donors cover it when the
+                # biggest node holds no more ranks than the others together
+                assert len(unprotected) <= max(0, counts[0] - sum(counts[1:]))
 
 
 def test_every_member_sends_each_stripe_to_one_other_member() -> None:

@@ -57,6 +57,23 @@ __all__ = ["Encoded", "ParitySlots", "Rebuilt", "encode_parity", "rebuild_lost",
 
 log = logging.getLogger(__name__)
 
+_UNPROTECTED_WARNED: set[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]] = set()
+
+
+def _warn_unprotected(lanes: Sequence[Sequence[int]], rank_nodes: Sequence[str], me: int) -> None:
+    """Log once per layout (on rank 0) which ranks no lane protects (a node holds more ranks than its group's others)."""
+    covered = {r for lane in lanes for r in lane}
+    lost = [r for r in range(len(rank_nodes)) if r not in covered]
+    key = (tuple(rank_nodes), tuple(tuple(lane) for lane in lanes))
+    if me != 0 or not lost or key in _UNPROTECTED_WARNED:
+        return
+    _UNPROTECTED_WARNED.add(key)
+    log.warning(
+        "parity: ranks %s (on nodes %s) have no parity: their node holds more ranks than the other nodes of its "
+        "parity group together, so no lane can pair them with another node. Losing that node loses their shards "
+        "from memory (the persistent tier still holds drained steps); spread ranks evenly over nodes or use "
+        "replicas=2 for them.", lost, sorted({rank_nodes[r] for r in lost}))
+
 
 class ParitySlots:
     """This process's open parity slot files (pre-faulted, reused save after save like data slots)."""
@@ -110,6 +127,7 @@ def encode_parity(
     me = comm.rank
     rank_nodes = [rep.node_id for rep in reports]
     lanes = parity_lanes(order, rank_nodes, group)
+    _warn_unprotected(lanes, rank_nodes, me)
     stripes: list[int] = []
     mine: tuple[int, ...] | None = None
     my_transfers: list[Transfer] = []

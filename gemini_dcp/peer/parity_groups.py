@@ -67,19 +67,32 @@ def parity_groups(order: Sequence[str], g: int) -> list[tuple[str, ...]]:
 def parity_lanes(order: Sequence[str], rank_nodes: Sequence[str], g: int) -> list[tuple[int, ...]]:
     """Lanes (tuples of saving ranks, one per node of a group, in placement order).
 
-    Lane ``l`` of a group holds the ``l``-th rank of each of its nodes that has one; a lane
-    of a single rank protects nothing and is left out (its rank has no parity).
+    Lane ``l`` of a group holds the ``l``-th rank of each of its nodes that has one. Where
+    nodes hold uneven numbers of ranks, a lane can end with one rank (its node holds more
+    ranks than any other): it takes a member from a lane of three or more whose node differs
+    (the last such, in placement order), so that it is protected too. A lane left with a
+    single rank (no lane can give one: e.g. one node holds more ranks than all the group's
+    other nodes together) protects nothing and is left out (its rank has no parity).
     """
     ranks_of: dict[str, list[int]] = {}
     for r, node in enumerate(rank_nodes):
         ranks_of.setdefault(node, []).append(r)
     lanes: list[tuple[int, ...]] = []
     for group in parity_groups([n for n in order if n in ranks_of], g):
+        pos = {n: i for i, n in enumerate(group)}
+        node_of = {r: n for n in group for r in ranks_of[n]}
         depth = max(len(ranks_of[n]) for n in group)
-        for lane in range(depth):
-            members = tuple(ranks_of[n][lane] for n in group if lane < len(ranks_of[n]))
-            if len(members) >= 2:
-                lanes.append(members)
+        built = [[ranks_of[n][lane] for n in group if lane < len(ranks_of[n])] for lane in range(depth)]
+        for lone in (ln for ln in built if len(ln) == 1):
+            node = node_of[lone[0]]
+            donor = next((d for d in built if len(d) >= 3 and any(node_of[r] != node for r in d)), None)
+            if donor is None:
+                continue
+            moved = next(r for r in reversed(donor) if node_of[r] != node)
+            donor.remove(moved)
+            lone.append(moved)
+            lone.sort(key=lambda r: pos[node_of[r]])
+        lanes.extend(tuple(ln) for ln in built if len(ln) >= 2)
     return lanes
 
 
