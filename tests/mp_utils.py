@@ -104,12 +104,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, roots: list[str] | str, t
                     f"ranks did not finish in {timeout}s; ranks {returned} had returned from {fn.__name__} "
                     "(a rank listed here hung in gc or destroy_process_group)"
                 )
-        results = []
+        results, failed = [], []
         for r in range(world_size):
             status, value = pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes())
             if status != "ok":
-                raise AssertionError(f"rank {r} failed:\n{value}")
+                failed.append(f"rank {r} failed:\n{value}")
             results.append(value)
+        if failed:  # every failing rank: the first to fail is often not rank 0
+            raise AssertionError("\n\n".join(failed))
         return results
 
 

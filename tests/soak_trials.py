@@ -470,11 +470,8 @@ def _train(spec: dict[str, Any], mesh: Any, out: Path, result: dict[str, Any]) -
                 else:
                     raise
             if other is not None:
-                if ck is not None:
-                    # the second job's dcp.save uses the shared control group, which the async save's
-                    # background commit may be using right now: collectives of two threads on one group
-                    # pair up differently on different ranks (a gloo abort). Let the async save finish.
-                    settle(True)
+                # the second job's dcp.save runs while the async save's background commit may still run:
+                # the checkpointer's writer has a control-group scope of its own (transport.comm.get_comm)
                 other_step += 1  # the second job never rolls back: its own step count
                 _update(other, 1, 0, other_step, rank, world, False)
                 _journal(out, rank, e="begin", job=1, step=other_step, tl=0)

@@ -465,3 +465,37 @@ def test_the_async_api_is_exported_from_the_package(tmp_path: Path) -> None:
     assert isinstance(writer, AsyncStager) and isinstance(writer, GeminiStorageWriter)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         gemini_dcp.Nope  # noqa: B018
+
+
+def _async_beside_plain(rank: int, world: int, root: str) -> list[int]:
+    """An AsyncCheckpointer's background commit runs while the training thread saves and loads another
+    job with plain dcp.save / dcp.load: their collectives run on different control groups."""
+    from gemini_dcp.transport.comm import get_comm
+
+    a = {"w": torch.arange(2048, dtype=torch.float32), "step": 0}  # replicated (DCP saves it once)
+    b = {"v": torch.zeros(1024)}
+    ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="bg"), on_busy="block")
+    plain = get_comm(ck.writer.options.timeout_s)
+    assert ck.group is not None and ck.group is not plain.group  # the background commit's own group
+    for step in range(1, 6):
+        a["w"].add_(1.0)
+        a["step"] = step
+        ck.save(a, step).wait_copied(120)  # commit still running in the background
+        b["v"].add_(1.0)
+        dcp.save(b, storage_writer=GeminiStorageWriter(root=root, job_id="fg"), checkpoint_id=step)
+        got = {"v": torch.zeros(1024)}
+        dcp.load(got, storage_reader=GeminiStorageReader(root=root, job_id="fg"), checkpoint_id=step)
+        assert torch.equal(got["v"], b["v"])
+    ck.close()
+    out = {"w": torch.zeros(2048), "step": -1}
+    reader = GeminiStorageReader(root=root, job_id="bg")
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["w"], a["w"]) and out["step"] == 5
+    return [int(reader.restored_step or -1)]
+
+
+@pytest.mark.timeout(240)
+def test_a_background_commit_never_shares_a_group_with_the_training_thread(root: str) -> None:
+    """Two threads' collectives on one gloo group could pair up differently on different ranks (the soak saw
+    a gloo abort): AsyncCheckpointer's writer has a control-group scope of its own."""
+    assert run_ranks(_async_beside_plain, 2, root) == [[5], [5]]

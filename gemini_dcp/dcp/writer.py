@@ -196,6 +196,10 @@ class GeminiStorageWriter(StorageWriter):
         # The async path's pacers and copy-done callback for the next save (see SaveHooks).
         self.hooks: SaveHooks = NO_HOOKS
         self.process_group = process_group
+        # The control group's scope (transport.comm.get_comm): "" is shared with every writer and
+        # reader of the process; AsyncCheckpointer gives its writer a scope of its own, so that its
+        # background commit never shares a group with the training thread's collectives.
+        self.comm_scope = ""
         self._step: int | None = None
         self._is_coordinator = True
         self._rank = 0
@@ -271,7 +275,7 @@ class GeminiStorageWriter(StorageWriter):
         Collective over the checkpoint control group: all ranks call it (DCP does).
         """
         self._bind_launch()
-        comm = get_comm(self.options.timeout_s, self.process_group)
+        comm = get_comm(self.options.timeout_s, self.process_group, scope=self.comm_scope)
         planned = getattr(planner, "metadata", None) if comm.rank == 0 else None  # the coordinator's global metadata
         step = self._require_step()
         spec = SaveSpec(step=step, planned=planned if isinstance(planned, Metadata) else None, use_basis=True,
@@ -315,7 +319,7 @@ class GeminiStorageWriter(StorageWriter):
         Returns this rank's write results as a sequence built on first use (a replay that
         never reads them does not pay for building them).
         """
-        comm = get_comm(self.options.timeout_s, self.process_group)
+        comm = get_comm(self.options.timeout_s, self.process_group, scope=self.comm_scope)
         spec = SaveSpec(step=self._require_step(), known=metadata, layout=layout, agreed=agreed)
         return self._save(comm, plan, planner, spec, check_space=True)
 

@@ -103,12 +103,12 @@ class ModelStatesCache:
         return self._out if self._out is not None else sd
 
     def _comm(self) -> Any:
-        """The agreement's group: gloo, of its own (the training thread's; the background commit uses the
-        shared control group), made at the first :meth:`get` (collective, like every get)."""
+        """The agreement's group: gloo, in a scope of its own (never a group another thread's collectives
+        use), made at the first :meth:`get` (collective, like every get)."""
         if self._own_comm is None:
-            from ..transport.comm import own_comm  # noqa: PLC0415 - imports torch
+            from ..transport.comm import get_comm, new_scope  # noqa: PLC0415 - imports torch
 
-            self._own_comm = own_comm(self.timeout_s)
+            self._own_comm = get_comm(self.timeout_s, scope=new_scope("model-states"))
         return self._own_comm
 
     def forget(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..commit.hooks import SaveHooks
 from ..dcp.writer import GeminiStorageWriter
+from ..transport.comm import new_scope
 from .handles import SnapshotHandle, checkpoint_group
 from .structure import StructureCache, buffer_storages
 
@@ -54,7 +55,8 @@ class AsyncGeminiStorageWriter(GeminiStorageWriter):
         self._clone_storages = buffer_storages(model)
         self._structure = StructureCache(self._clone_storages)
         self._handle: SnapshotHandle | None = None
-        self.checkpoint_group = checkpoint_group(self.process_group, self.options.timeout_s)
+        self.comm_scope = new_scope("async-writer")  # its background saves never share a group with the training thread's
+        self.checkpoint_group = checkpoint_group(self.process_group, self.options.timeout_s, self.comm_scope)
         self.hooks = SaveHooks(on_local_copy_done=self._copied)
         self._guard_hooks: list[Any] = []
 

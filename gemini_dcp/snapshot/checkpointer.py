@@ -218,9 +218,12 @@ class AsyncCheckpointer:
         self.writer = writer
         self.timeout_s = float(timeout_s if timeout_s is not None else writer.options.timeout_s)
         # Collective: create the control group now, from the training thread, on every rank.
-        from ..transport.comm import get_comm  # noqa: PLC0415
+        from ..transport.comm import get_comm, new_scope  # noqa: PLC0415
 
-        comm = get_comm(writer.options.timeout_s, writer.process_group)
+        # A scope of its own: the background commit's collectives never share a group with a plain
+        # dcp.save / dcp.load of the training thread (or another AsyncCheckpointer's commit).
+        writer.comm_scope = new_scope("async")
+        comm = get_comm(writer.options.timeout_s, writer.process_group, scope=writer.comm_scope)
         self.group = comm.group
         self._no_dist = not comm.distributed
         self.on_busy = on_busy

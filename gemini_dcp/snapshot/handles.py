@@ -21,8 +21,8 @@ class AsyncCheckpointError(GeminiError):
     """A background checkpoint failed; ``__cause__`` is the original error."""
 
 
-def checkpoint_group(process_group: Any = None, timeout_s: float = 300.0) -> Any:
-    """The dedicated gloo control group for the ranks of ``process_group`` (default WORLD).
+def checkpoint_group(process_group: Any = None, timeout_s: float = 300.0, scope: str = "") -> Any:
+    """The dedicated gloo control group for the ranks of ``process_group`` (default WORLD) in ``scope``.
 
     Collective on first use (``new_group``): call it on every rank, from the
     training thread, before the first async save. Returns None without an
@@ -30,7 +30,7 @@ def checkpoint_group(process_group: Any = None, timeout_s: float = 300.0) -> Any
     """
     from ..transport.comm import get_comm  # noqa: PLC0415
 
-    return get_comm(timeout_s, process_group).group
+    return get_comm(timeout_s, process_group, scope=scope).group
 
 
 class SnapshotHandle:

@@ -2,8 +2,9 @@
 
 Checkpoint collectives never run on the training group, so they cannot
 deadlock with, or reorder, training collectives (even when training uses NCCL
-or its own gloo group). One group is created per (rank set, ``timeout_s``) and
-shared by every writer and reader with those settings: **all ranks must reach
+or its own gloo group). One group is created per (rank set, ``timeout_s``, scope) and
+shared by every writer and reader with those settings (the scope separates threads:
+an ``AsyncCheckpointer``'s background commit has one of its own, see :func:`get_comm`): **all ranks must reach
 the first save/load with a given ``timeout_s`` together**, as
 ``torch.distributed.new_group`` is collective. Every operation on the group
 waits at most its ``timeout_s`` (gloo's timeout, fixed when the group is made,
@@ -40,6 +41,7 @@ transfers and the small integer all-reduce are the transport's
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -57,8 +59,9 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-_GROUPS: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}
 _LOCK = threading.Lock()
+_SCOPE_COUNT = itertools.count(1)
 # Why this process's control plane is unusable (None: it is usable); set on the first transport failure.
 _BROKEN: str | None = None
 # Groups replaced by rebuild(): kept alive, as their failed operations may still hold buffers.
@@ -339,7 +342,6 @@ class Comm:
         if not self.distributed:
             return
         check_usable()
-        key = (self.ranks, float(self.timeout_s or 0.0))
         timeout = float(self.timeout_s or 300.0)
         t0 = time.monotonic()
         try:
@@ -352,8 +354,9 @@ class Comm:
             raise restart_required(why) from exc
         with _LOCK:
             _RETIRED.append(self.group)
-            if _GROUPS.get(key) is self.group:
-                _GROUPS[key] = fresh
+            for key, group in list(_GROUPS.items()):
+                if group is self.group:
+                    _GROUPS[key] = fresh
         self.group = fresh
         log.warning("checkpoint control group replaced after a failed peer transfer (%s)", reason)
 
@@ -414,11 +417,24 @@ def _new_group(ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup:
     return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
 
 
-def get_comm(timeout_s: float, process_group: dist.ProcessGroup | None = None) -> Comm:
-    """The control-plane Comm for the ranks of ``process_group`` (default: WORLD) and ``timeout_s``.
+def new_scope(what: str) -> str:
+    """A control-group scope of its own for ``what`` (e.g. one ``AsyncCheckpointer``): see :func:`get_comm`.
 
-    Collective on first use of a (ranks, ``timeout_s``) pair: all ranks of the default group
-    (of ``process_group`` when it is a subset) must call it with the same ``timeout_s``.
+    Deterministic across ranks as long as every rank makes its scopes in the same order (the
+    objects that take one are made collectively, in the same order on every rank).
+    """
+    return f"{what}-{next(_SCOPE_COUNT)}"
+
+
+def get_comm(timeout_s: float, process_group: dist.ProcessGroup | None = None, *, scope: str = "") -> Comm:
+    """The control-plane Comm for the ranks of ``process_group`` (default: WORLD), ``timeout_s`` and ``scope``.
+
+    Collective on first use of a (ranks, ``timeout_s``, ``scope``) triple: all ranks of the default
+    group (of ``process_group`` when it is a subset) must call it with the same arguments.
+    ``scope`` separates the groups of collectives that may run at the same time in different
+    threads (an ``AsyncCheckpointer``'s background commit beside a plain ``dcp.save`` or ``dcp.load``
+    of the training thread): two threads' collectives on one group could pair up differently on
+    different ranks. The default scope ``""`` is shared by every writer and reader of the process.
     Raises RestartRequiredError once an earlier transport failure broke the control plane.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -429,29 +445,13 @@ def get_comm(timeout_s: float, process_group: dist.ProcessGroup | None = None) -
     if len(ranks) == 1:
         return Comm(None)
     check_usable()
-    key = (ranks, float(timeout_s))
+    key = (ranks, float(timeout_s), scope)
     group = _GROUPS.get(key)
     if group is None:
         group = _new_group(ranks, float(timeout_s))
         with _LOCK:
             _GROUPS[key] = group
     return Comm(group, float(timeout_s))
-
-
-def own_comm(timeout_s: float) -> Comm:
-    """A control-plane Comm over WORLD on a gloo group of its own, never shared with :func:`get_comm`'s.
-
-    For collectives of one thread that may run while another thread uses the shared control group
-    (the training thread beside ``AsyncCheckpointer``'s background commit): collectives of two
-    threads on one group could pair up differently on different ranks. Collective: all ranks of
-    the default group call it, with the same ``timeout_s``, in the same order as their other
-    ``new_group`` calls. Without torch.distributed (or alone): a Comm that runs nothing.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return Comm(None)
-    exit_guard.install()
-    check_usable()
-    return Comm(_new_group(tuple(range(dist.get_world_size())), float(timeout_s)), float(timeout_s))
 
 
 def reset_groups() -> None:
