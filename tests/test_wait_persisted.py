@@ -143,6 +143,19 @@ def test_wait_persisted_after_a_save_and_inspect_shows_durable(root: str, tmp_pa
     assert not list((Path(root) / "j" / "persist" / "holds").glob("rank-*"))  # the drain released its holds
 
 
+def test_saves_waiting_for_each_drain_are_read_in_place(root: str, tmp_path: Path) -> None:
+    """A save that waits for each drain (save, wait_persisted, save, ...) sends a request while the previous
+    upload may still commit and apply retention: it reads no slot any more, so the new request is read in
+    place from its held slots, never copied to a staging file first (keep >= 2)."""
+    w = GeminiStorageWriter(root=root, job_id="ip", persistent=f"file://{tmp_path / 'store'}", persist_every=1,
+                            keep=2, persist_keep=1)  # retention runs after each commit
+    for step in range(1, 6):
+        dcp.save(_state(step), storage_writer=w, checkpoint_id=step)
+        assert w.wait_persisted(step, timeout_s=240) == step
+    steps = json.loads(Paths(Path(root) / "ip" / "persist").status.read_bytes())["steps"]
+    assert [steps[str(s)]["in_place"] for s in range(1, 6)] == [True] * 5, steps
+
+
 # ---- slot holds -----------------------------------------------------------------------------------
 def _tier_with_two_steps(root: str) -> LocalTier:
     w = GeminiStorageWriter(root=root, job_id="h", keep=2)

@@ -254,8 +254,12 @@ class _Server:
                 return
             if self.bridge and self.upload_thread is None and not self.awaiting and not lock_held(self.p.warming_lock):
                 return  # the node's server is warm: it takes the lock (and what is pending) from here
+            # An upload that finished since the last pass is reaped first: a request that arrives right
+            # after it (a save waiting for each drain) is read in place, not copied as if behind an upload.
+            self._reap_upload()
             reqs = self._forget_replaced(self._drop_abandoned_timeline(self._requests()))
-            busy = self.upload_thread is not None
+            # Busy: an upload still reads slot bytes (one that only commits and applies retention is not).
+            busy = self.upload_thread is not None and not (self.uploader is not None and self.uploader.slots_read.is_set())
             for step, req in sorted(reqs.items()):
                 if step not in self.awaiting and step != self.uploading and not (self.p.stage(step) / "staged").exists():
                     self._stage(req, copy=busy)
@@ -357,7 +361,7 @@ class _Server:
             write_atomic(d / "staged", json.dumps({"direct": direct, "held": direct and bool(req.holds),
                                                    "seconds": time.monotonic() - t0}).encode())
             self.status.set(step, "staged", fresh=True, fingerprint=req.fingerprint, bytes=need,
-                            stage_seconds=round(time.monotonic() - t0, 4))
+                            stage_seconds=round(time.monotonic() - t0, 4), in_place=direct)
         except FileNotFoundError as exc:
             self._abandon(step, f"its memory slot is gone before it could be staged ({exc})", fingerprint=req.fingerprint)
         except OSError as exc:
@@ -401,6 +405,7 @@ class _Server:
         self.work_fp[step] = req.fingerprint
         self.upload_result = None
         self.status.set(step, "uploading")
+        self._upload_side().slots_read.clear()
 
         def work() -> None:
             t0 = time.monotonic()

@@ -117,6 +117,10 @@ class Uploader:
         self.options = options
         self.status = status
         self.tiers: dict[tuple[str, str], PersistentTier] = {}
+        # Set once the current upload has read every slot byte it needs (its holds are released): the
+        # server then reads a newly arrived request in place, as what is left (marker, commit,
+        # retention) touches no slot.
+        self.slots_read = threading.Event()
 
     def _tier(self, req: DrainRequest) -> PersistentTier:
         key = (req.store.url, req.store.job_id)
@@ -207,6 +211,7 @@ class Uploader:
                     fut.result()
         progress = state["progress"]
         release_holds(req.holds, step)  # the slots are read: the writer may reuse them
+        self.slots_read.set()
         if not direct:
             drop_stage_bytes(d)  # give the tmpfs back as soon as the bytes are in the store
         storage: dict[MetadataIndex, _StorageInfo] = {}
