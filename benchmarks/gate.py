@@ -13,7 +13,10 @@ beside them. Figures (all world 1, float32 state in 8 tensors unless said):
 - ``local_save_vs_stock``: ``dcp.save`` into the memory tier (a reused slot) / stock
   ``FileSystemWriter`` into /dev/shm.
 - ``local_load_vs_stock``: ``dcp.load`` from the memory tier / stock ``FileSystemReader`` from /dev/shm.
-- ``first_vs_steady_save``: a fresh writer's second save / its last (``keep + 1`` saves in: slots reused).
+- ``first_vs_steady_save``: a fresh writer's second save / its last (``keep + 1`` saves in: slots reused),
+  saves back to back: the new slots' tmpfs pages are allocated on the save's path.
+- ``first_vs_steady_save_stepped``: the same with a training step's pause (``STEP_S``) after each
+  save, as a trainer saves: the slots grown in the background at the first plan are ready.
 - ``items_save_vs_stock``: ``dcp.save`` of 738 small tensors into the tier / stock into /dev/shm.
 - ``durable_vs_stock``: ``dcp.save`` + ``wait_persisted(step)`` with a ``file://`` store on disk
   (a fresh writer per repetition at the default ``keep``, its second save) / stock blocking
@@ -56,11 +59,15 @@ BANDS: dict[str, float] = {
     "local_save_vs_stock": 0.35,    # 0.139-0.172
     "local_load_vs_stock": 0.75,    # 0.465-0.777
     "first_vs_steady_save": 3.0,    # 4.9-19.3: the fresh slot's page allocation dominates (issue 52)
+    "first_vs_steady_save_stepped": 1.0,
     "items_save_vs_stock": 0.30,    # 0.232-0.277
     "durable_vs_stock": 0.85,       # 2.06-3.75 (keep=1 until 2026-11-29: now durable_keep1_vs_stock)
     "durable_keep1_vs_stock": 0.85,
     "cold_load_vs_stock": 0.40,     # 0.985-1.308
 }
+
+
+STEP_S = 0.3  # a training step's length in first_vs_steady_save_stepped
 
 
 def compare(current: dict[str, float], previous: dict[str, float] | None,
@@ -208,6 +215,16 @@ def measure(mib: int, reps: int, scratch_shm: Path, scratch_disk: Path) -> dict[
         firsts.append(times[1])
         lasts.append(times[-1])
     ratios["first_vs_steady_save"] = record("fresh_second_vs_last", firsts, lasts)
+    firsts, lasts = [], []
+    for r in range(reps):
+        w = GeminiStorageWriter(root=_root(root), job_id=f"gate-stepped{r}", keep=1)
+        times = []
+        for s in range(1, 6):
+            times.append(_timed(lambda s=s: dcp.save(sd, storage_writer=w, checkpoint_id=s)))
+            time.sleep(STEP_S)  # the training step between two saves
+        firsts.append(times[1])
+        lasts.append(times[-1])
+    ratios["first_vs_steady_save_stepped"] = record("fresh_second_vs_last_stepped", firsts, lasts)
 
     # many small items
     items = _items()

@@ -499,3 +499,33 @@ def test_a_background_commit_never_shares_a_group_with_the_training_thread(root:
     """Two threads' collectives on one gloo group could pair up differently on different ranks (the soak saw
     a gloo abort): AsyncCheckpointer's writer has a control-group scope of its own."""
     assert run_ranks(_async_beside_plain, 2, root) == [[5], [5]]
+
+
+def _skip_together(rank: int, world: int, root: str) -> list[Any]:
+    """Rank 0 is busy at step 2 (an uncommitted save of its own), rank 1 is not: both skip step 2."""
+    from gemini_dcp.snapshot.handles import SnapshotHandle
+
+    sd = {"w": torch.arange(1024, dtype=torch.float32), "step": 0}
+    ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="skip"), on_busy="skip", interleave=False)
+    out = []
+    for step in range(1, 5):
+        sd["w"].add_(1.0)
+        sd["step"] = step
+        busy = SnapshotHandle(-1)  # never finishes: this rank has no room
+        if rank == 0 and step == 2:
+            ck._outstanding.append(busy)
+        h = ck.save(sd, step)
+        if busy in ck._outstanding:
+            ck._outstanding.remove(busy)
+        if not h.skipped:
+            h.wait(120)
+        out.append(h.skipped)
+    ck.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_on_busy_skip_skips_the_same_step_on_every_rank(root: str) -> None:
+    """A step skipped on one rank only would wait forever for its commit on the others (the soak saw 20 s
+    gloo timeouts): save() agrees on the skip."""
+    assert run_ranks(_skip_together, 2, root) == [[False, True, False, False]] * 2

@@ -174,7 +174,9 @@ class AsyncCheckpointer:
             ``"block"`` (default) waits for their commits (at most ``timeout_s``,
             then :class:`AsyncCheckpointError`); ``"skip"`` returns a handle
             marked ``skipped`` (that step is not saved, the bound holds for the
-            saves that were not skipped).
+            saves that were not skipped). With ``"skip"`` every ``save()`` runs one
+            small all-reduce on a gloo group of its own, so that all ranks skip the
+            same steps (give every rank the same ``on_busy``).
         timeout_s: guard and close timeout (default: the writer's ``timeout_s``).
         planner: a DCP SavePlanner to plan every save with ``dcp.save``. Default
             (None): :class:`gemini_dcp.snapshot.replay.PlanReplay` — the first save
@@ -227,6 +229,11 @@ class AsyncCheckpointer:
         self.group = comm.group
         self._no_dist = not comm.distributed
         self.on_busy = on_busy
+        # on_busy="skip": every rank must skip the same steps (a step queued on some ranks only would wait
+        # for the others' commit collectives, and their guards for its copy). save() agrees on it with one
+        # all-reduce on a group of its own (the training thread's; never the background commit's).
+        self._skip_comm = (get_comm(writer.options.timeout_s, writer.process_group, scope=new_scope("async-skip"))
+                           if on_busy == "skip" and comm.distributed else None)
         self.opts = interleave if isinstance(interleave, InterleaveOptions) else InterleaveOptions(enabled=bool(interleave))
         self._bandwidth = self.opts.bandwidth or DEFAULT_BANDWIDTH
         self._net_bandwidth = DEFAULT_NET_BANDWIDTH
@@ -343,10 +350,10 @@ class AsyncCheckpointer:
         with self._lock:
             ahead = [h for h in self._outstanding if not h.finished.is_set()]
         excess = len(ahead) - (self.max_pending - 1)
+        if self.on_busy == "skip":
+            return self._agree_room(excess <= 0)
         if excess <= 0:
             return True
-        if self.on_busy == "skip":
-            return False
         for h in ahead:  # the caller is blocked on their commits: no reason to pace them
             h.hurry()
         deadline = time.perf_counter() + self.timeout_s
@@ -359,6 +366,14 @@ class AsyncCheckpointer:
                     "check every rank's log, or raise timeout_s / max_pending.")
         self._raise_pending()
         return True
+
+    def _agree_room(self, free: bool) -> bool:
+        """``on_busy="skip"``: whether every rank has room for the step (one all-reduce; alone: ``free``)."""
+        if self._skip_comm is None:
+            return free
+        from ..transport.p2p import transport_for  # noqa: PLC0415
+
+        return transport_for(self._skip_comm).all_reduce_ints([int(free)], "min")[0] == 1
 
     def wait_copied(self, timeout: float | None = None) -> None:
         """Block until this rank's bytes of every outstanding save are in the tier (the guard)."""
