@@ -529,3 +529,33 @@ def test_on_busy_skip_skips_the_same_step_on_every_rank(root: str) -> None:
     """A step skipped on one rank only would wait forever for its commit on the others (the soak saw 20 s
     gloo timeouts): save() agrees on the skip."""
     assert run_ranks(_skip_together, 2, root) == [[False, True, False, False]] * 2
+
+
+def _slow_leader(rank: int, world: int, root: str) -> list[bool]:
+    """The node leader (rank 0) writes its records slowly; rank 1's replayed saves return only once they exist."""
+    from gemini_dcp.local.tier import LocalTier
+
+    if rank == 0:
+        original = LocalTier.write_record
+
+        def slow(self: Any, record: Any) -> Any:
+            time.sleep(0.5)
+            return original(self, record)
+
+        LocalTier.write_record = slow  # type: ignore[method-assign]
+    sd = {"w": torch.arange(1024, dtype=torch.float32)}
+    ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="lead"), interleave=False)
+    seen = []
+    for step in range(1, 4):
+        sd["w"].add_(1.0)
+        ck.save(sd, step).wait(120)
+        seen.append(step in LocalTier(root, "lead").steps())  # committed on this node when save returned
+    ck.close()
+    return seen
+
+
+@pytest.mark.timeout(240)
+def test_a_save_returns_on_a_non_leader_only_once_its_node_committed(root: str) -> None:
+    """A replayed save runs no collective after the gather: without waiting for its leader's record, a rank
+    could return, train on and be killed with the step not committed on its node (issue 51's two-back resume)."""
+    assert run_ranks(_slow_leader, 2, root) == [[True] * 3, [True] * 3]

@@ -544,8 +544,13 @@ class CommitProtocol:
                 self.tier.write_record(node_record)
             except BaseException:
                 # Not committed on this node; the previous steps are untouched (nothing was evicted).
-                # DCP reports this to every rank; the next save tells every rank as well.
+                # DCP reports this to every rank; the next save tells every rank as well; the node's
+                # other ranks, waiting for the record, are told at once (_wait_for_leader).
                 self.failed_commit = record.step
+                try:
+                    _failed_marker(self.tier.layout.record_path(record.step), node_record.fingerprint()).touch()
+                except OSError:
+                    pass
                 raise
             fault_point("commit.after_record")
             g = protected_step(record.step, reports, node_id, self.global_step)
@@ -554,6 +559,43 @@ class CommitProtocol:
             fault_point("commit.after_evict")
             if evicted:
                 log.debug("node %s evicted steps %s", node_id, evicted)
+        else:
+            self._wait_for_leader(node_record)
+
+    def _wait_for_leader(self, node_record: StepRecord) -> None:
+        """A non-leader returns once its node's leader renamed the record into place: a save that returned on
+        any rank is committed on that rank's node. (A replayed save runs no collective after the gather, so a
+        rank could otherwise return, train on and report a step whose record its leader had not yet written;
+        a crash then lost one step more than ``AsyncCheckpointer``'s bound.) Bounded by ``timeout_s``: the
+        leader's own failure to write raises on the leader, and here PeerError after the wait."""
+        path = self.tier.layout.record_path(node_record.step)
+        want = node_record.fingerprint()
+        failed = _failed_marker(path, want)
+        seen: tuple[int, int] | None = None
+        deadline = time.monotonic() + self.options.timeout_s
+        delay = 0.0005
+        while True:
+            try:
+                st = os.stat(path)
+                ident = (st.st_ino, st.st_mtime_ns)
+            except FileNotFoundError:
+                ident = None
+            if ident is not None and ident != seen:
+                seen = ident
+                rec = self.tier.record(node_record.step)
+                if rec is not None and rec.fingerprint() == want:
+                    return
+            if failed.exists():
+                raise PeerError(
+                    f"step {node_record.step}: this node's leader (the lowest rank on node {self.node.node_id}) failed "
+                    "to commit the step's record (see its error); the previous step stays the newest restorable one here.")
+            if time.monotonic() >= deadline:
+                raise PeerError(
+                    f"step {node_record.step}: this node's leader did not commit the step's record within "
+                    f"{self.options.timeout_s:g} s after every rank wrote it (see the leader's error, the lowest rank "
+                    f"on node {self.node.node_id}); the previous step stays the newest restorable one here.")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
 
     def _check_slots_present(self, record: StepRecord) -> None:
         """TierRootError when a slot file the record names is gone from this node (removed while the
@@ -635,3 +677,8 @@ def repeated_save_message(step: int, job_id: str, launch: str, last_restore: int
              f"this launch's last restore was of step {last_restore}, which does not go back before step {step}")
     return (f"{head}, and {since}: a second dcp.save of the same step would replace the first. If model and optimizer "
             f"are saved in separate dcp.save calls: {split} {rollback}")
+
+
+def _failed_marker(record_path: Any, fingerprint: str) -> Any:
+    """The file a node leader leaves when it could not commit one save's record (its node's ranks stop waiting)."""
+    return record_path.with_name(f".commit-failed-{record_path.name}-{fingerprint[:16]}")
