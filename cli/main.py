@@ -337,9 +337,14 @@ def plan_cmd(
     persistent_interval_s: Annotated[Optional[float], typer.Option(
         "--persistent-interval-s", min=0.0, help="Seconds between persistent-only checkpoints (default: as often as "
         "possible).", show_default=False)] = None,
+    domains: Annotated[Optional[str], typer.Option(
+        "--domains", help="Failure domains of the nodes: DxN (D domains of N consecutive nodes, e.g. 4x4), sizes "
+        "such as 3,3,2, or a file with one domain name per node, one per line. Adds P(recover from memory) when a "
+        "whole domain fails, per strategy, with copies placed blind to domains and spread over them.",
+        show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Placement table and P(recover from memory) for k simultaneous failures; with --checkpoint-gb and --iteration-s, GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing."""
+    """Placement table and P(recover from memory) for k simultaneous failures (with --domains: when a whole failure domain fails); with --checkpoint-gb and --iteration-s, GEMINI's expected wasted time per failure and per day vs persistent-only checkpointing."""
     from gemini_dcp.ops.sizing import plan
 
     figures = {"checkpoint_gb": checkpoint_gb, "iteration_s": iteration_s, "memory_bw_gbps": memory_bw_gbps,
@@ -353,7 +358,7 @@ def plan_cmd(
         raise ConfigError("give --replicas m (copies of each node's checkpoint, its own included), or --strategy parity --group g.")
     if strategy is not Strategy.parity and group is not None:
         raise ConfigError("--group is the parity group size: use it with --strategy parity.")
-    result = plan(nodes, replicas or 2, strategy.value, failures, cost=cost, group=group)
+    result = plan(nodes, replicas or 2, strategy.value, failures, cost=cost, group=group, domains=domains)
     if as_json:
         _emit_json({"ok": True, **result})
         return

@@ -163,11 +163,16 @@ def render_inspect(out: Console, info: Any) -> None:
         newest = next((s for s in reversed(job.steps) if s.holders), None)
         if newest is not None and legend:
             out.print(f"replica placement (step {newest.step}, {newest.placement}, replicas={newest.replicas}):")
+            doms = getattr(newest, "domains", {}) or {}
+
+            def dom(n: str) -> str:
+                return f" (domain {escape(doms[n])})" if n in doms else ""
+
             for origin, holders in newest.holders.items():
                 ranks = [r for r, n in enumerate(newest.rank_nodes) if n == origin]
-                out.print(f"  {legend.get(origin, origin)} (ranks {ranges(ranks)}) -> "
-                          + ", ".join(legend.get(h, h) for h in holders))
-            out.print("nodes: " + "; ".join(f"{short} = {escape(node)}" for node, short in legend.items()))
+                out.print(f"  {legend.get(origin, origin)}{dom(origin)} (ranks {ranges(ranks)}) -> "
+                          + ", ".join(legend.get(h, h) + dom(h) for h in holders))
+            out.print("nodes: " + "; ".join(f"{short} = {escape(node)}{dom(node)}" for node, short in legend.items()))
         par_step = next((s for s in reversed(job.steps) if getattr(s, "parity", None)), None)
         if par_step is not None:
             par = par_step.parity
@@ -297,9 +302,35 @@ def render_plan(out: Console, res: dict[str, Any]) -> None:
     out.print(t)
     if formula:
         out.print("(the group formula is exact for k <= replicas and a lower bound above)")
+    render_domains(out, res)
     if res.get("wasted_time"):
         out.print()
         render_wasted(out, res.get("cost_inputs", {}), res["wasted_time"])
+
+
+def render_domains(out: Console, res: dict[str, Any]) -> None:
+    """``plan --domains``: P(recover from memory) when a whole failure domain fails, per strategy."""
+    rows = res.get("domain_recovery")
+    if not rows:
+        return
+    sizes: dict[str, int] = {}
+    for d in res["domains"]:
+        sizes[d] = sizes.get(d, 0) + 1
+    out.print()
+    out.print(f"[bold]failure domains[/]: {len(sizes)} ({', '.join(f'{d}: {n}' for d, n in sizes.items())} nodes)")
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("strategy")
+    t.add_column("P(recover | k random nodes)", justify="right")
+    t.add_column("P(recover | 1 domain) by node order", justify="right")
+    t.add_column("P(recover | 1 domain) spread over domains", justify="right")
+    for row in rows:
+        name = row["strategy"] + (f" (group {row['group']})" if "group" in row else f" (replicas {row['replicas']})")
+        p = row["p_domain_spread"]
+        style = "green" if p >= 0.999999 else ("yellow" if p >= 0.5 else "red")
+        t.add_row(name, f"k={row['random_failures']}: {row['p_random_failures']:.4f}", f"{row['p_domain_blind']:.4f}",
+                  f"[{style}]{p:.4f}[/]")
+    out.print(t)
+    out.print("(spread: what a job gets with failure_domain= / GEMINI_DCP_FAILURE_DOMAIN set on every node)")
 
 
 def render_parity_plan(out: Console, res: dict[str, Any]) -> None:
@@ -326,6 +357,7 @@ def render_parity_plan(out: Console, res: dict[str, Any]) -> None:
         t.add_row(label, f"{res[k]:.3g}{unit}", f"{res[k.replace(key, key + '_replicas')]:.3g}{unit}")
     out.print(t)
     out.print(f"(parity per node: {res['parity_per_checkpoint']:.3f} of its checkpoint; exact P: no group loses two nodes)")
+    render_domains(out, res)
 
 
 def _fmt_s(v: Any) -> str:

@@ -120,7 +120,8 @@ def open_save_node(options: GeminiOptions, owner: object, launch: LaunchInfo) ->
     release = hold_launch_lock(tier, launch, owner)
     st = os.stat(tier.root)
     identity = NodeIdentity(node_id=tiers.node_id, host=launch.host, root_id=(st.st_dev, st.st_ino),
-                            launch_id=launch.launch_id, launch_description=launch.description)
+                            launch_id=launch.launch_id, launch_description=launch.description,
+                            failure_domain=options.failure_domain or "")
     commit = CommitProtocol(tier, identity, options)
     commit.parity = options.peer.parity_group is not None
     commit.nonfinite = options.nonfinite  # the health check of each step (gemini_dcp.health)

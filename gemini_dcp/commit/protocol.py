@@ -143,6 +143,7 @@ class NodeIdentity:
     root_id: tuple[int, int]  # (st_dev, st_ino) of the tier root
     launch_id: str
     launch_description: str
+    failure_domain: str = ""  # the node's failure domain ("" unknown), reported at the gather
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,6 +207,10 @@ def build_record(
     rank_nodes = tuple(rep.node_id for rep in reports)
     launch_id, launch_desc = reports[0].launch or launch
     save_bytes = tuple(rep.save_bytes or (rep.nbytes, 0) for rep in reports) if any(r.save_bytes for r in reports) else ()
+    domains: dict[str, str] = {}
+    for rep in reports:  # a node's domain: its lowest rank's (the ranks of a node share one environment)
+        if rep.failure_domain:
+            domains.setdefault(rep.node_id, rep.failure_domain)
     holders: dict[str, set[str]] = {n: {n} for n in rank_nodes}
     for rep in reports:
         for rs in rep.replica_slots:
@@ -218,7 +223,7 @@ def build_record(
         replicas=replicas, placement=placement, complete=complete,
         launch_id=launch_id, launch_description=launch_desc, rank_save_bytes=save_bytes,
         nonfinite=health.counts if health is not None else (), healthy=health.healthy if health is not None else None,
-        timeline=timeline,
+        timeline=timeline, node_domains=tuple((n, domains[n]) for n in dict.fromkeys(rank_nodes) if n in domains),
     )
 
 
@@ -366,7 +371,7 @@ class CommitProtocol:
                 metadata_digest=digest, metadata_blob=planned_blob if inline else None,
                 storage_meta=planned.storage_meta if digest is not None and planned is not None else None,
                 known_metadata=self.known_metadata[0], basis=basis, wire_chunk=self.wire_chunk(comm, hooks),
-                host=self.node.host, root_id=self.node.root_id,
+                host=self.node.host, root_id=self.node.root_id, failure_domain=self.node.failure_domain,
                 launch=(self.node.launch_id, self.node.launch_description) if rank == 0 else None,
                 save_bytes=local.save_bytes, delta_offer=local.delta_offer, replica_bases=local.replica_bases,
                 nonfinite=local.nonfinite, health_baseline=self.propose_baseline(step),

@@ -64,6 +64,9 @@ class RankReport:
     # Who this rank's node is, beyond its node id: two machines configured with the same
     # GEMINI_DCP_NODE_ID (same id, another host or tier root) are refused before the commit.
     host: str = ""
+    # The failure domain of this rank's node (GeminiOptions.failure_domain; "": none): placement spreads
+    # each node's copies over the domains (gemini_dcp.peer.placement.spread_over_domains).
+    failure_domain: str = ""
     root_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the tier root
     # Rank 0 only: (launch_id, description) of its launch, recorded in the step record.
     launch: tuple[str, str] | None = None

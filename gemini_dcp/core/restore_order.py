@@ -9,7 +9,7 @@ collective fallback, with no extra round).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import CheckpointNotFoundError, ShardUnavailableError, StepNotFoundError
 
@@ -72,8 +72,8 @@ class Unrestorable:
     parity_lost: tuple[tuple[int, ...], ...] = ()  # parity lanes that lost two members or more
 
 
-# (step, fingerprint) -> (rank_nodes, rank_nbytes) of that record, or None if unknown
-Details = Mapping[tuple[int, str], "tuple[tuple[str, ...], tuple[int, ...]] | None"]
+# (step, fingerprint) -> (rank_nodes, rank_nbytes[, node_domains]) of that record, or None if unknown
+Details = Mapping[tuple[int, str], "tuple[Any, ...] | None"]
 
 
 def unrestorable_error(
@@ -89,10 +89,13 @@ def unrestorable_error(
         info = (details or {}).get((p.step, p.fingerprint))
         where = ""
         if info is not None:
-            rank_nodes, rank_nbytes = info
+            rank_nodes, rank_nbytes = info[0], info[1]
+            domains = dict(info[2]) if len(info) > 2 else {}
             lost = sorted({rank_nodes[r] for r in p.missing if r < len(rank_nodes)})
             gib = sum(rank_nbytes[r] for r in p.missing if r < len(rank_nbytes)) / GIB
-            where = f" ({gib:.3f} GiB, saved on nodes {lost})"
+            lost_domains = sorted({domains[n] for n in lost if n in domains})
+            where = f" ({gib:.3f} GiB, saved on nodes {lost}"
+            where += f" in failure domain{'s' if len(lost_domains) > 1 else ''} {', '.join(map(repr, lost_domains))})" if lost_domains else ")"
         lanes = "".join(
             f"; parity group of saving ranks {list(lane)} lost ranks {[r for r in lane if r in p.missing]}: "
             "parity rebuilds one lost node per group, not two"

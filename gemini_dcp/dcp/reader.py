@@ -131,10 +131,12 @@ class GeminiStorageReader(StorageReader):
         process_group: Any = None,
         options: GeminiOptions | None = None,
         peer_transport: str | None = None,
+        failure_domain: str | None = None,
     ) -> None:
         """``root`` / ``job_id`` as the writer's; ``persistent``: the fsspec URL of the persistent
         tier to fall back to; ``timeout_s``: of the restore collectives and every store call;
         ``peer_transport``: what moves chunks fetched from peers and parity rebuilds (as the writer's);
+        ``failure_domain``: this node's failure domain (as the writer's; named in restore errors);
         ``options``: a :class:`gemini_dcp.options.GeminiOptions` instead of, or with, the keywords
         (a keyword left at its default takes the options' value; both set differently is a ConfigError)."""
         super().__init__()
@@ -146,7 +148,7 @@ class GeminiStorageReader(StorageReader):
         # (a keyword and an options field set to different values is a ConfigError).
         self.options: GeminiOptions = resolve_options(
             options, root=root, job_id=job_id, persistent=persistent, timeout_s=timeout_s,
-            peer_transport=peer_transport,
+            peer_transport=peer_transport, failure_domain=failure_domain,
         )
         cfg = self.options
         if cfg.peer_transport != "gloo":  # NIXL's agent started now, not inside the first transfer
@@ -357,7 +359,7 @@ class GeminiStorageReader(StorageReader):
             if comm.rank == p.src:
                 rec = self.tier.record(p.step)
                 if rec is not None and rec.fingerprint() == p.fingerprint:
-                    mine = (rec.rank_nodes, rec.rank_nbytes)
+                    mine = (rec.rank_nodes, rec.rank_nbytes, rec.node_domains)
             details[(p.step, p.fingerprint)] = comm.broadcast_object(mine, src=p.src)
         return details
 

@@ -110,6 +110,10 @@ class GeminiStorageWriter(StorageWriter):
             healthy step unhealthy (restores pass over it); ``"refuse"`` fails such a save with
             UnhealthyStateError, nothing committed; ``"ignore"`` skips the check. Default:
             ``$GEMINI_DCP_NONFINITE``, else ``"mark"`` (docs/health.md).
+        failure_domain: this node's failure domain (a rack, switch or power feed name, the same on
+            every rank of the node): replicas and parity groups are placed so that each node's copies
+            lie in as many distinct domains as exist. Default ``$GEMINI_DCP_FAILURE_DOMAIN``, else
+            unknown: placement by node position only (docs/placement.md).
 
     ``writer.last_save`` (a :class:`gemini_dcp.save.carry.SaveStats`, this rank, the last
     committed save): ``bytes_written`` copied into the tier, ``bytes_carried`` already held,
@@ -158,6 +162,7 @@ class GeminiStorageWriter(StorageWriter):
         full_every: int | None = None,
         nonfinite: str = "mark",
         peer_transport: str | None = None,
+        failure_domain: str | None = None,
     ) -> None:
         super().__init__()
         # Every option is validated before anything is created (tier or persistent directories):
@@ -168,7 +173,7 @@ class GeminiStorageWriter(StorageWriter):
             capacity_bytes=capacity_bytes, timeout_s=timeout_s, on_peer_failure=on_peer_failure,
             persistent=persistent, persist_every=persist_every, persist_keep=persist_keep,
             persist_keep_every=persist_keep_every, parity_group=parity_group, incremental=incremental,
-            full_every=full_every, nonfinite=nonfinite, peer_transport=peer_transport,
+            full_every=full_every, nonfinite=nonfinite, peer_transport=peer_transport, failure_domain=failure_domain,
         )
         cfg = self.options
         if cfg.peer_transport != "gloo":  # NIXL's agent started now, not inside the first transfer

@@ -251,6 +251,8 @@ class StepRecord:
     # The timeline the step was saved on: "" before any in-job rollback, else the rollback's id
     # (LocalTier.note_restore): a step of an abandoned timeline is never restored once one of the new commits.
     timeline: str = ""
+    # (node id, failure domain) of every node that named one (GeminiOptions.failure_domain), in node order.
+    node_domains: tuple[tuple[str, str], ...] = ()
 
     def __setstate__(self, state: Sequence[object]) -> None:
         # Records pickled field by field (before __reduce__ existed) hold fewer fields than
@@ -280,6 +282,10 @@ class StepRecord:
     @property
     def nodes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(self.rank_nodes))
+
+    def domain_of(self, node_id: str) -> str | None:
+        """The failure domain ``node_id`` named when this step was saved (None: none given)."""
+        return dict(self.node_domains).get(node_id)
 
     @property
     def total_bytes(self) -> int:
@@ -326,8 +332,8 @@ class StepRecord:
 
 
 _STEP_FIELDS = fields(StepRecord)
-_TRAILING = ("parity", "rank_save_bytes", "nonfinite", "healthy", "timeline")
-_TRAILING_DEFAULTS = (None, (), (), None, "")
+_TRAILING = ("parity", "rank_save_bytes", "nonfinite", "healthy", "timeline", "node_domains")
+_TRAILING_DEFAULTS = (None, (), (), None, "", ())
 
 
 def _trailing(rec: StepRecord) -> tuple[object, ...]:

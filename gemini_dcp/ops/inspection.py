@@ -83,6 +83,7 @@ class StepInfo:
     nodes: list[str] = field(default_factory=list)         # saving nodes, in rank order of first rank
     rank_nodes: list[str] = field(default_factory=list)
     holders: dict[str, list[str]] = field(default_factory=dict)  # origin node -> nodes with a copy
+    domains: dict[str, str] = field(default_factory=dict)  # node -> its failure domain (those that named one)
     replicas: int | None = None
     placement: str | None = None
     node_id: str | None = None            # the node that wrote this record
@@ -164,6 +165,7 @@ def _step_info(layout: JobLayout, step: int, persisted: set[int] | None, now: fl
     info.nodes = list(rec.nodes)
     info.rank_nodes = list(rec.rank_nodes)
     info.holders = {k: list(v) for k, v in rec.holders.items()}
+    info.domains = dict(rec.node_domains)
     info.replicas = rec.replicas
     info.placement = rec.placement
     info.node_id = rec.node_id

@@ -12,7 +12,7 @@ from typing import Literal
 
 from ..errors import ConfigError
 from .checks import check_choice, check_int
-from .env import env_choice, env_int, raw
+from .env import env_choice, env_int, env_str, raw
 
 __all__ = [
     "ENV_PARITY_GROUP", "ENV_PEER_TRANSPORT", "PEER_TRANSPORTS", "OnPeerFailure", "PeerOptions", "PeerTransport",
@@ -37,6 +37,30 @@ def check_peer_transport(value: object) -> None:
 def peer_transport_from_env(environ: Mapping[str, str] | None = None) -> PeerTransport:
     """``$GEMINI_DCP_PEER_TRANSPORT`` (gloo, nixl or auto; unset: gloo)."""
     return env_choice(ENV_PEER_TRANSPORT, PEER_TRANSPORTS, "gloo", environ)  # type: ignore[return-value]
+
+ENV_FAILURE_DOMAIN = "GEMINI_DCP_FAILURE_DOMAIN"  # this node's failure domain (rack, switch, power feed)
+_DOMAIN_MAX = 128
+
+
+def check_failure_domain(value: object) -> None:
+    """ConfigError unless ``value`` is None or a printable name of 1-128 characters."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value or len(value) > _DOMAIN_MAX or not value.isprintable():
+        raise ConfigError(
+            f"failure_domain={value!r}: give the name of this node's failure domain (what fails together: a rack, "
+            f"a top-of-rack switch, a power feed), a printable string of 1-{_DOMAIN_MAX} characters, the same on "
+            "every rank of a node; or None when unknown (copies are then placed by node position only). "
+            "docs/placement.md shows how to derive it from SLURM, a hostname or a Kubernetes node label.")
+
+
+def failure_domain_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$GEMINI_DCP_FAILURE_DOMAIN`` (unset or empty: None)."""
+    value = env_str(ENV_FAILURE_DOMAIN, None, environ)
+    value = value.strip() if value is not None else None
+    check_failure_domain(value or None)
+    return value or None
+
 
 PlacementStrategy = Literal["mixed", "group", "ring"]
 OnPeerFailure = Literal["raise", "degrade"]

@@ -19,7 +19,14 @@ from .checks import DEFAULT_TIMEOUT_S, check_timeout
 from .health import NonfiniteMode, check_nonfinite, nonfinite_from_env
 from .incremental import IncrementalOptions
 from .local import LocalOptions
-from .peer import PeerOptions, PeerTransport, check_peer_transport, peer_transport_from_env
+from .peer import (
+    PeerOptions,
+    PeerTransport,
+    check_failure_domain,
+    check_peer_transport,
+    failure_domain_from_env,
+    peer_transport_from_env,
+)
 from .persistent import DrainOptions, PersistentOptions
 
 __all__ = ["KEYWORDS", "GeminiOptions", "resolve_options"]
@@ -40,6 +47,7 @@ KEYWORDS: dict[str, tuple[str | None, str]] = {
     "timeout_s": (None, "timeout_s"),
     "nonfinite": (None, "nonfinite"),
     "peer_transport": (None, "peer_transport"),
+    "failure_domain": (None, "failure_domain"),
     "persistent": ("persistent", "url"),
     "persist_every": ("persistent", "every"),
     "persist_keep": ("persistent", "keep"),
@@ -66,6 +74,11 @@ class GeminiOptions:
     (torch.distributed over TCP), ``"nixl"`` (NIXL one-sided WRITEs over UCX: RDMA, shared memory;
     ConfigError at the first transfer when a rank cannot start it) or ``"auto"`` (NIXL where every
     rank starts it, else gloo). The same on every rank. ``$GEMINI_DCP_PEER_TRANSPORT``."""
+    failure_domain: str | None = None
+    """This node's failure domain: what fails together with it (a rack, a top-of-rack switch, a power
+    feed, an NVLink domain), as a name; the same on every rank of a node. Peer placement (replicas and
+    parity groups) puts each node's copies in as many distinct domains as exist. None (default): not
+    known, copies are placed by node position only. ``$GEMINI_DCP_FAILURE_DOMAIN``; docs/placement.md."""
 
     def __post_init__(self) -> None:
         for name, kind in (("local", LocalOptions), ("peer", PeerOptions), ("persistent", PersistentOptions),
@@ -75,6 +88,7 @@ class GeminiOptions:
         check_timeout(self.timeout_s)
         check_nonfinite(self.nonfinite)
         check_peer_transport(self.peer_transport)
+        check_failure_domain(self.failure_domain)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **keywords: Any) -> "GeminiOptions":
@@ -88,6 +102,7 @@ class GeminiOptions:
             incremental=IncrementalOptions.from_env(environ),
             nonfinite=nonfinite_from_env(environ),
             peer_transport=peer_transport_from_env(environ),
+            failure_domain=failure_domain_from_env(environ),
         )
         return base.with_keywords(**keywords)
 
@@ -152,6 +167,8 @@ def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> Gemini
             keywords = {**keywords, "nonfinite": nonfinite_from_env()}
         if keywords.get("peer_transport") is None:  # not given: $GEMINI_DCP_PEER_TRANSPORT, else gloo
             keywords = {**keywords, "peer_transport": peer_transport_from_env()}
+        if keywords.get("failure_domain") is None:  # not given: $GEMINI_DCP_FAILURE_DOMAIN, else unknown
+            keywords = {**keywords, "failure_domain": failure_domain_from_env()}
         return GeminiOptions(persistent=PersistentOptions(drain=drain)).with_keywords(**keywords)
     if not isinstance(options, GeminiOptions):
         raise ConfigError(
@@ -159,7 +176,7 @@ def resolve_options(options: GeminiOptions | None, /, **keywords: Any) -> Gemini
         )
     given: dict[str, Any] = {}
     for kw, value in keywords.items():
-        if kw == "peer_transport" and value is None:  # not given: the options' value
+        if kw in ("peer_transport", "failure_domain") and value is None:  # not given: the options' value
             continue
         default = _default_of(kw)
         if _is_default(value, default):

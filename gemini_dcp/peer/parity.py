@@ -51,7 +51,7 @@ from ..transport.comm import Comm
 from ..transport.p2p import Pending, Transport
 from .parity_groups import Transfer, encode_transfers, parity_groups, parity_lanes, parity_length, rebuild_transfers
 from .push import ReplicaTier, agree_on_errors, node_order
-from .routes import SlotReport
+from .routes import SlotReport, warn_shared_domains
 
 __all__ = ["Encoded", "ParitySlots", "Rebuilt", "encode_parity", "rebuild_lost", "rebuild_servers"]
 
@@ -123,7 +123,9 @@ def encode_parity(
     ``on_peer_failure="degrade"``, the step commits without parity and a warning).
     """
     t0 = time.perf_counter()
-    order = node_order(comm, reports, previous_order, tier)
+    order = node_order(comm, reports, previous_order, tier, group)
+    if comm.rank == 0:
+        warn_shared_domains(order, reports, parity_groups(order, group), "parity_group")
     me = comm.rank
     rank_nodes = [rep.node_id for rep in reports]
     lanes = parity_lanes(order, rank_nodes, group)

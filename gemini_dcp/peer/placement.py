@@ -13,6 +13,15 @@ three ways:
 Placement works on *positions* ``0 … N-1``; :func:`assign_positions` maps node identities
 to positions so that surviving nodes keep theirs across restarts.
 
+**Failure domains.** Consecutive positions are usually neighbours (a rack, a switch, a power
+feed): one domain failing would take every copy of a group at once. With each node's failure
+domain known, :func:`spread_over_domains` reorders the positions so that the ``m`` consecutive
+positions of a group or ring window (and a parity group's members) fall in as many distinct
+domains as exist. All nodes in one domain (or none
+given): the order is unchanged, which keeps GEMINI's placement; the reordering is idempotent, so
+a restarted job whose nodes keep their domains keeps its positions.
+:func:`recovery_probability` with ``domains=`` counts whole domains failing instead of nodes.
+
 :func:`recovery_probability` gives the exact probability that ``k`` simultaneous random
 node failures leave every checkpoint with a live copy; :func:`group_formula` is the
 paper's closed form for group placement.
@@ -26,7 +35,7 @@ import functools
 import itertools
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
@@ -41,7 +50,10 @@ __all__ = [
     "assign_positions",
     "group_formula",
     "place",
+    "place_over_domains",
     "recovery_probability",
+    "shared_domains",
+    "spread_over_domains",
 ]
 
 Strategy = Literal["mixed", "group", "ring"]
@@ -177,9 +189,13 @@ def _check_sizes(num_nodes: int, replicas: int) -> None:
 
 
 # ---- recovery probability --------------------------------------------------------------------
-def recovery_probability(placement: Placement, failures: int) -> float:
+def recovery_probability(placement: Placement, failures: int, *, domains: Sequence[str] | None = None) -> float:
     """Exact P(every checkpoint keeps a live copy) when ``failures`` distinct nodes, chosen
     uniformly at random, fail at once.
+
+    With ``domains`` (``domains[i]``: node ``i``'s failure domain), ``failures`` whole domains,
+    chosen uniformly at random among the distinct domains, fail at once (every node in them),
+    counted by enumerating the ``C(D, k)`` domain sets.
 
     Placements built by :func:`place` (group, ring or mixed, or any placement whose
     :attr:`Placement.groups` are groups or rings of consecutive windows) are counted exactly
@@ -192,7 +208,32 @@ def recovery_probability(placement: Placement, failures: int) -> float:
         PlacementError: ``failures`` is negative, or the placement has an unrecognised shape
             and too many failure sets to enumerate.
     """
+    if domains is not None:
+        return float(_domain_survival(placement, failures, domains))
     return float(_survival_fraction(placement, failures))
+
+
+def _domain_survival(placement: Placement, failures: int, domains: Sequence[str]) -> Fraction:
+    n, k = placement.num_nodes, failures
+    if len(domains) != n:
+        raise PlacementError(f"domains has {len(domains)} entries for {n} nodes: give one failure domain per node.")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise PlacementError(f"failures={k!r}: give the number of whole domains failing at once (an int >= 0).")
+    names = sorted(set(domains))
+    if k == 0:
+        return Fraction(1)
+    if k >= len(names):
+        return Fraction(0)
+    total = math.comb(len(names), k)
+    if total > ENUMERATION_LIMIT:
+        raise PlacementError(f"C({len(names)}, {k}) domain sets is more than {ENUMERATION_LIMIT} to enumerate.")
+    masks = {sum(1 << h for h in hs) for hs in placement.holders}
+    of = {d: sum(1 << i for i in range(n) if domains[i] == d) for d in names}
+    ok = 0
+    for failed in itertools.combinations(names, k):
+        dead = sum(of[d] for d in failed)
+        ok += all(mask & ~dead for mask in masks)
+    return Fraction(ok, total)
 
 
 def _survival_fraction(placement: Placement, failures: int, *, method: str = "auto") -> Fraction:
@@ -353,3 +394,73 @@ def assign_positions(previous: Sequence[str] | None, current: Sequence[str]) -> 
         return [x for x in previous if x in present] + newcomers
     fill = iter(newcomers)
     return [x if x in present else next(fill) for x in previous]
+
+
+# ---- failure domains ------------------------------------------------------------------------
+def spread_over_domains(order: Sequence[str], domains: Mapping[str, str], window: int = 2) -> list[str]:
+    """``order`` (nodes by position) reordered so that every ``window`` consecutive positions (a node's
+    ``m`` copies in a group or ring window: ``window=m``; a parity group: its size) hold distinct failure
+    domains where the domains allow it.
+
+    Greedy: each position takes the domain with the most nodes left among those not used in the last
+    ``window - 1`` positions (relaxing to fewer when none is left), ties to the larger domain, then to the
+    one whose first node comes first in ``order``; a domain's nodes keep their relative order. A node
+    missing from ``domains`` (or mapped to ``""``) counts as one unnamed domain. With a single domain the
+    order is returned unchanged. Idempotent (a domain of the result appears in the same rank), so the
+    positions a restart hands back (:func:`assign_positions`) stay where they were, and a node replaced
+    by one of the same domain takes its place.
+    """
+    buckets: dict[str, list[str]] = {}
+    first: dict[str, int] = {}
+    for i, node in enumerate(order):
+        d = domains.get(node, "") or ""
+        buckets.setdefault(d, []).append(node)
+        first.setdefault(d, i)
+    if len(buckets) <= 1:
+        return list(order)
+    rank = {d: r for r, d in enumerate(sorted(buckets, key=lambda d: (-len(buckets[d]), first[d])))}
+    left = {d: len(b) for d, b in buckets.items()}
+    taken = dict.fromkeys(buckets, 0)
+    recent: list[str] = []
+    out: list[str] = []
+    w = max(1, int(window))
+    for _ in range(len(order)):
+        for span in range(w - 1, -1, -1):
+            avoid = set(recent[-span:]) if span else set()
+            cands = [d for d in buckets if left[d] and d not in avoid]
+            if cands:
+                break
+        d = min(cands, key=lambda x: (-left[x], rank[x]))
+        out.append(buckets[d][taken[d]])
+        taken[d] += 1
+        left[d] -= 1
+        recent.append(d)
+    return out
+
+
+def place_over_domains(domains: Sequence[str], replicas: int, strategy: Strategy = "mixed", *,
+                       spread: bool = True) -> Placement:
+    """:func:`place` for nodes ``0 … N-1`` whose failure domains are ``domains`` (node ``i``: ``domains[i]``),
+    in node numbers: positions follow :func:`spread_over_domains` of the node order (``spread=False``:
+    positions are the node numbers, domain-blind, as a job without domains places them)."""
+    n = len(domains)
+    base = place(n, replicas, strategy)
+    ids = [str(i) for i in range(n)]
+    order = [int(x) for x in spread_over_domains(ids, dict(zip(ids, domains)), replicas)] if spread else list(range(n))
+    holders = [()] * n  # type: list[tuple[int, ...]]
+    for pos, hs in enumerate(base.holders):
+        holders[order[pos]] = tuple(sorted(order[h] for h in hs))
+    groups = tuple(sorted(tuple(order[p] for p in g) for g in base.groups))
+    return Placement(num_nodes=n, replicas=base.replicas, strategy=strategy, holders=tuple(holders), groups=groups)
+
+
+def shared_domains(placement: Placement, domains: Sequence[str]) -> dict[int, list[str]]:
+    """Nodes whose copies share a failure domain: ``{node: [domain, ...]}`` (the domains holding two or more
+    of its ``m`` copies), empty when every node's copies lie in distinct domains."""
+    out: dict[int, list[str]] = {}
+    for node, hs in enumerate(placement.holders):
+        counts = Counter(domains[h] for h in hs)
+        twice = sorted(d for d, c in counts.items() if c > 1)
+        if twice:
+            out[node] = twice
+    return out

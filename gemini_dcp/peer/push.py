@@ -29,7 +29,8 @@ from ..options.tree import GeminiOptions
 from ..transport.comm import Comm, restart_required
 from ..transport.p2p import Pending, Transport
 from .delta import ReplicaMemory, merge_runs, packed_rows, pair_runs, row_view, touches
-from .routes import SlotReport, choose_order, replication_routes
+from .placement import place
+from .routes import SlotReport, choose_order, replication_routes, warn_shared_domains
 
 __all__ = ["ReplicaTier", "Replicated", "SlotBuffer", "agree_on_errors", "node_order", "replicate"]
 
@@ -64,8 +65,10 @@ class Replicated(NamedTuple):
     node_order: list[str]  # the placement's node positions: pass it back as ``previous_order`` next save
 
 
-def node_order(comm: Comm, reports: Sequence[SlotReport], previous: list[str] | None, tier: ReplicaTier) -> list[str]:
-    """Collective: positions of nodes in the placement, stable for surviving nodes (decided on rank 0).
+def node_order(comm: Comm, reports: Sequence[SlotReport], previous: list[str] | None, tier: ReplicaTier,
+               window: int = 2) -> list[str]:
+    """Collective: positions of nodes in the placement, stable for surviving nodes (decided on rank 0),
+    spread over the nodes' failure domains by windows of ``window`` (replicas, or the parity group size).
 
     ``previous`` is the order of this writer's last save; without one, rank 0 takes the nodes of
     the newest step on its node (a restarted job keeps its positions).
@@ -76,7 +79,7 @@ def node_order(comm: Comm, reports: Sequence[SlotReport], previous: list[str] | 
             steps = tier.steps()
             rec = tier.record(steps[-1]) if steps else None
             previous = list(rec.nodes) if rec is not None else None
-        order = choose_order(previous, reports)
+        order = choose_order(previous, reports, window)
     return comm.broadcast_object(order, src=0)
 
 
@@ -120,8 +123,12 @@ def replicate(
     (:mod:`gemini_dcp.peer.delta`); every item is verified all the same.
     """
     t0 = time.perf_counter()
-    order = node_order(comm, reports, previous_order, tier)
+    order = node_order(comm, reports, previous_order, tier, options.peer.replicas)
     routes = replication_routes(order, reports, options.peer.replicas, options.peer.placement)
+    if comm.rank == 0:
+        m = min(options.peer.replicas, len(order))
+        pl = place(len(order), m, options.peer.placement)  # type: ignore[arg-type]
+        warn_shared_domains(order, reports, [[order[h] for h in hs] for hs in pl.holders], "replicas")
     me = comm.rank
     works: list[Pending] = []
     received: list[tuple[int, int, SlotBuffer, Any]] = []  # (src, slot index, slot, delta runs or None)

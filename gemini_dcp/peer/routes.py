@@ -8,12 +8,15 @@ collective that broadcasts the coordinator's node order is
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .placement import assign_positions, place
+from .placement import assign_positions, place, spread_over_domains
 
-__all__ = ["ItemKey", "SlotReport", "choose_order", "replication_routes"]
+log = logging.getLogger(__name__)
+
+__all__ = ["ItemKey", "SlotReport", "choose_order", "replication_routes", "warn_shared_domains"]
 
 ItemKey = tuple[int, int]  # (saving rank, offset in its slot): one stored chunk
 
@@ -48,10 +51,18 @@ class SlotReport(Protocol):
         ...
 
 
-def choose_order(previous: Sequence[str] | None, reports: Sequence[SlotReport]) -> list[str]:
-    """Positions of the reporting nodes in the placement, stable for nodes in ``previous``."""
+def choose_order(previous: Sequence[str] | None, reports: Sequence[SlotReport], window: int = 2) -> list[str]:
+    """Positions of the reporting nodes in the placement, stable for nodes in ``previous``, spread over
+    the nodes' failure domains (each report's ``failure_domain``, a node's lowest rank's) so that every
+    ``window`` consecutive positions (the copies of a node, a parity group) differ in domain
+    (:func:`~gemini_dcp.peer.placement.spread_over_domains`)."""
     current = list(dict.fromkeys(rep.node_id for rep in reports))
-    return assign_positions(previous, current)
+    domains: dict[str, str] = {}
+    for rep in reports:
+        d = getattr(rep, "failure_domain", "")
+        if d:
+            domains.setdefault(rep.node_id, d)
+    return spread_over_domains(assign_positions(previous, current), domains, window)
 
 
 def replication_routes(order: list[str], reports: Sequence[SlotReport], replicas: int, strategy: str) -> list[tuple[int, int]]:
@@ -68,3 +79,35 @@ def replication_routes(order: list[str], reports: Sequence[SlotReport], replicas
             targets = ranks_of[order[peer]]
             routes.append((rep.rank, targets[rep.rank % len(targets)]))
     return routes
+
+
+_SHARED_WARNED: set[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]] = set()
+
+
+def warn_shared_domains(order: Sequence[str], reports: Sequence[SlotReport], sets: Sequence[Sequence[str]],
+                        what: str) -> None:
+    """Log once per layout which node sets (each node's copies, or a parity group's members) hold two or
+    more nodes of one failure domain: spreading them was impossible (too few domains, or one too large).
+    Nothing when no node named a domain."""
+    domains: dict[str, str] = {}
+    for rep in reports:
+        d = getattr(rep, "failure_domain", "")
+        if d:
+            domains.setdefault(rep.node_id, d)
+    if not domains:
+        return
+    key = (tuple(order), tuple(tuple(x) for x in sets))
+    if key in _SHARED_WARNED:
+        return
+    _SHARED_WARNED.add(key)
+    shared = []
+    for members in sets:
+        seen: dict[str, list[str]] = {}
+        for n in members:
+            seen.setdefault(domains.get(n, "?"), []).append(n)
+        shared += [f"{list(ns)} in domain {d!r}" for d, ns in seen.items() if len(ns) > 1]
+    if shared:
+        log.warning(
+            "failure domains: %s share a domain (%d domain(s) for %d node(s)): losing such a domain loses every "
+            "copy of them from memory (the persistent tier still holds drained steps). Spread the job over more "
+            "domains, or lower %s.", "; ".join(shared), len(set(domains.values())), len(order), what)
