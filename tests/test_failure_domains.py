@@ -312,3 +312,13 @@ def test_without_domains_the_same_wipe_falls_back_to_the_store(wiped_domains: di
         got = res["blind-group-r0"]
         assert "error" not in got and got["step"] == 2 and got["exact"], (rank, got)
         assert got["from"].get("persistent", 0) > 0, (rank, got)  # the group's both copies were in r0
+
+
+def test_every_python_block_of_docs_placement_runs() -> None:
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "placement.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        exec(compile(block, "docs/placement.md", "exec"), {})  # noqa: S102 - the docs' own snippets
