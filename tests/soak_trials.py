@@ -9,7 +9,8 @@ parity group of 3/4 nodes, the placement, incremental saves (with or without ``f
 ``nonfinite`` mark/refuse with NaN put into one rank's shard at one step, an in-process rollback
 followed by re-saves (a new timeline), the peer transport (NIXL only where it imports), a
 persistent store drained every step with the drain bridge on or off, the launch method
-(``env://``, ``tcp://``, ``file://``, a ``Store``) and a second job sharing the roots. The fault
+(``env://``, ``tcp://``, ``file://``, a ``Store``), a second job sharing the roots and failure
+domains named by the nodes (spread placement). The fault
 (:data:`FAULTS`): SIGKILL/SIGTERM/SIGSTOP at a named phase (:data:`gemini_dcp.core.faults.PHASES`
 and the conditional ones), a node's memory wiped, a byte flipped in a slot, replica or parity
 file, ENOSPC on a node's tier or on the store (a small tmpfs mounted there), or a stale process
@@ -82,6 +83,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "persistent": ("off", "thread", "bridge", "no_bridge"),
     "launch": ("env", "tcp", "file", "store"),
     "two_jobs": ("no", "yes"),
+    "domains": ("none", "set"),  # each simulated node names a failure domain (node index mod 2)
 }
 
 #: feature -> weights of its values where not uniform. A drain *process* imports torch afresh (~10 s
@@ -317,6 +319,7 @@ def _writer(spec: dict[str, Any], job: str, *, main: bool) -> Any:
         placement=f["placement"], timeout_s=spec["timeout_s"], persistent=spec.get("store"), persist_every=1,
         incremental=f["incremental"] != "off", full_every=2 if f["incremental"] == "full_every" else None,
         nonfinite=f["nonfinite"], peer_transport=None if f["transport"] == "gloo" else "nixl",
+        failure_domain=f"dom{spec['node'] % 2}" if f.get("domains") == "set" else None,
     )
 
 
