@@ -142,3 +142,24 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     assert (tmp_path / "site" / "reference" / "storage" / "index.html").exists()
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    return [x for part in m.group(1).split(",") for x in _expand_braces(pattern[: m.start()] + part + pattern[m.end():])]
+
+
+def test_every_results_file_is_cited() -> None:
+    """benchmarks/results/ holds only what the docs cite: each file by name, or by a pattern the docs give
+    (``persist-save*.json``, ``recovery-optinit-{before,after}-{1,2,3}.json``)."""
+    import fnmatch
+
+    text = "".join(p.read_text() for p in sorted((REPO / "docs").rglob("*.md")))
+    text += (REPO / "README.md").read_text() + (REPO / "benchmarks" / "README.md").read_text()
+    text += (REPO / "benchmarks" / "gate.py").read_text()  # the gate's own history
+    patterns = {x for tok in re.findall(r"[\w{},*.-]+\.jsonl?", text) for x in _expand_braces(tok)}
+    uncited = [p.name for p in sorted((REPO / "benchmarks" / "results").iterdir())
+               if p.is_file() and not any(fnmatch.fnmatch(p.name, pat) for pat in patterns)]
+    assert not uncited, f"benchmarks/results/ files no doc cites (cite them, or git rm them): {uncited}"
