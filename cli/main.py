@@ -250,6 +250,7 @@ def _report_materialized(result: dict[str, Any], as_json: bool, verb: str) -> No
 
 class ExportFormat(str, Enum):
     safetensors = "safetensors"
+    deepspeed = "deepspeed"
 
 
 @app.command("export")
@@ -268,10 +269,20 @@ def export_cmd(
     persistent: PersistentOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Export a step's consolidated weights (HuggingFace safetensors layout) from any tier."""
-    from gemini_dcp.persistent.export import export_safetensors
+    """Export a step from any tier: its consolidated weights (HuggingFace safetensors layout), or with --format deepspeed a DeepSpeed checkpoint as DeepSpeed's checkpoint directory (latest, <tag>/ per-rank files) for zero_to_fp32.py and universal checkpointing."""
+    from gemini_dcp.persistent.export import export_deepspeed, export_safetensors
 
     out_dir = os.path.abspath(os.path.expanduser(to))
+    if fmt is ExportFormat.deepspeed:
+        tag_dir = export_deepspeed(step, out_dir, root=root, job_id=job, persistent=persistent)
+        files = sorted(_walk_files(tag_dir))
+        size = sum(os.path.getsize(f) for f in files)
+        if as_json:
+            _emit_json({"ok": True, "step": step, "format": fmt.value, "path": str(tag_dir), "files": files, "bytes": size})
+            return
+        _out().print(f"exported step {step} as {fmt.value} -> {escape(str(tag_dir))} ({len(files)} file(s), {bytes_h(size)}; "
+                     f"{escape(os.path.join(out_dir, 'latest'))} names it)")
+        return
     spinner = _err().status(f"exporting step {step}", spinner="dots") if not as_json else contextlib.nullcontext()
     with spinner:
         path = export_safetensors(step, out_dir, root=root, job_id=job, persistent=persistent, prefix=prefix,

@@ -9,15 +9,18 @@ and step come back. The batch of a step is drawn from the step and the rank (no 
 The unchanged DeepSpeed loop is the lines between the ``docs:`` markers (docs/integrations.md shows them).
 
 ``--configs`` trains one engine after another in the same processes (a launch costs ~25 s of imports), each a
-``stage:precision:mode`` (``1:fp32:sync``, ``3:bf16:async``...) with a job id of its own. ``--fail-at-step N``:
+``stage:precision:mode`` (``1:fp32:sync``, ``3:bf16:async``...) with a job id of its own; mode ``sync`` /
+``async``: checkpoints through ``use_gemini`` (``async_save``), ``disk``: DeepSpeed's own ``save_checkpoint``
+to the checkpoint directory (no gemini_dcp), ``none``: no checkpoints (the last two are
+benchmarks/bench_deepspeed.py's baselines). A config named twice gets a ``-<index>`` suffix. ``--fail-at-step N``:
 on torchrun attempt ``a`` the last rank SIGKILLs itself during step N of config ``a`` (after backward, before
 the optimizer step), so with ``--max-restarts len(configs)`` every config is killed once and resumed.
 ``--node-root`` / ``--ckpt-dir`` may hold ``{node}``: each rank is then a simulated node with a tier root and a
 checkpoint directory of its own; ``--wipe-on-restart``: on every even restart the last rank's node is replaced
 (its tier root and checkpoint directory removed before it starts), so it resumes from its peer's copy
-(``--replicas 2``). ``--nan-at-step N``: the weights hold a NaN after step N of the first attempt (the
-checkpoint is marked unhealthy, the resume passes over it). ``--ds-save``: DeepSpeed's own ``save_checkpoint``
-to disk (no gemini_dcp), the baseline of benchmarks/bench_deepspeed.py; ``--every 0``: no checkpoints.
+(``--replicas 2``). ``--nan-at-step N``: in a config that started afresh the weights hold a NaN after step N
+(its checkpoints are marked unhealthy, the next launch passes over them). ``--save-16bit-model``:
+``save_16bit_model`` into the checkpoint directory after the last step (a file on disk, never a step).
 ``--loss-log`` (rank 0 appends ``config step loss.hex()``), ``--save-log`` (every rank appends ``attempt rank
 config step committed`` once ``save_checkpoint`` returned), ``--dump-final`` (rank 0 saves every config's final
 weights, gathered), ``--timing-json`` (every step's seconds, the save included, and the load's) are for
@@ -67,18 +70,33 @@ class Hooks:
         self.times: dict[str, dict[int, float]] = {}
         self.loads: dict[str, float] = {}
         self.t0 = time.perf_counter()
+        self.fresh = True
 
     def before_optimizer_step(self, index: int, step: int, engine: Any) -> None:
         if self.attempt == index and step == self.args.fail_at_step and self.rank == self.world - 1:
             print(f"[rank {self.rank}] injected failure: SIGKILL during step {step} of config {index}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.attempt == 0 and step == self.args.nan_at_step:
+        if self.fresh and step == self.args.nan_at_step:
             with torch.no_grad():
                 for p in engine.optimizer.optimizer.param_groups[0]["params"][:1]:
                     p.view(-1)[0] = float("nan")  # the master weights: the next step's checkpoint holds a NaN
 
+    def baseline(self, engine: Any, ckpt: Any, mode: str) -> Any:
+        """``disk``: DeepSpeed's own checkpoint engine and load back (the benchmark's baseline); ``none``: no saves."""
+        if mode == "disk":
+            from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+            ckpt.close()
+            engine.checkpoint_engine = TorchCheckpointEngine()
+            for attr in ("load_checkpoint", "save_16bit_model", "destroy"):  # use_gemini's wrappers on the instance
+                vars(engine).pop(attr, None)
+            return None
+        if mode == "none":
+            engine.save_checkpoint = lambda *_, **__: True
+        return ckpt
+
     def loaded(self, name: str, load_path: Any, ckpt: Any, seconds: float) -> None:
-        self.loads[name] = seconds
+        self.loads[name], self.fresh = seconds, load_path is None
         if self.rank == 0:
             where = "nothing to resume" if load_path is None else (
                 f"resumed step {ckpt.restored_step} ({load_path}) bytes per tier {ckpt.restored_from}"
@@ -112,7 +130,6 @@ def main() -> None:
     p.add_argument("--job-id", required=True)
     p.add_argument("--configs", default="3:fp32:sync", help="stage:fp32|bf16:sync|async, comma-separated")
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--every", type=int, default=1, help="checkpoint every N steps (0: never)")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--ckpt-dir", default="ckpt", help="DeepSpeed's save_dir / load_dir ({node}: one per rank)")
@@ -121,7 +138,7 @@ def main() -> None:
     p.add_argument("--wipe-on-restart", action="store_true")
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--nan-at-step", type=int, default=None)
-    p.add_argument("--ds-save", action="store_true", help="DeepSpeed's own checkpoints to disk (no gemini_dcp)")
+    p.add_argument("--save-16bit-model", action="store_true", help="save_16bit_model(ckpt dir) after the last step")
     p.add_argument("--loss-log", default=None)
     p.add_argument("--save-log", default=None)
     p.add_argument("--dump-final", default=None)
@@ -141,9 +158,10 @@ def main() -> None:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     finals: dict[str, Any] = {}
-    for index, spec in enumerate(args.configs.split(",")):
+    specs = args.configs.split(",")
+    for index, spec in enumerate(specs):
         stage, precision, mode = spec.split(":")
-        name = f"z{stage}-{precision}-{mode}"
+        name = f"z{stage}-{precision}-{mode}" + (f"-{index}" if specs.count(spec) > 1 else "")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, args.width),
@@ -154,11 +172,10 @@ def main() -> None:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config(int(stage), precision == "bf16", args.batch))
         t0 = time.perf_counter()
-        ckpt = None
-        if not args.ds_save:
-            # docs: deepspeed
-            ckpt = use_gemini(engine, job_id=f"{args.job_id}-{name}", root=root, replicas=args.replicas,
-                              async_save=mode == "async")
+        # docs: deepspeed
+        ckpt = use_gemini(engine, job_id=f"{args.job_id}-{name}", root=root, replicas=args.replicas,
+                          async_save=mode == "async")
+        ckpt = hooks.baseline(engine, ckpt, mode)  # example-only
         load_path, _ = engine.load_checkpoint(save_dir)   # the newest step in any tier; (None, None): first launch
         hooks.loaded(name, load_path, ckpt, time.perf_counter() - t0)  # example-only
         for step in range(engine.global_steps + 1, args.steps + 1):
@@ -167,13 +184,14 @@ def main() -> None:
             engine.backward(loss)
             hooks.before_optimizer_step(index, step, engine)  # example-only
             engine.step()
-            if args.every and step % args.every == 0:
-                engine.save_checkpoint(save_dir)          # every rank: one gemini_dcp step (tag global_step<N>)
+            engine.save_checkpoint(save_dir)              # every rank: one gemini_dcp step (tag global_step<N>)
             hooks.saved(name, step, ckpt)  # example-only
             hooks.step_done(name, step, loss)  # example-only
+        if args.save_16bit_model:  # example-only: a file on disk, never a training step
+            engine.save_16bit_model(save_dir)  # example-only
+        hooks.finish(name, engine, finals)  # example-only
         engine.destroy()                                  # with async_save: waits for the last commit
         # /docs
-        hooks.finish(name, engine, finals)
     if rank == 0 and args.dump_final:
         torch.save(finals, args.dump_final)
     if rank == 0 and args.timing_json:

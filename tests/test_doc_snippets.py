@@ -31,6 +31,7 @@ README = REPO / "README.md"
 EXAMPLES = {  # the block's section -> (example file, region name, the test that runs it)
     "Lightning": ("examples/lightning_resume.py", "lightning", "tests/test_lightning_e2e.py"),
     "Accelerate": ("examples/accelerate_resume.py", "accelerate", "tests/test_accelerate_e2e.py"),
+    "DeepSpeed": ("examples/deepspeed_resume.py", "deepspeed", "tests/test_deepspeed_e2e.py"),
 }
 COMPILED_ONLY = ("torchtitan",)
 

@@ -173,6 +173,7 @@ class GeminiCheckpointEngine:
         if self._info is None:  # save_16bit_model: its file went to disk
             return True
         tag = str(info.tag)
+        pending, self._pending, self._info = self._pending, {}, None
         step = self._step_for(tag)
         if step in self.steps:
             raise ConfigError(
@@ -180,8 +181,7 @@ class GeminiCheckpointEngine:
                 f"{self.steps[step]!r}: gemini_dcp keeps one checkpoint per global step. Save again after the next "
                 "engine.step(), or give the earlier checkpoint's tag."
             )
-        state = {**tag_item(tag), **self._pending}
-        self._pending, self._info = {}, None
+        state = {**tag_item(tag), **pending}
         if self.async_save:  # waits until the previous checkpoint committed (max_pending=1): the crash bound
             self._checkpointer().save(state, step)
         else:

@@ -1,4 +1,5 @@
-"""Export a step's model weights as consolidated safetensors (HuggingFace layout).
+"""Export a step out of the tiers: its model weights as consolidated safetensors (HuggingFace layout), or a
+DeepSpeed checkpoint as DeepSpeed's own checkpoint directory (:func:`export_deepspeed`).
 
     from gemini_dcp.persistent.export import export_safetensors
     path = export_safetensors(1200, "out/", job_id="run1", persistent="s3://bucket/ckpt")
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from ..errors import ConfigError, ShardUnavailableError
+from ..errors import CheckpointMismatchError, ConfigError, ShardUnavailableError, UntrustedDataError
+from .deepspeed_layout import TAG_KEY, decode_file, deepspeed_files, is_deepspeed_step, tag_value
 from .stock_format import StepSource, open_step
 from .store import PersistentTier
 
@@ -141,3 +143,60 @@ def _assemble(src: StepSource, fqn: str, md: TensorStorageMetadata) -> torch.Ten
             f"{fqn}: its chunks cover {covered} of {full.numel()} elements in the checkpoint metadata; cannot consolidate."
         )
     return full
+
+
+def export_deepspeed(
+    step: int | None,
+    out_dir: str | os.PathLike[str],
+    *,
+    root: str | os.PathLike[str] | None = None,
+    job_id: str | None = None,
+    persistent: str | PersistentTier | None = None,
+) -> Path:
+    """Write the DeepSpeed checkpoint held as ``step`` (None: the newest) as DeepSpeed's checkpoint directory.
+
+    ``out_dir/<tag>/`` gets every rank's files (``mp_rank_00_model_states.pt``, ``*zero_pp_rank_<r>_*`` ...)
+    written with ``torch.save``, and ``out_dir/latest`` names the tag, so DeepSpeed's ``load_checkpoint``,
+    ``zero_to_fp32.py`` and ``ds_to_universal`` read it as one DeepSpeed wrote. Items are read from any tier
+    reachable from this host and verified against their checksums. Returns ``out_dir/<tag>``. Raises
+    CheckpointMismatchError for a step that holds no DeepSpeed checkpoint, ShardUnavailableError when a
+    file's items are readable from no tier here. Needs ``deepspeed`` importable when the files hold its objects.
+    """
+    src = open_step(step, root=root, job_id=job_id, persistent=persistent)
+    if not is_deepspeed_step(src.metadata):
+        raise CheckpointMismatchError(
+            f"step {src.step} of job {src.job_id!r} holds no DeepSpeed checkpoint (no {TAG_KEY!r} item): use "
+            "--format safetensors, or give the job id of the DeepSpeed job."
+        )
+    sdm = src.metadata.state_dict_metadata
+    files = deepspeed_files(src.metadata)
+    keys = [TAG_KEY, *(k for f in files.values() for k in f.keys)]
+    selected = []
+    for k in keys:
+        md = sdm[k]
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointMismatchError(f"step {src.step}: {k!r} is not a tensor item; not a gemini_dcp DeepSpeed step.")
+        selected.append((k, md))
+    _check_available(src, selected)
+    values = {k: _assemble(src, k, md) for k, md in selected}
+    tag = tag_value(values[TAG_KEY])
+    out = Path(out_dir)
+    tag_dir = out / tag
+    if not tag or os.path.normpath(tag) != tag or tag.startswith(("/", "..")):
+        raise UntrustedDataError(f"step {src.step} records DeepSpeed tag {tag!r}, which is no directory name.")
+    for f in files.values():
+        target = tag_dir / f.name
+        if os.path.normpath(f.name) != f.name or f.name.startswith(("/", "..")):
+            raise UntrustedDataError(f"step {src.step} holds a DeepSpeed file named {f.name!r}, outside its tag directory.")
+        try:
+            obj = decode_file(f, values)
+        except ImportError as exc:
+            raise ConfigError(f"{f.name} holds DeepSpeed objects ({exc}): run the export where deepspeed is installed.") from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        torch.save(obj, tmp)
+        os.replace(tmp, target)
+    tmp = out / ".latest.tmp"
+    tmp.write_text(tag)
+    os.replace(tmp, out / "latest")
+    return tag_dir
