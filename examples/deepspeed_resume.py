@@ -23,7 +23,9 @@ checkpoint directory of its own; ``--wipe-on-restart``: on every even restart th
 ``save_16bit_model`` into the checkpoint directory after the last step (a file on disk, never a step).
 ``--loss-log`` (rank 0 appends ``config step loss.hex()``), ``--save-log`` (every rank appends ``attempt rank
 config step committed`` once ``save_checkpoint`` returned), ``--dump-final`` (rank 0 saves every config's final
-weights, gathered), ``--timing-json`` (every step's seconds, the save included, and the load's) are for
+weights, gathered), ``--timing-json`` (every step's seconds, the save included; the seconds inside
+``save_checkpoint`` and inside the engine; the load's) and ``--save-blocks B`` (checkpoints in steps 1..B,
+2B+1..3B, ... only) are for
 tests/test_deepspeed_e2e.py and benchmarks/bench_deepspeed.py.
 """
 
@@ -69,6 +71,9 @@ class Hooks:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.times: dict[str, dict[int, float]] = {}
         self.loads: dict[str, float] = {}
+        self.save_times: dict[str, dict[int, float]] = {}  # seconds inside save_checkpoint
+        self.t_save = 0.0
+        self.engine_times: dict[str, dict[int, float]] = {}  # seconds inside GeminiCheckpointEngine
         self.t0 = time.perf_counter()
         self.fresh = True
 
@@ -93,6 +98,13 @@ class Hooks:
             return None
         if mode == "none":
             engine.save_checkpoint = lambda *_, **__: True
+        b, save = self.args.save_blocks, engine.save_checkpoint
+        if b:  # saves in steps 1..B, 2B+1..3B, ... only: steps with and without a save in one config
+
+            def blocked(*args: Any, **kwargs: Any) -> Any:
+                return (engine.global_steps - 1) // b % 2 == 0 and save(*args, **kwargs)
+
+            engine.save_checkpoint = blocked
         return ckpt
 
     def loaded(self, name: str, load_path: Any, ckpt: Any, seconds: float) -> None:
@@ -104,7 +116,13 @@ class Hooks:
             print(f"config {name} attempt {self.attempt}: {where} in {seconds:.3f} s", flush=True)
         self.t0 = time.perf_counter()
 
+    def save_start(self) -> None:
+        self.t_save = time.perf_counter()
+
     def saved(self, name: str, step: int, ckpt: Any) -> None:
+        self.save_times.setdefault(name, {})[step] = time.perf_counter() - self.t_save
+        if ckpt is not None and ckpt.last_save_seconds is not None:
+            self.engine_times.setdefault(name, {})[step], ckpt.last_save_seconds = ckpt.last_save_seconds, None
         if self.args.save_log and ckpt is not None:
             with open(self.args.save_log, "a") as f:
                 f.write(f"{self.attempt} {self.rank} {name} {step} {ckpt.last_committed_step}\n")
@@ -139,6 +157,7 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--nan-at-step", type=int, default=None)
     p.add_argument("--save-16bit-model", action="store_true", help="save_16bit_model(ckpt dir) after the last step")
+    p.add_argument("--save-blocks", type=int, default=0, help="save in steps 1..B, 2B+1..3B, ... only")
     p.add_argument("--loss-log", default=None)
     p.add_argument("--save-log", default=None)
     p.add_argument("--dump-final", default=None)
@@ -184,6 +203,7 @@ def main() -> None:
             engine.backward(loss)
             hooks.before_optimizer_step(index, step, engine)  # example-only
             engine.step()
+            hooks.save_start()  # example-only
             engine.save_checkpoint(save_dir)              # every rank: one gemini_dcp step (tag global_step<N>)
             hooks.saved(name, step, ckpt)  # example-only
             hooks.step_done(name, step, loss)  # example-only
@@ -196,7 +216,8 @@ def main() -> None:
         torch.save(finals, args.dump_final)
     if rank == 0 and args.timing_json:
         with open(args.timing_json, "w") as f:
-            json.dump({"step_seconds": hooks.times, "load_seconds": hooks.loads}, f)
+            json.dump({"step_seconds": hooks.times, "save_seconds": hooks.save_times,
+                       "engine_seconds": hooks.engine_times, "load_seconds": hooks.loads}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -180,3 +180,70 @@ def test_latest_naming_a_lost_checkpoint_is_an_error(tmp_path: Path) -> None:
     ce = GeminiCheckpointEngine(root=str(root), job_id="lost")
     with pytest.raises(CheckpointNotFoundError, match="copies are gone"):
         ce.load_checkpoint(ds_load(ce), str(save_dir))
+
+
+class FakeDeepSpeedEngine(FakeEngine):
+    """The attributes use_gemini wraps, and DeepSpeed's save_16bit_model as the engine sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpoint_engine: Any = object()
+        self.module = torch.nn.Linear(2, 2)
+        self.destroyed = False
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, **_: Any) -> Any:
+        return None, None
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        info = SimpleNamespace(tag=f"global_step{self.global_steps}", save_dir=save_dir, save_latest=False)
+        self.checkpoint_engine.create(info)
+        self.checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        self.checkpoint_engine.save(self.module.state_dict(), os.path.join(save_dir, save_filename))
+        self.checkpoint_engine.commit(info)
+        return True
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+def test_use_gemini_installs_once_and_16bit_models_go_to_disk(tmp_path: Path) -> None:
+    from gemini_dcp.integrations.deepspeed import use_gemini
+
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match="deepspeed.initialize"):
+        use_gemini(object(), root=str(root), job_id="u")
+    engine = FakeDeepSpeedEngine()
+    ce = use_gemini(engine, root=str(root), job_id="u")
+    assert engine.checkpoint_engine is ce and isinstance(ce, GeminiCheckpointEngine)
+    with pytest.raises(ConfigError, match="once per engine"):
+        use_gemini(engine, root=str(root), job_id="u")
+    engine.global_steps = 4
+    assert engine.save_16bit_model(str(tmp_path / "model"))
+    assert (tmp_path / "model" / "pytorch_model.bin").is_file()
+    assert ce.steps == {} and ce.writer.tier.steps() == []  # no step was made
+    assert engine.load_checkpoint(str(tmp_path / "ckpt")) == (None, None)
+    engine.destroy()
+    assert engine.destroyed
+
+
+def test_export_writes_deepspeeds_directory(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    root, save_dir, out = tmp_path / "root", tmp_path / "ckpt", tmp_path / "out"
+    root.mkdir(mode=0o700)
+    ce = GeminiCheckpointEngine(root=str(root), job_id="exp")
+    files = {"mp_rank_00_model_states.pt": {"module": {"w": torch.arange(3.0)}, "global_steps": 5},
+             "zero_pp_rank_0_mp_rank_00_optim_states.pt": optim_file()}
+    ds_save(ce, save_dir, "global_step5", files)
+    res = CliRunner().invoke(app, ["export", "5", "--format", "deepspeed", "--to", str(out), "--root", str(root),
+                                   "--job", "exp", "--json"])
+    assert res.exit_code == 0, res.output
+    assert (out / "latest").read_text() == "global_step5"
+    assert sorted(os.listdir(out / "global_step5")) == sorted(files)
+    model = torch.load(out / "global_step5" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert torch.equal(model["module"]["w"], torch.arange(3.0)) and model["global_steps"] == 5
+    optim = torch.load(out / "global_step5" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    assert list(optim["optimizer_state_dict"]["state"]) == [0, 1]

@@ -16,7 +16,7 @@ What it does (DeepSpeed 0.19; the probe and the source it reads: deepspeed/runti
   :class:`GeminiCheckpointEngine` buffers the files a rank saves and at ``commit`` makes one collective save
   of all of them as step ``engine.global_steps``: every rank's files commit together or not at all. The
   tag is recorded with the step (``gemini_dcp.persistent.deepspeed_layout``); a second checkpoint at the same
-  global step in one launch is refused (one checkpoint per step), as the writer refuses any step saved twice.
+  global step in one launch is refused with :class:`~gemini_dcp.errors.ConfigError` (one checkpoint per step).
 - **Load.** DeepSpeed's ``load_checkpoint`` reads ``load_dir/latest``, globs and ``os.path.exists``-checks
   the per-rank files on the file system itself, outside the engine, so :func:`use_gemini` wraps it: with no
   tag it asks the tiers for the newest restorable step (memory, peers, persistent tier; unhealthy steps
@@ -35,23 +35,24 @@ What it does (DeepSpeed 0.19; the probe and the source it reads: deepspeed/runti
   copy overlaps the next forward/backward, and the base optimizer's next ``step()`` waits until this rank's
   bytes are in the tier (the tensors the ZeRO optimizers change are changed in or after that step; the
   module's buffers are cloned at the save). The crash bound: before handing over step N, ``commit`` waits
-  until every earlier checkpoint committed, so when ``save_checkpoint`` returns at most one checkpoint (the
-  newest) is uncommitted and a crash resumes from it or from the one before it. Call
+  until every earlier checkpoint committed (``AsyncCheckpointer``'s ``max_pending=1``), so when
+  ``save_checkpoint(N)`` returns at most checkpoint N is uncommitted and a crash resumes from N or N - 1. Call
   ``engine.checkpoint_engine.close()`` (or ``engine.destroy()``) after the last save.
 
 Not kept: DeepSpeed keeps no RNG state in its checkpoints (put it in ``client_state``); NVMe-offloaded
 optimizer files (``offloaded_tensors/``) and ``load_universal_checkpoint`` read the file system directly and
-are not routed; ZeRO-3 ``load_checkpoint(load_optimizer_states=False)`` reads ``zero_to_fp32`` from disk.
+are not routed; ZeRO-3 ``load_checkpoint(load_optimizer_states=False)`` / ``load_module_only=True`` would
+consolidate from files on disk and are refused with :class:`~gemini_dcp.errors.ConfigError`.
 
-DeepSpeed is imported only inside functions (``import gemini_dcp`` never needs it): the engine implements
-DeepSpeed's ``CheckpointEngine`` interface without subclassing it.
+Collective: ``save_checkpoint``, ``load_checkpoint`` and ``close`` run on every rank, as DeepSpeed requires.
+DeepSpeed is never imported here (``import gemini_dcp`` never needs it): the engine implements DeepSpeed's
+``CheckpointEngine`` interface without subclassing it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import re
 import shutil
@@ -87,8 +88,6 @@ from ..persistent.deepspeed_layout import (
     tag_value,
 )
 from ..transport.comm import get_comm
-
-log = logging.getLogger(__name__)
 
 GLOBAL_STEP_TAG = re.compile(r"global_step([0-9]+)")
 _ZERO_RANK = re.compile(r"zero_pp_rank_([0-9]+)_")
@@ -143,6 +142,10 @@ class GeminiCheckpointEngine:
         self.restored_from: dict[str, int] = {}
         """Bytes read per tier (``local``, ``peer``, ``parity``, ``persistent``) by the last ``load_checkpoint``, summed
         over the ranks (``GeminiStorageReader.restored_from``); empty when nothing came from the tiers."""
+        self.last_save_seconds: float | None = None
+        """Wall seconds this rank spent in the engine for the last checkpoint (its ``save`` calls and ``commit``;
+        with ``async_save`` the hand-over, not the copy): gemini_dcp's part of ``save_checkpoint``."""
+        self._save_s = 0.0
         self.restore_seconds: float | None = None
         """Wall seconds of the last ``load_checkpoint`` from the tiers (finding the step, reading it, DeepSpeed's load)."""
 
@@ -150,7 +153,7 @@ class GeminiCheckpointEngine:
     def create(self, info: Any) -> None:
         """A checkpoint ``info.tag`` begins (every rank)."""
         self._info = None if self._model_file_save else info
-        self._pending = {}
+        self._pending, self._save_s = {}, 0.0
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """Directories of a training checkpoint's tag live in the tiers, not on disk; others are made."""
@@ -165,15 +168,19 @@ class GeminiCheckpointEngine:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             torch.save(state_dict, path)
             return
+        begin = time.perf_counter()
         name = os.path.relpath(path, self._tag_dir()).replace(os.sep, "/")
         self._pending.update(file_items(_rank(), name, state_dict))
+        self._save_s += time.perf_counter() - begin
 
     def commit(self, info: Any) -> bool:
         """Collective: every rank's files of the checkpoint as one gemini_dcp step (see the module docstring)."""
         if self._info is None:  # save_16bit_model: its file went to disk
             return True
+        begin = time.perf_counter()
         tag = str(info.tag)
         pending, self._pending, self._info = self._pending, {}, None
+        spent, self._save_s = self._save_s, 0.0
         step = self._step_for(tag)
         if step in self.steps:
             raise ConfigError(
@@ -187,6 +194,7 @@ class GeminiCheckpointEngine:
         else:
             dcp.save(state, storage_writer=self.writer, checkpoint_id=step)
         self.steps[step] = tag
+        self.last_save_seconds = spent + time.perf_counter() - begin
         return True
 
     def load(self, path: str, map_location: Any = None) -> Any:
