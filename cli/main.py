@@ -269,7 +269,11 @@ def export_cmd(
     persistent: PersistentOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Export a step from any tier: its consolidated weights (HuggingFace safetensors layout), or with --format deepspeed a DeepSpeed checkpoint as DeepSpeed's checkpoint directory (latest, <tag>/ per-rank files) for zero_to_fp32.py and universal checkpointing."""
+    """Export a step's consolidated weights (HuggingFace safetensors layout) from any tier.
+
+    With --format deepspeed: a DeepSpeed checkpoint (gemini_dcp.integrations.deepspeed) as DeepSpeed's checkpoint
+    directory (latest, <tag>/ with every rank's files), which zero_to_fp32.py and universal checkpointing read.
+    """
     from gemini_dcp.persistent.export import export_deepspeed, export_safetensors
 
     out_dir = os.path.abspath(os.path.expanduser(to))
