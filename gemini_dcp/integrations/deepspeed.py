@@ -36,7 +36,9 @@ What it does (DeepSpeed 0.19; the probe and the source it reads: deepspeed/runti
   bytes are in the tier (the tensors the ZeRO optimizers change are changed in or after that step; the
   module's buffers are cloned at the save). The crash bound: before handing over step N, ``commit`` waits
   until every earlier checkpoint committed (``AsyncCheckpointer``'s ``max_pending=1``), so when
-  ``save_checkpoint(N)`` returns at most checkpoint N is uncommitted and a crash resumes from N or N - 1. Call
+  ``save_checkpoint(N)`` returns at most checkpoint N is uncommitted and a crash resumes from N or N - 1. The
+  copy is paced into the gaps between training collectives only for a model on an accelerator
+  (``gemini_dcp.snapshot.interleave.interleave_for``); a CPU model's copy goes at once. Call
   ``engine.checkpoint_engine.close()`` (or ``engine.destroy()``) after the last save.
 
 Not kept: DeepSpeed keeps no RNG state in its checkpoints (put it in ``client_state``); NVMe-offloaded
@@ -313,8 +315,12 @@ class GeminiCheckpointEngine:
     def _checkpointer(self) -> Any:
         if self._snapshots is None:  # collective (its control group): every rank commits together
             from ..snapshot.checkpointer import AsyncCheckpointer  # noqa: PLC0415
+            from ..snapshot.interleave import interleave_for  # noqa: PLC0415
 
-            self._snapshots = AsyncCheckpointer(self.writer, optimizer=self._guard, model=self._model)
+            # paced into the gaps between training collectives only for a model on an accelerator (GEMINI's
+            # case); a CPU model's copy goes at once, as in the Accelerate and torchtitan adapters
+            pace = self._model is not None and interleave_for(self._model)
+            self._snapshots = AsyncCheckpointer(self.writer, optimizer=self._guard, model=self._model, interleave=pace)
         return self._snapshots
 
     def _resolve(self, tag: str | None) -> int | None:
