@@ -18,9 +18,13 @@ from typing import Literal
 from ..errors import ConfigError
 
 STEP_DIR = re.compile(r"step-([0-9]+)")
-MARKERS = (".metadata", "model.safetensors.index.json")  # what makes a step folder complete (torchtitan's test)
+"""A trainer's step folder name, ``step-<N>`` (group 1: N)."""
+
+MARKERS = (".metadata", "model.safetensors.index.json")
+"""The files that make a step folder complete (torchtitan's own test): DCP's metadata or a Hugging Face export's index."""
 
 Source = Literal["gemini", "folder", "fresh"]
+"""Where a :class:`ResumeChoice` resumes from."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

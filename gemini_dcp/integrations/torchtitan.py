@@ -53,7 +53,8 @@ from .resume import choose_resume, saves_at
 
 log = logging.getLogger(__name__)
 
-OVERRIDE = "gemini_dcp.integrations.torchtitan.gemini_checkpoint"  # the --override.imports target
+OVERRIDE = "gemini_dcp.integrations.torchtitan.gemini_checkpoint"
+"""The ``--override.imports`` target (torchtitan 0.3.0) that registers the Gemini checkpoint manager."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +93,7 @@ class TitanGeminiSettings:
 
 
 WRITER_FIELDS = ("root", "job_id", "replicas", "keep", "persistent", "persist_every")
+"""The ``GeminiStorageWriter`` keywords a torchtitan config sets, each as its ``gemini_<name>`` field."""
 
 
 def torchtitan_available() -> bool:
