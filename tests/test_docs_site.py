@@ -199,3 +199,13 @@ def test_every_results_file_is_cited() -> None:
     uncited = [p.name for p in sorted((REPO / "benchmarks" / "results").iterdir())
                if p.is_file() and p.name not in cited]
     assert not uncited, f"benchmarks/results/ files no doc cites (cite them, or git rm them): {uncited}"
+
+
+def test_the_front_page_links_the_three_first_answers() -> None:
+    """From docs/index.md a newcomer reaches, in one click each: adding gemini_dcp to a loop, resuming,
+    and choosing replicas or parity (the strict build checks that the anchors exist)."""
+    front = (REPO / "docs" / "index.md").read_text()
+    for target in ("getting-started.md#add-it-to-your-loop", "getting-started.md#resume", "concepts.md#replicas-or-parity"):
+        assert f"]({target})" in front, f"docs/index.md does not link {target}"
+    readme = (REPO / "README.md").read_text()
+    assert "mkdocs serve" in readme and "docs/index.md" in readme, "README: link the site and say how to build it"
