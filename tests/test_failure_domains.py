@@ -62,6 +62,30 @@ def test_spread_alternates_domains_and_is_idempotent() -> None:
         assert same == max(0, counts[0][0] - rest - 1), (doms, spread)
 
 
+def test_with_the_layout_the_order_spends_small_domains_slowly_and_stays_idempotent() -> None:
+    # racks of 6, 3 and 3 with 3 copies in groups: plain window-3 spreading uses racks b and c up first and
+    # leaves a group of three rack-a nodes; the alternating order keeps every group in two racks or more
+    doms = list("aaaaaabbbccc")
+    assert recovery_probability(place_over_domains(doms, 3, "group"), 1, domains=doms) == 1.0
+    for doms in _shapes():
+        n = len(doms)
+        order = [f"n{i:02d}" for i in range(n)]
+        of = dict(zip(order, doms))
+        for m in (2, 3):
+            if m > n:
+                continue
+            for strategy in STRATEGIES:
+                if strategy == "group" and n % m:
+                    continue
+                sets = place(n, m, strategy).holders  # type: ignore[arg-type]
+                once = spread_over_domains(order, of, m, sets)
+                assert spread_over_domains(once, of, m, sets) == once, (doms, m, strategy)
+        for g in (3, 4):
+            groups = parity_groups(list(range(n)), g)  # type: ignore[arg-type]
+            once = spread_over_domains(order, of, g, groups, 2)
+            assert spread_over_domains(once, of, g, groups, 2) == once, (doms, g)
+
+
 def test_one_domain_or_none_keeps_gemini_order() -> None:
     order = ["n3", "n1", "n2", "n0"]
     assert spread_over_domains(order, {}) == order

@@ -147,5 +147,6 @@ def domain_recovery(domains: Sequence[str], replicas: int, group: int | None = N
         rows.append({"strategy": "parity", "group": group, "random_failures": 2,
                      "p_random_failures": parity_recovery_probability(n, group, 2),
                      "p_domain_blind": survives(ids),
-                     "p_domain_spread": survives(spread_over_domains(ids, dict(zip(ids, domains)), group))})
+                     "p_domain_spread": survives(spread_over_domains(ids, dict(zip(ids, domains)), group,
+                                                                     parity_groups(list(range(n)), group), 2))})  # type: ignore[arg-type]
     return rows

@@ -123,7 +123,10 @@ def encode_parity(
     ``on_peer_failure="degrade"``, the step commits without parity and a warning).
     """
     t0 = time.perf_counter()
-    order = node_order(comm, reports, previous_order, tier, group)
+    def groups_of(n: int) -> list[tuple[int, ...]]:
+        return parity_groups(list(range(n)), group)  # type: ignore[arg-type, return-value]
+
+    order = node_order(comm, reports, previous_order, tier, group, groups_of, 2)
     if comm.rank == 0:
         warn_shared_domains(order, reports, parity_groups(order, group), "parity_group")
     me = comm.rank

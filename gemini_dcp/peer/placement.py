@@ -397,19 +397,8 @@ def assign_positions(previous: Sequence[str] | None, current: Sequence[str]) -> 
 
 
 # ---- failure domains ------------------------------------------------------------------------
-def spread_over_domains(order: Sequence[str], domains: Mapping[str, str], window: int = 2) -> list[str]:
-    """``order`` (nodes by position) reordered so that every ``window`` consecutive positions (a node's
-    ``m`` copies in a group or ring window: ``window=m``; a parity group: its size) hold distinct failure
-    domains where the domains allow it.
-
-    Greedy: each position takes the domain with the most nodes left among those not used in the last
-    ``window - 1`` positions (relaxing to fewer when none is left), ties to the larger domain, then to the
-    one whose first node comes first in ``order``; a domain's nodes keep their relative order. A node
-    missing from ``domains`` (or mapped to ``""``) counts as one unnamed domain. With a single domain the
-    order is returned unchanged. Idempotent (a domain of the result appears in the same rank), so the
-    positions a restart hands back (:func:`assign_positions`) stay where they were, and a node replaced
-    by one of the same domain takes its place.
-    """
+def _greedy_spread(order: Sequence[str], domains: Mapping[str, str], window: int) -> list[str]:
+    """:func:`spread_over_domains`' greedy order for one ``window`` (the rule is described there)."""
     buckets: dict[str, list[str]] = {}
     first: dict[str, int] = {}
     for i, node in enumerate(order):
@@ -438,6 +427,48 @@ def spread_over_domains(order: Sequence[str], domains: Mapping[str, str], window
     return out
 
 
+def spread_over_domains(
+    order: Sequence[str], domains: Mapping[str, str], window: int = 2,
+    sets: Sequence[Sequence[int]] | None = None, lost_at: int | None = None,
+) -> list[str]:
+    """``order`` (nodes by position) reordered so that every ``window`` consecutive positions (a node's
+    ``m`` copies in a group or ring window: ``window=m``; a parity group: its size) hold distinct failure
+    domains where the domains allow it.
+
+    Greedy: each position takes the domain with the most nodes left among those not used in the last
+    ``window - 1`` positions (relaxing to fewer when none is left), ties to the larger domain, then to the
+    one whose first node comes first in ``order``; a domain's nodes keep their relative order. A node
+    missing from ``domains`` (or mapped to ``""``) counts as one unnamed domain. With a single domain the
+    order is returned unchanged.
+
+    ``sets`` (by position: each node's holders, or each parity group) with ``lost_at`` (how many members
+    of a set one domain must hold to lose it: ``len`` of the set for copies, 2 for a parity group; None:
+    all of them): the greedy order of ``window`` and that of ``window=2`` (plain alternation, which spends
+    the smaller domains more slowly: racks of 6, 3 and 3 with 3 copies in groups) are both built, and the
+    one leaving fewer sets lost to a single domain is taken (``window``'s on a tie). Either way the result
+    is idempotent (both orders depend only on the domains' sizes, their first appearance and each
+    domain's own order, which both keep), so the positions a restart hands back
+    (:func:`assign_positions`) stay where they were, and a node replaced by one of the same domain takes
+    its place.
+    """
+    first = _greedy_spread(order, domains, window)
+    if sets is None or window <= 2:
+        return first
+    second = _greedy_spread(order, domains, 2)
+    return second if _lost_sets(second, domains, sets, lost_at) < _lost_sets(first, domains, sets, lost_at) else first
+
+
+def _lost_sets(order: Sequence[str], domains: Mapping[str, str], sets: Sequence[Sequence[int]],
+               lost_at: int | None) -> int:
+    """How many of ``sets`` (positions) some single domain holds ``lost_at`` (default: all) members of."""
+    lost = 0
+    for members in sets:
+        counts = Counter(domains.get(order[i], "") or "" for i in members)
+        need = len(members) if lost_at is None else lost_at
+        lost += max(counts.values(), default=0) >= need
+    return lost
+
+
 def place_over_domains(domains: Sequence[str], replicas: int, strategy: Strategy = "mixed", *,
                        spread: bool = True) -> Placement:
     """:func:`place` for nodes ``0 … N-1`` whose failure domains are ``domains`` (node ``i``: ``domains[i]``),
@@ -446,7 +477,8 @@ def place_over_domains(domains: Sequence[str], replicas: int, strategy: Strategy
     n = len(domains)
     base = place(n, replicas, strategy)
     ids = [str(i) for i in range(n)]
-    order = [int(x) for x in spread_over_domains(ids, dict(zip(ids, domains)), replicas)] if spread else list(range(n))
+    order = ([int(x) for x in spread_over_domains(ids, dict(zip(ids, domains)), replicas, base.holders)]
+             if spread else list(range(n)))
     holders = [()] * n  # type: list[tuple[int, ...]]
     for pos, hs in enumerate(base.holders):
         holders[order[pos]] = tuple(sorted(order[h] for h in hs))

@@ -66,7 +66,8 @@ class Replicated(NamedTuple):
 
 
 def node_order(comm: Comm, reports: Sequence[SlotReport], previous: list[str] | None, tier: ReplicaTier,
-               window: int = 2) -> list[str]:
+               window: int = 2, sets_for: Callable[[int], Sequence[Sequence[int]]] | None = None,
+               lost_at: int | None = None) -> list[str]:
     """Collective: positions of nodes in the placement, stable for surviving nodes (decided on rank 0),
     spread over the nodes' failure domains by windows of ``window`` (replicas, or the parity group size).
 
@@ -79,7 +80,7 @@ def node_order(comm: Comm, reports: Sequence[SlotReport], previous: list[str] | 
             steps = tier.steps()
             rec = tier.record(steps[-1]) if steps else None
             previous = list(rec.nodes) if rec is not None else None
-        order = choose_order(previous, reports, window)
+        order = choose_order(previous, reports, window, sets_for, lost_at)
     return comm.broadcast_object(order, src=0)
 
 
@@ -123,7 +124,12 @@ def replicate(
     (:mod:`gemini_dcp.peer.delta`); every item is verified all the same.
     """
     t0 = time.perf_counter()
-    order = node_order(comm, reports, previous_order, tier, options.peer.replicas)
+    strategy = options.peer.placement
+
+    def holders(n: int) -> Sequence[Sequence[int]]:
+        return place(n, min(options.peer.replicas, n), strategy).holders  # type: ignore[arg-type]
+
+    order = node_order(comm, reports, previous_order, tier, options.peer.replicas, holders)
     routes = replication_routes(order, reports, options.peer.replicas, options.peer.placement)
     if comm.rank == 0:
         m = min(options.peer.replicas, len(order))

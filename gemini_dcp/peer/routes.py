@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from .placement import assign_positions, place, spread_over_domains
 
@@ -51,18 +51,23 @@ class SlotReport(Protocol):
         ...
 
 
-def choose_order(previous: Sequence[str] | None, reports: Sequence[SlotReport], window: int = 2) -> list[str]:
+def choose_order(previous: Sequence[str] | None, reports: Sequence[SlotReport], window: int = 2,
+                 sets_for: Callable[[int], Sequence[Sequence[int]]] | None = None, lost_at: int | None = None) -> list[str]:
     """Positions of the reporting nodes in the placement, stable for nodes in ``previous``, spread over
     the nodes' failure domains (each report's ``failure_domain``, a node's lowest rank's) so that every
     ``window`` consecutive positions (the copies of a node, a parity group) differ in domain
-    (:func:`~gemini_dcp.peer.placement.spread_over_domains`)."""
+    (:func:`~gemini_dcp.peer.placement.spread_over_domains`; ``sets_for(N)``: the position sets one domain
+    must not take, holders or parity groups, lost with ``lost_at`` members in one domain)."""
     current = list(dict.fromkeys(rep.node_id for rep in reports))
     domains: dict[str, str] = {}
     for rep in reports:
         d = getattr(rep, "failure_domain", "")
         if d:
             domains.setdefault(rep.node_id, d)
-    return spread_over_domains(assign_positions(previous, current), domains, window)
+    base = assign_positions(previous, current)
+    if not domains:
+        return base
+    return spread_over_domains(base, domains, window, sets_for(len(base)) if sets_for else None, lost_at)
 
 
 def replication_routes(order: list[str], reports: Sequence[SlotReport], replicas: int, strategy: str) -> list[tuple[int, int]]:
