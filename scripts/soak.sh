@@ -2,13 +2,18 @@
 # The feature soak (outside CI): random trials of tests/soak_trials.py, every feature drawn with a
 # probability and combined freely, every fault (signals at every named phase, node wipes, flipped
 # bytes, ENOSPC, stale locks), each a real multi-process job on simulated nodes. Trials accumulate
-# into ONE file, benchmarks/results/soak.json (written atomically every few trials: a killed soak
-# loses nothing); docs/reliability.md's table is made from it by scripts/soak_table.py.
+# into ONE file, benchmarks/results/soak.json (written atomically under a lock every few trials: a
+# killed soak loses nothing); docs/reliability.md's table is made from it by scripts/soak_table.py.
 #
 #   scripts/soak.sh [TRIALS=1000] [SEED=$(date +%s)] [DEADLINE_UNIX=0]
 #
+# SOAK_WORKERS=N (default 1) runs N soaks side by side, each TRIALS trials from its own seed, into the
+# same file. A trial mostly waits (deadlines of stopped peers, drain processes importing torch), so
+# 3-4 workers on 2 cores multiply the trials per hour. SOAK_PAUSE_FILE=PATH: while PATH exists no
+# worker starts a trial (touch it to borrow a quiet machine for a benchmark, remove it to go on).
+#
 # A long soak in the background, at the lowest priority:
-#   PYTHONPATH=$PWD nohup nice -n 19 scripts/soak.sh 100000 > /tmp/soak.log 2>&1 &
+#   SOAK_WORKERS=4 PYTHONPATH=$PWD setsid nohup nice -n 19 scripts/soak.sh 100000 > /tmp/soak.log 2>&1 &
 # A failing trial is reproduced by its seed (in the file's "failures"):
 #   PYTHONPATH=$PWD python tests/soak_trials.py --seed-only SEED
 # (The older kill-at-a-phase harness alone: python tests/fault_harness.py --trials N --out FILE.)
@@ -18,5 +23,20 @@ cd "$(dirname "$0")/.."
 TRIALS="${1:-1000}"
 SEED="${2:-$(date +%s)}"
 DEADLINE="${3:-0}"
-echo "soak: ${TRIALS} trials, seed ${SEED} -> benchmarks/results/soak.json"
-exec python tests/soak_trials.py --trials "${TRIALS}" --seed "${SEED}" --deadline "${DEADLINE}"
+WORKERS="${SOAK_WORKERS:-1}"
+PAUSE="${SOAK_PAUSE_FILE:-}"
+echo "soak: ${WORKERS} x ${TRIALS} trials, seed ${SEED} -> benchmarks/results/soak.json"
+if [ "${WORKERS}" -le 1 ]; then
+  exec python tests/soak_trials.py --trials "${TRIALS}" --seed "${SEED}" --deadline "${DEADLINE}" --pause-file "${PAUSE}"
+fi
+pids=()
+for k in $(seq 0 $((WORKERS - 1))); do
+  # seeds base*1_000_003 + i: bases a prime apart never reach each other's trials
+  python tests/soak_trials.py --trials "${TRIALS}" --seed "$((SEED + 7919 * k))" --deadline "${DEADLINE}" \
+    --pause-file "${PAUSE}" &
+  pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+exit "${rc}"

@@ -1180,6 +1180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS), help="the results file trials accumulate into")
     ap.add_argument("--deadline", type=float, default=0.0, help="stop starting trials at this unix time (0: none)")
     ap.add_argument("--flush-every", type=int, default=5, help="trials between writes of the results file")
+    ap.add_argument("--pause-file", default="",
+                    help="while this file exists, start no trial (a benchmark can borrow a quiet machine: the "
+                         "trials in flight finish, the next waits)")
     ap.add_argument("--seed-only", type=int, default=None, help="run the trial of this seed, print its record, exit")
     ap.add_argument("--reclassify", type=int, default=None, metavar="SEED",
                     help="mark the failure of SEED in --out as explained by --known, and exit")
@@ -1207,6 +1210,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.trials):
             if args.deadline and time.time() > args.deadline:
                 break
+            while args.pause_file and os.path.exists(args.pause_file) and not (
+                    args.deadline and time.time() > args.deadline):
+                time.sleep(1.0)
             rec = run_trial(draw(base * 1_000_003 + i))
             if rec["outcome"] != "pass":
                 # run it again at once: a failure that repeats is deterministic, one that does not is a
