@@ -25,14 +25,18 @@ SEED="${2:-$(date +%s)}"
 DEADLINE="${3:-0}"
 WORKERS="${SOAK_WORKERS:-1}"
 PAUSE="${SOAK_PAUSE_FILE:-}"
+# bytecode on: a drain process imports gemini_dcp afresh (from source on every start without it)
+unset PYTHONDONTWRITEBYTECODE
+# started by -c, not as a script: a forkserver child runs a script's whole body again (__mp_main__)
+soak() { python -c 'import sys; sys.path.insert(0, "tests"); import soak_trials; raise SystemExit(soak_trials.main())' "$@"; }
 echo "soak: ${WORKERS} x ${TRIALS} trials, seed ${SEED} -> benchmarks/results/soak.json"
 if [ "${WORKERS}" -le 1 ]; then
-  exec python tests/soak_trials.py --trials "${TRIALS}" --seed "${SEED}" --deadline "${DEADLINE}" --pause-file "${PAUSE}"
+  soak --trials "${TRIALS}" --seed "${SEED}" --deadline "${DEADLINE}" --pause-file "${PAUSE}"
 fi
 pids=()
 for k in $(seq 0 $((WORKERS - 1))); do
   # seeds base*1_000_003 + i: bases a prime apart never reach each other's trials
-  python tests/soak_trials.py --trials "${TRIALS}" --seed "$((SEED + 7919 * k))" --deadline "${DEADLINE}" \
+  soak --trials "${TRIALS}" --seed "$((SEED + 7919 * k))" --deadline "${DEADLINE}" \
     --pause-file "${PAUSE}" &
   pids+=($!)
 done

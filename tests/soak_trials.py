@@ -382,6 +382,12 @@ def rank_main(spec: dict[str, Any]) -> None:
         os.environ[fh.ENV_FAULT_LOG] = spec["fault_log"]
     result: dict[str, Any] = {"rank": rank}
     code = 0
+    prof = None
+    if os.environ.get("GEMINI_SOAK_PROFILE"):  # CPU profile of each rank (a slow trial's cost, by function)
+        import cProfile
+
+        prof = cProfile.Profile(time.process_time)
+        prof.enable()
     try:
         import torch
         import torch.distributed as dist
@@ -402,6 +408,10 @@ def rank_main(spec: dict[str, Any]) -> None:
         code = 3
         result.update(_error_of(exc))
         result["traceback"] = traceback.format_exc()[-1500:]
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(os.path.join(os.environ["GEMINI_SOAK_PROFILE"], f"{spec['mode']}-{rank}-{os.getpid()}.prof"))
+    result["cpu_s"] = round(time.process_time(), 3)
     final = out / f"result-{spec['mode']}-{rank}.json"
     tmp = final.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, default=str))
@@ -608,7 +618,9 @@ def context() -> Any:
         ctx.set_forkserver_preload([
             "torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.tensor", "gemini_dcp",
             "gemini_dcp.dcp.writer", "gemini_dcp.dcp.reader", "gemini_dcp.peer.push", "gemini_dcp.peer.fetch",
-            "gemini_dcp.snapshot.checkpointer", "gemini_dcp.dcp.fast_load", "fault_harness", "soak_trials",
+            "gemini_dcp.snapshot.checkpointer", "gemini_dcp.dcp.fast_load", "gemini_dcp.persistent.store",
+            "gemini_dcp.persistent.adopt", "gemini_dcp.persistent.drain.client", "fault_harness", "soak_trials",
+            "soak_forkserver",  # last: gc.freeze of everything above
         ])
         _CTX = ctx
         fh._CTX = ctx  # fh.run_group forks from it
@@ -817,7 +829,7 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
             shutil.rmtree(tmp, ignore_errors=True)
     rec["seconds"] = round(time.monotonic() - t0, 3)
     rec["groups_s"] = {k: obs[k]["seconds"] for k in ("train", "restore") if k in obs}
-    rec["ranks_s"] = {k: [(x or {}).get(f) for x in obs.get(f"{k}_results") or [] for f in ("init_s", "work_s")]
+    rec["ranks_s"] = {k: [(x or {}).get(f) for x in obs.get(f"{k}_results") or [] for f in ("init_s", "work_s", "cpu_s")]
                       for k in ("train", "restore")}
     rec["events"] = events(obs)
     rec.update(judge(t, obs))
