@@ -95,17 +95,17 @@ def test_idle_gloo_workers_are_seen_idle(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the LD_PRELOAD amplifier")
-@pytest.mark.xfail(strict=False, reason=(
-    "open: with the amplifier one rank of the 4 pairs still aborts (-6) in about 1 run of 3, at c340a58 as at "
-    "61eaf42 (2026-11-29 session note): the guard narrows the race, it does not close it; kept running so a pass "
-    "and a failure both show in the report"))
 def test_exit_without_destroy_survives_a_gloo_worker_late_for_the_gil(tmp_path: Path) -> None:
     src, lib = tmp_path / "late_gil.c", tmp_path / "late_gil.so"
     src.write_text(SHIM)
     subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src), "-ldl", "-lpthread"], check=True)
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    env = _env(LD_PRELOAD=str(lib))
+    # The amplifier holds every GIL acquisition of a worker up to 100 ms: on a loaded host a worker's
+    # releases then outlast the default 2 s bound (the guard gave up at 2.04 s with a worker still in the
+    # shim's sleep, and that rank aborted). This test checks the mechanism (wait until the workers are
+    # idle), so its bound is wide; the default bound stays what a real exit should wait at most.
+    env = _env(LD_PRELOAD=str(lib), GEMINI_DCP_EXIT_WAIT_S="60")
     for attempt in range(4):
         out = _pair(script, "exit", env)
         assert [code for code, _ in out] == [0, 0], (attempt, out)  # -6: the abort the guard prevents
