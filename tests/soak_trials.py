@@ -809,9 +809,11 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
             obs["store_results"] = _results(out, "restore", t.world)
             if run.timed_out:
                 obs["hangs"].append(f"the restore from the store outlived its bound (codes {run.codes})")
-            left = fh._wait_drains([str(r) for r in roots], 10.0)
+            # the store restore can start a drain process too (it imports torch afresh: tens of seconds
+            # on a loaded host, as after training)
+            left = fh._wait_drains([str(r) for r in roots], 90.0)
             if left:
-                obs["hangs"].append(f"drain processes {left} alive 10 s after the store restore")
+                obs["hangs"].append(f"drain processes {left} alive 90 s after the store restore")
         obs["gc"] = _gc(roots, jobs)
     except Exception as exc:  # noqa: BLE001 - a harness error is recorded, not hidden
         obs["harness_error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1200:]}"
