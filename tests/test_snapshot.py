@@ -531,6 +531,58 @@ def test_on_busy_skip_skips_the_same_step_on_every_rank(root: str) -> None:
     assert run_ranks(_skip_together, 2, root) == [[False, True, False, False]] * 2
 
 
+def _failure_seen_at_different_times(rank: int, world: int, root: str) -> dict[str, list[str]]:
+    """Step 2 is refused (a NaN, ``nonfinite="refuse"``) on both ranks, but the ranks learn it at different
+    calls: rank 0's ``wait_copied()`` finds the failed save finished and raises it there, rank 1 learns it
+    at ``save(3)``. Every rank must then do the same with step 3 (rank 1 raises, rank 0 skips it: it raised
+    the failure already), so step 4 commits on both. Before issue 55's fix rank 0 queued step 3 (block) or
+    ran the skip all-reduce alone (skip), and the ranks' collectives no longer matched: gloo timeouts."""
+    out: dict[str, list[str]] = {}
+    for on_busy in ("skip", "block"):
+        job = f"refuse-{on_busy}"
+        sd = {"w": torch.zeros(256), "step": 0}
+        ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id=job, nonfinite="refuse", timeout_s=30),
+                               on_busy=on_busy, interleave=False)
+        seen = out[on_busy] = []
+        for step in range(1, 5):
+            sd["w"].fill_(float("nan") if step == 2 else float(step))
+            sd["step"] = step
+            try:
+                h = ck.save(sd, step)
+            except AsyncCheckpointError as exc:
+                assert "non-finite" in str(exc), exc
+                seen.append(f"save({step}) raised")
+                continue
+            if h.skipped:
+                seen.append(f"save({step}) skipped")
+                continue
+            h.finished.wait(60)  # both ranks know the outcome; only the calls that learn it differ
+            if rank == 0:
+                try:
+                    h.wait_copied(60)
+                except AsyncCheckpointError:
+                    seen.append(f"wait_copied({step}) raised")
+                    continue
+            if h.error is None:
+                seen.append(f"step {step} committed")
+        ck.close()
+        got = {"w": torch.zeros(256), "step": -1}
+        reader = GeminiStorageReader(root=root, job_id=job)
+        dcp.load(got, storage_reader=reader)
+        assert reader.restored_step == 4 and got["step"] == 4 and bool((got["w"] == 4.0).all())
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_failure_learnt_at_different_calls_keeps_every_rank_in_step(root: str) -> None:
+    """The soak's gloo timeouts (issue 55: parity, on_busy="skip", a refused NaN step, a second job): a
+    failed save is settled by save() alike on every rank, whichever call first found it finished."""
+    r0, r1 = run_ranks(_failure_seen_at_different_times, 2, root)
+    for mode in ("skip", "block"):
+        assert r0[mode] == ["step 1 committed", "wait_copied(2) raised", "save(3) skipped", "step 4 committed"]
+        assert r1[mode] == ["step 1 committed", "save(3) raised", "step 4 committed"]
+
+
 def _slow_leader(rank: int, world: int, root: str) -> list[bool]:
     """The node leader (rank 0) writes its records slowly; rank 1's replayed saves return only once they exist."""
     from gemini_dcp.local.tier import LocalTier

@@ -53,7 +53,9 @@ at a crash is at most ``max_pending`` older than the last step whose ``save()`` 
 Errors of a background save are raised by the next ``save()``, ``wait()``,
 ``wait_copied()`` or ``close()`` (as :class:`AsyncCheckpointError` chained to
 the original), never swallowed; every rank fails the same step together,
-because the writer exchanges failures before committing.
+because the writer exchanges failures before committing. ``save()`` settles a
+failure alike on every rank however early each rank learnt of it (see
+``_room``): the step after it is queued on no rank.
 
 ``dcp.async_save`` works too, with :class:`AsyncGeminiStorageWriter` acting as
 DCP's ``AsyncStager`` (its staging is the zero-copy structural snapshot above,
@@ -63,6 +65,7 @@ rules DCP leaves to the caller.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -176,7 +179,7 @@ class AsyncCheckpointer:
             marked ``skipped`` (that step is not saved, the bound holds for the
             saves that were not skipped). With ``"skip"`` every ``save()`` runs one
             small all-reduce on a gloo group of its own, so that all ranks skip the
-            same steps (give every rank the same ``on_busy``).
+            same steps, and settle an earlier save's failure together (give every rank the same ``on_busy``).
         timeout_s: guard and close timeout (default: the writer's ``timeout_s``).
         planner: a DCP SavePlanner to plan every save with ``dcp.save``. Default
             (None): :class:`gemini_dcp.snapshot.replay.PlanReplay` — the first save
@@ -265,7 +268,11 @@ class AsyncCheckpointer:
         self._chunks: dict[tuple[int, bool], int] = {}  # (profiler, replication) -> its pacers' chunk size
         self.max_pending = max_pending
         self._queue: queue.Queue[Any] = queue.Queue()  # bounded by save()'s wait for room (_room)
+        # Queued saves not finished, and finished ones whose failure save() has not settled yet (in queue order).
         self._outstanding: list[SnapshotHandle] = []
+        # The newest max_pending - 1 queued saves: the ones save(N) need not wait for. The same steps on every
+        # rank (every rank queues the same steps), unlike which saves happen to have finished on this rank.
+        self._tail: collections.deque[SnapshotHandle] = collections.deque(maxlen=max_pending - 1)
         self._lock = threading.Lock()
         self.history: list[SnapshotHandle] = []
         self.keep_history = 10_000
@@ -315,7 +322,6 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         if self._closed:
             raise AsyncCheckpointError("save() after close()")
-        self._raise_pending()
         step = parse_step(step)
         handle = SnapshotHandle(step)
         if not self._room(step):
@@ -336,6 +342,7 @@ class AsyncCheckpointer:
         job = (handle, sd, ready, snap.generation)
         with self._lock:
             self._outstanding.append(handle)
+            self._tail.append(handle)
             self.history.append(handle)
             if len(self.history) > self.keep_history:
                 del self.history[: len(self.history) - self.keep_history]
@@ -346,34 +353,86 @@ class AsyncCheckpointer:
     def _room(self, step: int) -> bool:
         """Whether ``step`` may queue: fewer than ``max_pending`` earlier saves uncommitted, after waiting for
         the oldest ones to commit (``on_busy="block"``, at most ``timeout_s``); False: skip it (``"skip"``).
-        A failure of a save waited for is raised here (the new step is not queued after it)."""
-        with self._lock:
-            ahead = [h for h in self._outstanding if not h.finished.is_set()]
-        excess = len(ahead) - (self.max_pending - 1)
+
+        A failure of an earlier save is raised here, and the new step is not queued after it, on every rank
+        alike. Which saves have finished when ``save()`` looks differs between ranks, so a failure is settled
+        only where every rank knows that save finished: ``"block"``, the saves it waited for (all but the
+        newest ``max_pending - 1``); ``"skip"``, every earlier save, once the all-reduce says some rank holds
+        a failure. A rank that raised that failure already (its ``wait_copied()`` found it finished) skips the
+        step rather than raise it twice: no rank queues a step the others do not (its commit would wait for
+        them until the control group timed out, issue 55)."""
         if self.on_busy == "skip":
-            return self._agree_room(excess <= 0)
-        if excess <= 0:
-            return True
-        for h in ahead:  # the caller is blocked on their commits: no reason to pace them
+            return self._room_skip(step)
+        with self._lock:
+            tail = {id(h) for h in self._tail}
+            older = [h for h in self._outstanding if id(h) not in tail]
+            ahead = [h for h in self._outstanding if not h.finished.is_set()]
+        if any(not h.finished.is_set() for h in older):
+            for h in ahead:  # the caller is blocked on their commits: no reason to pace them
+                h.hurry()
+        self._wait_finished(step, older)
+        return not self._settle(older)
+
+    def _room_skip(self, step: int) -> bool:
+        """``on_busy="skip"``: one all-reduce of (room, no unsettled failure) over every rank (alone: this
+        rank's); a failure on any rank settles every earlier save on every rank (see :meth:`_room`)."""
+        with self._lock:
+            busy = sum(not h.finished.is_set() for h in self._outstanding)
+            failed = any(h.finished.is_set() and h.error is not None and not h._settled for h in self._outstanding)
+        room, clean = self._agree([int(busy <= self.max_pending - 1), int(not failed)])
+        if clean:
+            return room == 1
+        with self._lock:
+            earlier = list(self._outstanding)
+        for h in earlier:
             h.hurry()
+        self._wait_finished(step, earlier)
+        self._settle(earlier)
+        return self._no_dist  # alone: every earlier save finished, so there is room; else no rank queues it
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """``on_busy="skip"``: ``values`` combined by MIN over every rank (one all-reduce; alone: ``values``)."""
+        if self._skip_comm is None:
+            return values
+        from ..transport.p2p import transport_for  # noqa: PLC0415
+
+        return transport_for(self._skip_comm).all_reduce_ints(values, "min")
+
+    def _wait_finished(self, step: int, handles: list[SnapshotHandle]) -> None:
+        """Wait (at most ``timeout_s`` in all) until ``handles`` finished (saves finish in queue order)."""
         deadline = time.perf_counter() + self.timeout_s
-        for h in ahead[:excess]:  # saves finish in the order they were queued: the oldest first
+        for h in handles:
             if not h.finished.wait(max(0.0, deadline - time.perf_counter())):
                 raise AsyncCheckpointError(
                     f"save of step {step}: step {h.step} did not commit within {self.timeout_s:g} s, and at most "
                     f"max_pending={self.max_pending} saves may be uncommitted at once (the bound on how far back a "
                     "crash can set the job). A rank stopped checkpointing, or the tier is too slow for this rate: "
                     "check every rank's log, or raise timeout_s / max_pending.")
-        self._raise_pending()
-        return True
 
-    def _agree_room(self, free: bool) -> bool:
-        """``on_busy="skip"``: whether every rank has room for the step (one all-reduce; alone: ``free``)."""
-        if self._skip_comm is None:
-            return free
-        from ..transport.p2p import transport_for  # noqa: PLC0415
+    def _settle(self, handles: list[SnapshotHandle]) -> bool:
+        """Settle the failures of the finished ``handles``: raise the first one not raised yet (log the
+        others). Returns True where the new step must be skipped: some failed, every one of them was raised
+        before (by ``wait_copied()``), and other ranks raise or skip this step."""
+        with self._lock:
+            failed = [h for h in handles if h.finished.is_set() and h.error is not None and not h._settled]
+            for h in failed:
+                h._settled = True
+            self._outstanding = [h for h in self._outstanding if self._kept(h)]
+        fresh = [h for h in failed if not h._surfaced]
+        for h in fresh[1:]:
+            h._surfaced = True
+            log.error("asynchronous checkpoint of step %s also failed: %r", h.step, h.error)
+        if fresh:
+            fresh[0]._raise()
+        if failed and not self._no_dist:
+            log.warning("gemini_dcp: the save after the failed checkpoint of step %s is skipped: every rank "
+                        "raises or skips it (this rank raised that failure from wait_copied() already)", failed[0].step)
+        return bool(failed) and not self._no_dist
 
-        return transport_for(self._skip_comm).all_reduce_ints([int(free)], "min")[0] == 1
+    @staticmethod
+    def _kept(h: SnapshotHandle) -> bool:
+        """Whether ``_outstanding`` keeps ``h``: not finished, or a failure save() has not settled yet."""
+        return not h.finished.is_set() or (h.error is not None and not h._settled)
 
     def wait_copied(self, timeout: float | None = None) -> None:
         """Block until this rank's bytes of every outstanding save are in the tier (the guard)."""
@@ -381,7 +440,7 @@ class AsyncCheckpointer:
             pending = [h for h in self._outstanding if not h.copied.is_set()]
         for h in pending:
             h.wait_copied(self.timeout_s if timeout is None else timeout)
-        self._raise_pending()
+        self._raise_pending(settle=False)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every outstanding save is committed; raise the first unreported error."""
@@ -437,16 +496,22 @@ class AsyncCheckpointer:
         return out
 
     # -- internals --
-    def _raise_pending(self) -> None:
-        """Forget finished saves; raise the first failure not reported yet (log the others)."""
+    def _raise_pending(self, *, settle: bool = True) -> None:
+        """Forget finished saves; raise the first failure not reported yet (log the others). ``settle``: the
+        caller knows these saves finished on every rank (``wait()``, ``close()``); else (``wait_copied()``)
+        a failure stays for the next ``save()`` to settle alike on every rank (see :meth:`_room`)."""
         with self._lock:
             failed = [h for h in self._outstanding if h.finished.is_set() and h.error is not None and not h._surfaced]
-            self._outstanding = [h for h in self._outstanding if not h.finished.is_set()]
+            if settle:
+                for h in self._outstanding:
+                    if h.finished.is_set() and h.error is not None:
+                        h._settled = True
+            self._outstanding = [h for h in self._outstanding if self._kept(h)]
         for h in failed[1:]:
             h._surfaced = True
             log.error("asynchronous checkpoint of step %s also failed: %r", h.step, h.error)
         if failed:
-            failed[0]._raise()
+            failed[0]._raise(settle=settle)
 
     def _finish(self, handle: SnapshotHandle) -> None:
         handle.copied.set()

@@ -53,7 +53,10 @@ class SnapshotHandle:
         self.cpu_s: float | None = None  # CPU time of the background save thread
         self.pacer_stats: dict[str, Any] | None = None
         self.replication_pacer_stats: dict[str, Any] | None = None
-        self._surfaced = False
+        self._surfaced = False  # its error was raised to the caller (once)
+        # Its error was handled where every rank handles it alike: save(), wait() or close() (they know the save
+        # finished on every rank), not only by a wait_copied() that happened to find it finished on this rank.
+        self._settled = False
         self._pacer: Pacer | None = None
         self._replication_pacer: Pacer | None = None
         self._hurry = False  # someone is blocked on this save's copy: do not pace it
@@ -74,7 +77,9 @@ class SnapshotHandle:
     def done(self) -> bool:
         return self.finished.is_set()
 
-    def _raise(self) -> None:
+    def _raise(self, *, settle: bool = True) -> None:
+        if self.error is not None and settle:
+            self._settled = True
         if self.error is not None and not self._surfaced:
             self._surfaced = True
             raise AsyncCheckpointError(
@@ -93,7 +98,7 @@ class SnapshotHandle:
                     "(a rank stopped checkpointing, or the save failed before its copy started)"
                 )
         if surface and self.finished.is_set():
-            self._raise()
+            self._raise(settle=False)  # finished here by chance: the next save() still settles it (see there)
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self.finished.wait(timeout):
