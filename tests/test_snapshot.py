@@ -273,6 +273,17 @@ def test_errors_surface_on_next_call(root: str) -> None:
         ck.save(sd, 3)
 
 
+def test_skip_mode_forgets_committed_saves(root: str) -> None:
+    """on_busy="skip": save() no longer prunes at its top (failures are settled in its agreement), so the
+    agreement itself forgets committed saves: the list of outstanding saves stays bounded."""
+    ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="skipgc", keep=1), on_busy="skip", interleave=False)
+    sd = {"w": torch.zeros(64)}
+    for step in range(1, 7):
+        ck.save(sd, step).wait(60)
+        assert len(ck._outstanding) <= 1
+    ck.close()
+
+
 def test_wait_raises_error_of_its_handle(root: str) -> None:
     ck = AsyncCheckpointer(GeminiStorageWriter(root=root, job_id="err2", keep=1, capacity_bytes=16 << 20))
     h = ck.save({"w": torch.zeros(16 << 20)}, 5)

@@ -377,6 +377,7 @@ class AsyncCheckpointer:
         """``on_busy="skip"``: one all-reduce of (room, no unsettled failure) over every rank (alone: this
         rank's); a failure on any rank settles every earlier save on every rank (see :meth:`_room`)."""
         with self._lock:
+            self._outstanding = [h for h in self._outstanding if self._kept(h)]  # committed saves: forgotten
             busy = sum(not h.finished.is_set() for h in self._outstanding)
             failed = any(h.finished.is_set() and h.error is not None and not h._settled for h in self._outstanding)
         room, clean = self._agree([int(busy <= self.max_pending - 1), int(not failed)])
