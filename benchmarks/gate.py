@@ -82,24 +82,24 @@ def compare(current: dict[str, float], previous: dict[str, float] | None,
         now = current.get(name)
         before = (previous or {}).get(name)
         if now is None:
-            lines.append(f"{name:24s} (not measured this run; previous {before:.3f})" if before is not None
-                         else f"{name:24s} (not measured)")
+            lines.append(f"{name:30s} (not measured this run; previous {before:.4g})" if before is not None
+                         else f"{name:30s} (not measured)")
             continue
         if before is None or before <= 0:
-            lines.append(f"{name:24s} {now:7.3f}   (no previous figure)")
+            lines.append(f"{name:30s} {now:9.4g}   (no previous figure)")
             continue
         change = now / before - 1.0
         band = bands.get(name, 0.35)
         bad = change > band
-        lines.append(f"{name:24s} {now:7.3f}   previous {before:7.3f}   {change:+7.1%}   band +{band:.0%}"
+        lines.append(f"{name:30s} {now:9.4g}   previous {before:9.4g}   {change:+7.1%}   band +{band:.0%}"
                      + ("   WORSE" if bad else ""))
         if bad:
-            failures.append(f"{name}: {before:.3f} -> {now:.3f} ({change:+.1%}, band +{band:.0%})")
+            failures.append(f"{name}: {before:.4g} -> {now:.4g} ({change:+.1%}, band +{band:.0%})")
     return lines, failures
 
 
-def last_entries(path: Path, n: int = 3) -> list[dict[str, Any]]:
-    """The newest ``n`` full (not --quick) entries of the history file, oldest first."""
+def last_entries(path: Path, n: int | None = 3) -> list[dict[str, Any]]:
+    """The newest ``n`` (None: all) full (not --quick) entries of the history file, oldest first."""
     if not path.exists():
         return []
     entries = []
@@ -113,15 +113,17 @@ def last_entries(path: Path, n: int = 3) -> list[dict[str, Any]]:
             continue
         if isinstance(entry, dict) and isinstance(entry.get("ratios"), dict) and not entry.get("quick"):
             entries.append(entry)
-    return entries[-n:]
+    return entries if n is None else entries[-n:]
 
 
-def reference(entries: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Each ratio's median over ``entries`` (None: no entries): one outlying run does not move the gate."""
+def reference(entries: list[dict[str, Any]], n: int = 3) -> dict[str, float] | None:
+    """Each ratio's median over the newest ``n`` of ``entries`` that measured it (None: no entries):
+    one outlying run does not move the gate, and a run without some figures (older than them, or
+    ``--no-benches``) leaves those figures' reference alone."""
     if not entries:
         return None
     names = {k for e in entries for k in e["ratios"]}
-    return {k: statistics.median(e["ratios"][k] for e in entries if k in e["ratios"]) for k in names}
+    return {k: statistics.median([e["ratios"][k] for e in entries if k in e["ratios"]][-n:]) for k in names}
 
 
 # ---- measurements -----------------------------------------------------------------------------
@@ -191,10 +193,18 @@ def measure(mib: int, reps: int, scratch_shm: Path, scratch_disk: Path) -> dict[
     saves: list[float] = []
     for step in range(1, 3 + 1):  # warm-up: the slots of keep + 1 saves exist from here on
         dcp.save(sd, storage_writer=writer, checkpoint_id=step)
-    gem_s, base_s, gem_l, base_l = [], [], [], []
+    gem_s, base_s, gem_l, base_l, mem = [], [], [], [], []
+    dst = {k: torch.empty_like(v).fill_(-1.0) for k, v in sd.items()}  # touched: its pages exist
+
+    def memcpy() -> None:
+        for k, v in sd.items():
+            dst[k].copy_(v)
+
+    memcpy()
     step = 3
     for _ in range(reps):
         step += 1
+        mem.append(_timed(memcpy))
         gem_s.append(_timed(lambda: dcp.save(sd, storage_writer=writer, checkpoint_id=step)))
         shutil.rmtree(stock_shm, ignore_errors=True)
         base_s.append(_timed(lambda: dcp.save(sd, storage_writer=FileSystemWriter(str(stock_shm)))))
@@ -205,6 +215,9 @@ def measure(mib: int, reps: int, scratch_shm: Path, scratch_disk: Path) -> dict[
         base_l.append(_timed(lambda: dcp.load(tgt, storage_reader=FileSystemReader(str(stock_shm)))))
     ratios["local_save_vs_stock"] = record("local_save", gem_s, base_s)
     ratios["local_load_vs_stock"] = record("local_load", gem_l, base_l)
+    ratios["local_save_vs_memcpy"] = record("local_save_memcpy", gem_s, mem)
+    ratios["local_load_vs_memcpy"] = record("local_load_memcpy", gem_l, mem)
+    dst.clear()  # its memory back before the next figures
 
     # a fresh writer's second save against its last (keep=1: saves 3.. reuse slots)
     firsts, lasts = [], []
@@ -282,6 +295,173 @@ def measure(mib: int, reps: int, scratch_shm: Path, scratch_disk: Path) -> dict[
     return out
 
 
+# ---- the multi-rank benchmarks, each in its own processes ---------------------------------------
+ITEM_COUNTS = (16, 738, 3000)  # bench_many_items.py's item counts (--quick: the first only)
+
+
+class GateError(RuntimeError):
+    """A benchmark the gate runs failed, hung, or wrote no usable figure: nothing to compare."""
+
+
+def bench_args(quick: bool) -> dict[str, list[str]]:
+    """Each subprocess benchmark's command-line arguments (besides ``--json``), full or ``--quick``."""
+    if quick:
+        return {
+            "bench_many_items.py": ["--items", str(ITEM_COUNTS[0]), "--mib", "1", "--saves", "1", "--warmup", "1",
+                                    "--modes", "stock", "async", "--loads", "1", "--no-fast"],
+            "bench_peer.py": ["--quick"],  # 64 MiB, 2 rounds, 1 restore (its spread is 1.0 by definition)
+            "bench_async.py": ["--modes", "none", "gemini", "--width", "128", "--layers", "2", "--batch", "32",
+                               "--steps", "4", "--skip", "1", "--rounds", "1", "--warmup", "1", "--profile-iters", "2",
+                               "--png", ""],
+        }
+    return {
+        "bench_many_items.py": ["--items", *map(str, ITEM_COUNTS), "--mib", "4", "--saves", "3", "--warmup", "2",
+                                "--modes", "stock", "async", "--loads", "1", "--no-fast"],
+        "bench_peer.py": ["--gib", "0.25", "--rounds", "3", "--restores", "3"],
+        "bench_async.py": ["--modes", "none", "gemini", "--width", "512", "--layers", "4", "--batch", "512",
+                           "--steps", "10", "--skip", "2", "--rounds", "6", "--warmup", "2", "--profile-iters", "4",
+                           "--png", ""],
+    }
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a benchmark and the ranks it started (its own session): SIGTERM (its scratch directories are
+    removed on it), SIGKILL 10 s later."""
+    import signal
+
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(log: Path, n: int = 15) -> str:
+    try:
+        return "\n".join("    " + line for line in log.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "    (no output)"
+
+
+def run_bench(script: str, args: list[str], scratch: Path, timeout_s: float) -> dict[str, Any]:
+    """Run ``benchmarks/<script>`` with ``args`` and its JSON into ``scratch`` (never benchmarks/results/
+    or docs/img/); its JSON document. It runs in a session of its own so that a hang past ``timeout_s``
+    ends it and every rank it started. Raises :class:`GateError` on a timeout, a non-zero exit or no JSON."""
+    out = scratch / (Path(script).stem + ".json")
+    log = scratch / (Path(script).stem + ".log")
+    cmd = [sys.executable, str(HERE / script), *args, "--json", str(out)]
+    if script == "bench_peer.py" and "--quick" not in args:
+        cmd += ["--png", str(scratch / "peer.png")]  # a full run plots; keep it out of docs/img/
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE.parent, env=env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise GateError(
+                f"{script} did not finish within {timeout_s:.0f} s and was stopped (with its ranks). Its last output:\n"
+                f"{_tail(log)}\nRun it alone to see where it hangs: {' '.join(cmd)}\n"
+                f"(on a very busy machine: raise --bench-timeout)") from None
+        except BaseException:
+            _stop(proc)
+            raise
+    if rc != 0:
+        raise GateError(f"{script} exited with {rc}. Its last output:\n{_tail(log)}\nRerun it alone: {' '.join(cmd)}")
+    try:
+        doc = json.loads(out.read_text())
+    except (OSError, ValueError) as exc:
+        raise GateError(f"{script} exited 0 but wrote no readable JSON at {out} ({exc}). Its last output:\n{_tail(log)}") from None
+    if not isinstance(doc, dict):
+        raise GateError(f"{script} wrote {type(doc).__name__} to {out}, not a JSON object")
+    return doc
+
+
+def _positive(script: str, what: str, x: Any) -> float:
+    if not isinstance(x, (int, float)) or x <= 0:
+        raise GateError(f"{script}: {what} is {x!r}, not a positive number: the benchmark measured nothing there")
+    return float(x)
+
+
+def many_items_ratios(doc: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """(ratios, raw seconds) from bench_many_items.py's JSON (modes ``stock`` and ``async``): per item
+    count N, the time ``AsyncCheckpointer.save()`` blocked the caller and save -> committed
+    (``handle.wait()``), each over a stock blocking ``dcp.save`` of the same state (medians over saves
+    of the slowest rank)."""
+    ratios: dict[str, float] = {}
+    sec: dict[str, Any] = {}
+    script = "bench_many_items.py"
+    for n, row in sorted(doc["results"].items(), key=lambda kv: int(kv[0])):
+        stock, asyn = row["stock"], row["async"]
+        if not (stock.get("exact") and asyn.get("exact")):
+            raise GateError(f"{script}: a restore at {n} items was not bit-exact with the saved state")
+        base = _positive(script, f"stock median_ms at {n} items", stock["median_ms"])
+        ratios[f"async_blocked_vs_stock_{n}"] = _positive(script, f"async blocked_median_ms at {n} items",
+                                                          asyn["blocked_median_ms"]) / base
+        ratios[f"async_committed_vs_stock_{n}"] = _positive(script, f"async median_ms at {n} items", asyn["median_ms"]) / base
+        sec[f"items{n}_committed"] = {"gemini": [x / 1e3 for x in asyn["saves_ms"]],
+                                      "baseline": [x / 1e3 for x in stock["saves_ms"]]}
+        sec[f"items{n}_blocked_median"] = asyn["blocked_median_ms"] / 1e3
+    return ratios, sec
+
+
+def peer_ratios(doc: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """(ratios, raw seconds) from bench_peer.py's JSON, inverted so that lower is better: raw gloo's
+    GB/s over replication's (``raw_swap``: the same bytes both ways between the same processes), over
+    the wiped node's restore (``restore_raw_oneway``, in the restore's fresh processes), and the
+    restores' max / median wall time."""
+    script = "bench_peer.py"
+    if not (doc.get("bit_exact") and doc.get("restored_peer")):
+        raise GateError(f"{script}: a restore was not bit-exact or did not come from the peer")
+    f = doc["figures"]
+    ratios: dict[str, float] = {}
+    ratios["replication_vs_raw_gloo"] = (_positive(script, "raw_swap gbps", f["raw_swap"]["gbps"])
+                                         / _positive(script, "replication gbps", f["replication"]["gbps"]))
+    ratios["restore_vs_raw_gloo"] = (_positive(script, "restore_raw_oneway gbps", f["restore_raw_oneway"]["gbps"])
+                                     / _positive(script, "restore gbps", f["restore"]["gbps"]))
+    ratios["restore_spread"] = _positive(script, "restore max_over_median", f["restore"]["spread"]["max_over_median"])
+    sec = {"replication": {"gemini": f["replication"]["seconds"], "baseline": f["raw_swap"]["seconds"]},
+           "restore_load": f["restore"]["spread"]["load_s_sorted"]}
+    return ratios, sec
+
+
+def async_ratios(doc: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """(ratios, raw seconds) from bench_async.py's JSON (modes ``none`` and ``gemini``): the median over
+    rounds of the checkpointed step's median over the plain step's in the same round."""
+    script = "bench_async.py"
+    gem, none = doc["modes"]["gemini"], doc["modes"]["none"]
+    ratios: dict[str, float] = {}
+    ratios["async_step_ratio"] = _positive(script, "gemini paired_ratio_median", gem["paired_ratio_median"])
+    sec = {"async_step": {"gemini": gem["step_median_s"], "baseline": none["step_median_s"],
+                          "round_ratios": gem["round_ratios"]}}
+    return ratios, sec
+
+
+BENCHES: dict[str, Callable[[dict[str, Any]], tuple[dict[str, float], dict[str, Any]]]] = {
+    "bench_many_items.py": many_items_ratios,
+    "bench_peer.py": peer_ratios,
+    "bench_async.py": async_ratios,
+}
+
+
+def measure_benches(quick: bool, scratch: Path, timeout_s: float) -> dict[str, Any]:
+    """The subprocess benchmarks, one after the other: {"ratios", "seconds", "wall_s" (per script)}."""
+    out: dict[str, Any] = {"ratios": {}, "seconds": {}, "wall_s": {}}
+    for script, args in bench_args(quick).items():
+        t0 = time.perf_counter()
+        ratios, sec = BENCHES[script](run_bench(script, args, scratch, timeout_s))
+        out["wall_s"][script] = round(time.perf_counter() - t0, 1)
+        out["ratios"].update(ratios)
+        out["seconds"].update(sec)
+    return out
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
@@ -294,9 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="state size in MiB (default 256)")
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions per figure (default 5)")
-    ap.add_argument("--quick", action="store_true", help="16 MiB, 2 repetitions; not recorded, never fails")
+    ap.add_argument("--quick", action="store_true",
+                    help="16 MiB, 2 repetitions, the multi-rank benchmarks shrunk; not recorded, never fails")
     ap.add_argument("--no-record", action="store_true", help="do not append to the history file")
     ap.add_argument("--history", type=Path, default=HISTORY)
+    ap.add_argument("--no-benches", action="store_true",
+                    help="only the in-process figures: skip the multi-rank benchmarks (items, peer, async)")
+    ap.add_argument("--bench-timeout", type=float, default=180.0,
+                    help="seconds each multi-rank benchmark may take before the gate stops it and fails (default 180)")
     ap.add_argument("--disk", default=None,
                     help="directory on disk for the store and stock copies (default: the temp dir, which must be on disk)")
     args = ap.parse_args(argv)
@@ -306,18 +491,29 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         result = measure(mib, reps, shm, disk)
+        parts_s = {"in_process": round(time.time() - t0, 1)}
+        if not args.no_benches:
+            benches = measure_benches(args.quick, disk, args.bench_timeout)
+            result["ratios"].update(benches["ratios"])
+            result["seconds"].update(benches["seconds"])
+            parts_s.update(benches["wall_s"])
+    except GateError as exc:
+        print(f"gate: ERROR, could not measure: {exc}", file=sys.stderr)
+        return 2
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-    entry = {"commit": _commit(), "unix": int(t0), "seconds": round(time.time() - t0, 1),
+    entry = {"commit": _commit(), "unix": int(t0), "seconds": round(time.time() - t0, 1), "parts_s": parts_s,
              "loadavg": [round(x, 2) for x in os.getloadavg()], "mib": mib, "reps": reps,
-             "quick": bool(args.quick), "ratios": {k: round(v, 4) for k, v in result["ratios"].items()},
+             "quick": bool(args.quick), "benches": not args.no_benches, "ratios": {k: round(v, 4) for k, v in result["ratios"].items()},
              "raw_seconds": result["seconds"]}
-    previous = last_entries(args.history)
-    lines, failures = compare(entry["ratios"], None if args.quick else reference(previous))
+    history = last_entries(args.history, None)
+    previous = history[-3:]
+    lines, failures = compare(entry["ratios"], None if args.quick else reference(history))
     against = ", ".join(e.get("commit", "?") for e in previous)
     print(f"gate: commit {entry['commit']}, {mib} MiB x {reps}, load {entry['loadavg']}, {entry['seconds']} s"
           + (f"; against the median of {against}" if previous and not args.quick else ""))
+    print("  seconds per part: " + ", ".join(f"{k} {v}" for k, v in parts_s.items()))
     for line in lines:
         print("  " + line)
     if not args.quick and not args.no_record:
