@@ -49,6 +49,13 @@ its ranks and failing the gate with its output's tail when it runs past ``--benc
   ``gemini``): a training step with an ``AsyncCheckpointer`` save every step / a plain step, the
   median over rounds of the two modes' median steps in the same round.
 
+Mechanism counts, each against a fixed limit (``LIMITS``; exact, so no noise band and no reference run):
+
+- ``durable_staged_copies``: over the durable figure's fresh writers at the default ``keep``, saves 2-5
+  (each waited for until persisted) that the drain staged by copying the slots rather than reading
+  them in place: the regression of issue 52 (a 0.2-0.3 s tmpfs copy per 512 MiB) fails here on its
+  first run, where a ratio's band on a loaded machine let it through.
+
 The history (``benchmarks/results/gate-history.jsonl``) holds one JSON line per run: commit,
 time, load average, state size, seconds per part and every ratio. A ratio fails when it exceeds by
 more than its ``BANDS`` (relative) the median of the last three full runs that measured it (a line
@@ -108,6 +115,17 @@ BANDS: dict[str, float] = {
 
 
 STEP_S = 0.3  # a training step's length in first_vs_steady_save_stepped
+DURABLE_STEPS = 5  # saves per fresh writer in the durable figure (the second timed; 2.. counted in the limits)
+
+# Mechanism counts and the most each may be (see check_limits): exact, so they fail on the first run
+# that breaks them, whatever the machine's load.
+LIMITS: dict[str, int] = {
+    # Steps 2-5 of each fresh writer at the default keep (every save waited for until persisted) that the
+    # drain staged by a copy instead of reading its held slots in place. 0 since 97215c5; the regression of
+    # issue 52 (busy = an upload thread exists) copied 1-3 of every 4 (the gate fails on it, see
+    # docs/performance.md).
+    "durable_staged_copies": 0,
+}
 
 
 def compare(current: dict[str, float], previous: dict[str, float] | None,
@@ -296,7 +314,9 @@ def measure(mib: int, reps: int, scratch_shm: Path, scratch_disk: Path) -> dict[
     # save-until-durable vs stock to the same disk; then cold load from the store vs stock
     gd, bd, gc, bc, g1 = [], [], [], [], []
 
-    def durable(w: GeminiStorageWriter) -> float:
+    staged: list[int] = []  # per repetition at the default keep: steps 2..DURABLE_STEPS the drain staged by a copy
+
+    def durable(w: GeminiStorageWriter, root: Path | None = None) -> float:
         dcp.save(sd, storage_writer=w, checkpoint_id=1)
         w.wait_persisted(1)
 
@@ -304,7 +324,13 @@ def measure(mib: int, reps: int, scratch_shm: Path, scratch_disk: Path) -> dict[
             dcp.save(sd, storage_writer=w, checkpoint_id=2)
             w.wait_persisted(2)
 
-        return _timed(second)
+        took = _timed(second)
+        if root is not None:  # steady saves, each waited for, as a trainer that persists every step
+            for step in range(3, DURABLE_STEPS + 1):
+                dcp.save(sd, storage_writer=w, checkpoint_id=step)
+                w.wait_persisted(step)
+            staged.append(_staged_copies(root / "gate-durable" / "persist", range(2, DURABLE_STEPS + 1)))
+        return took
 
     for r in range(reps):
         store = scratch_disk / f"store{r}"
@@ -316,7 +342,7 @@ def measure(mib: int, reps: int, scratch_shm: Path, scratch_disk: Path) -> dict[
         shutil.rmtree(k1root, ignore_errors=True)
         shutil.rmtree(scratch_disk / f"k1store{r}", ignore_errors=True)
         gd.append(durable(GeminiStorageWriter(root=_root(droot), job_id="gate-durable",
-                                              persistent=f"file://{store}", persist_every=1)))
+                                              persistent=f"file://{store}", persist_every=1), droot))
         bd.append(_timed(lambda: dcp.save(sd, storage_writer=FileSystemWriter(str(stock_disk)))))
         shutil.rmtree(droot, ignore_errors=True)  # the memory tier is gone: the store alone answers
         _drop_cache(store)
@@ -332,7 +358,35 @@ def measure(mib: int, reps: int, scratch_shm: Path, scratch_disk: Path) -> dict[
     ratios["durable_keep1_vs_stock"] = record("durable_keep1", g1, bd)
     ratios["cold_load_vs_stock"] = record("cold_load", gc, bc)
     out["ratios"] = ratios
+    out["counts"] = {"durable_staged_copies": sum(staged)}
     return out
+
+
+def _staged_copies(persist_dir: Path, steps: range) -> int:
+    """How many of ``steps`` the node's drain staged by copying the slots rather than reading them in
+    place (its status file's ``in_place``); a step the status does not show counts as copied."""
+    from gemini_dcp.persistent.drain import drain_status
+
+    st = drain_status(persist_dir)["steps"]
+    return sum(1 for step in steps if st.get(str(step), {}).get("in_place") is not True)
+
+
+def check_limits(counts: dict[str, int], limits: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
+    """(report lines, failures) of the mechanism counts against their fixed limits (no noise band: a
+    count is the same on a busy machine as on a quiet one)."""
+    limits = LIMITS if limits is None else limits
+    lines: list[str] = []
+    failures: list[str] = []
+    for name, limit in sorted(limits.items()):
+        now = counts.get(name)
+        if now is None:
+            lines.append(f"{name:30s} (not measured)")
+            continue
+        bad = now > limit
+        lines.append(f"{name:30s} {now:9d}   limit {limit}" + ("   WORSE" if bad else ""))
+        if bad:
+            failures.append(f"{name}: {now} > {limit}")
+    return lines, failures
 
 
 # ---- the multi-rank benchmarks, each in its own processes ---------------------------------------
@@ -546,10 +600,13 @@ def main(argv: list[str] | None = None) -> int:
     entry = {"commit": _commit(), "unix": int(t0), "seconds": round(time.time() - t0, 1), "parts_s": parts_s,
              "loadavg": [round(x, 2) for x in os.getloadavg()], "mib": mib, "reps": reps,
              "quick": bool(args.quick), "benches": not args.no_benches, "ratios": {k: float(f"{v:.4g}") for k, v in result["ratios"].items()},
-             "raw_seconds": result["seconds"]}
+             "counts": result.get("counts", {}), "raw_seconds": result["seconds"]}
     history = last_entries(args.history, None)
     previous = history[-3:]
     lines, failures = compare(entry["ratios"], None if args.quick else reference(history))
+    count_lines, count_failures = check_limits(entry["counts"])
+    lines += count_lines
+    failures += count_failures
     against = ", ".join(e.get("commit", "?") for e in previous)
     print(f"gate: commit {entry['commit']}, {mib} MiB x {reps}, load {entry['loadavg']}, {entry['seconds']} s"
           + (f"; against the median of {against}" if previous and not args.quick else ""))
@@ -561,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
         with args.history.open("a") as f:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
     if failures and not args.quick:
-        print("gate: FAILED, worse than the previous run by more than the noise band:", file=sys.stderr)
+        print("gate: FAILED, worse than the previous run by more than the noise band, or a count over its limit:",
+              file=sys.stderr)
         for fail in failures:
             print("  " + fail, file=sys.stderr)
         return 1

@@ -38,6 +38,32 @@ def test_a_ratio_worse_than_its_band_fails_and_one_within_passes() -> None:
     assert any("WORSE" in line for line in lines)
 
 
+def test_a_count_over_its_limit_fails_whatever_the_history(tmp_path: Path) -> None:
+    """Mechanism counts have fixed limits, no band: the drain copying a step it could read in place
+    (issue 52's regression) fails the first run that does it."""
+    gate = _gate()
+    assert gate.LIMITS["durable_staged_copies"] == 0
+    _, failures = gate.check_limits({"durable_staged_copies": 0})
+    assert failures == []
+    lines, failures = gate.check_limits({"durable_staged_copies": 3})
+    assert failures == ["durable_staged_copies: 3 > 0"] and any("WORSE" in line for line in lines)
+    lines, failures = gate.check_limits({})  # an older run without the count: reported, never failed
+    assert failures == [] and "not measured" in lines[0]
+
+
+def test_staged_copies_are_read_from_the_drain_status(tmp_path: Path) -> None:
+    """A step the status shows read in place counts 0; copied, or missing from the status, counts 1."""
+    gate = _gate()
+    d = tmp_path / "persist"
+    d.mkdir()
+    (d / "status.json").write_text(json.dumps({"steps": {"2": {"in_place": True}, "3": {"in_place": False},
+                                                         "4": {"in_place": True}}}))
+    from gemini_dcp.persistent.drain.status import Paths
+
+    assert Paths(d).status == d / "status.json"
+    assert gate._staged_copies(d, range(2, 6)) == 2  # step 3 copied, step 5 never staged
+
+
 def test_new_and_dropped_figures_never_fail_and_the_first_run_passes() -> None:
     gate = _gate()
     _, failures = gate.compare({"a": 9.0}, {"b": 1.0}, {"a": 0.1, "b": 0.1})
