@@ -31,9 +31,6 @@ unset PYTHONDONTWRITEBYTECODE
 # started by -c, not as a script: a forkserver child runs a script's whole body again (__mp_main__)
 soak() { python -c 'import sys; sys.path.insert(0, "tests"); import soak_trials; raise SystemExit(soak_trials.main())' "$@"; }
 echo "soak: ${WORKERS} x ${TRIALS} trials, seed ${SEED} -> benchmarks/results/soak.json"
-if [ "${WORKERS}" -le 1 ]; then
-  soak --trials "${TRIALS}" --seed "${SEED}" --deadline "${DEADLINE}" --pause-file "${PAUSE}"
-fi
 pids=()
 for k in $(seq 0 $((WORKERS - 1))); do
   # seeds base*1_000_003 + i: bases a prime apart never reach each other's trials
