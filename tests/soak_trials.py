@@ -116,6 +116,7 @@ class Trial:
     nan_at: tuple[int, int] | None = None  # (rank, step): NaN put into that rank's shard at that step
     rollback_after: int | None = None  # after saving this step, restore the newest healthy older one
     timeout_s: float = 20.0
+    focus: dict[str, int] | None = None  # the weights it was drawn under (:func:`focus_of`), if any
 
     @property
     def world(self) -> int:
@@ -142,8 +143,29 @@ class Trial:
         return f["kind"] + "".join(f" {k}={v}" for k, v in sorted(f.items()) if k != "kind")
 
 
-def draw(seed: int) -> Trial:
-    """The trial of ``seed``: every feature drawn, then one fault fitted to them."""
+#: fired signals each (phase, signal) pair should reach in the results file; below it a soak focuses on it
+FOCUS_TARGET = 100
+
+
+def signal_pairs() -> tuple[str, ...]:
+    """Every ``phase:SIGNAL`` a trial can draw (NIXL's phases only where NIXL is installed)."""
+    phases = dict.fromkeys(SAVE_PHASES + LOAD_PHASES + DRAIN_PHASES + (NIXL_PHASES if nixl_available() else ()))
+    return tuple(f"{p}:{s}" for p in phases for s in SIGNALS)
+
+
+def focus_of(doc: dict[str, Any], target: int = FOCUS_TARGET) -> dict[str, int]:
+    """The (phase, signal) pairs that fired fewer than ``target`` times in a results file, each weighted by
+    what it lacks: a soak given this draws signals at them until each is reached (``{}``: none lacks)."""
+    fired = doc.get("faults", {})
+    return {k: target - fired.get(f"fired:{k}", 0) for k in signal_pairs() if fired.get(f"fired:{k}", 0) < target}
+
+
+def draw(seed: int, focus: dict[str, int] | None = None) -> Trial:
+    """The trial of ``seed``: every feature drawn, then one fault fitted to them.
+
+    ``focus`` (from :func:`focus_of`): nine trials in ten are then a signal, at a ``phase:SIGNAL`` drawn by
+    these weights, with the features its phase needs to be reached. The same seed and focus give the same
+    trial; a failure's record keeps its focus so that ``--seed-only`` reproduces it."""
     rng = random.Random(seed)
     f = {k: rng.choices(v, weights=WEIGHTS.get(k))[0] for k, v in FEATURES.items()}
     red = f["redundancy"]
@@ -160,16 +182,34 @@ def draw(seed: int) -> Trial:
     keep = rng.choice((1, 2, 2))
     nan_at = (rng.randrange(world), rng.randint(2, steps)) if f["nan"] == "yes" else None
     rollback_after = rng.randint(2, steps) if f["rollback"] == "yes" else None
-    kind = rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+    weights = dict(FAULTS)
+    if focus:
+        weights["signal"] = 9 * sum(w for k, w in FAULTS.items() if k != "signal")
+    kind = rng.choices(list(weights), weights=list(weights.values()))[0]
     fault: dict[str, Any] = {"kind": kind}
     nodes = max(layout) + 1
     if kind == "signal":
-        pools = [SAVE_PHASES, LOAD_PHASES]
-        if f["persistent"] != "off":
-            pools.append(DRAIN_PHASES)
-        if f["transport"] == "nixl":
-            pools.append(NIXL_PHASES)
-        phase = rng.choice(rng.choice(pools))
+        sig = None
+        if focus:
+            phase, sig = rng.choices(list(focus), weights=list(focus.values()))[0].rsplit(":", 1)
+            if phase.startswith("drain.") and f["persistent"] == "off":
+                f["persistent"] = rng.choice(STORE_ON)
+            if phase.startswith("nixl."):
+                f["transport"] = "nixl"
+            if phase.startswith("replicate.") and red in ("replicas1", "parity3", "parity4"):
+                f["redundancy"] = red = "replicas2"  # copies to send (parity has no replicate step)
+                if f["placement"] == "group" and nodes % 2:
+                    f["placement"] = rng.choice(("ring", "mixed"))
+            if phase == "rollback.marker" and rollback_after is None:
+                f["rollback"] = "yes"
+                rollback_after = rng.randint(2, steps)
+        else:
+            pools = [SAVE_PHASES, LOAD_PHASES]
+            if f["persistent"] != "off":
+                pools.append(DRAIN_PHASES)
+            if f["transport"] == "nixl":
+                pools.append(NIXL_PHASES)
+            phase = rng.choice(rng.choice(pools))
         if phase == "drain.bridge_upload":
             f["persistent"] = "bridge"  # reached only by a bridge (a drain process still importing torch)
         rank = rng.randrange(world)
@@ -177,7 +217,9 @@ def draw(seed: int) -> Trial:
             rank = min(r for r, n in enumerate(layout) if n == layout[rank])
         # a restore reaches a load phase once per rank: only its first reach can fire
         nth = 1 if phase in LOAD_PHASES else rng.randint(1, 2)
-        fault.update(phase=phase, nth=nth, sig=rng.choices(SIGNALS, weights=(60, 20, 20))[0], rank=rank)
+        if sig is None:
+            sig = rng.choices(SIGNALS, weights=(60, 20, 20))[0]
+        fault.update(phase=phase, nth=nth, sig=sig, rank=rank)
     elif kind in ("wipe", "enospc_tier"):
         fault["node"] = rng.randrange(nodes)
         if kind == "enospc_tier":
@@ -195,7 +237,7 @@ def draw(seed: int) -> Trial:
             f["persistent"] = rng.choice(STORE_ON)
     timeout = 6.0 if fault.get("sig") == "SIGSTOP" else 20.0
     return Trial(seed=seed, layout=layout, features=f, fault=fault, steps=steps, keep=keep, nan_at=nan_at,
-                 rollback_after=rollback_after, timeout_s=timeout)
+                 rollback_after=rollback_after, timeout_s=timeout, focus=dict(focus) if focus else None)
 
 
 # ---- the values: every element a function of (job, timeline, step) --------------------------------
@@ -713,6 +755,8 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = {"seed": t.seed, "fault": t.label(), "fault_kind": t.fault["kind"], "features": t.features,
                            "layout": list(t.layout), "steps": t.steps, "keep": t.keep, "nan_at": t.nan_at,
                            "rollback_after": t.rollback_after}
+    if t.focus:
+        rec["focus"] = t.focus
     obs: dict[str, Any] = {"hangs": []}
     try:
         roots = [tmp / f"node{n}" for n in range(t.nodes)]
@@ -1183,7 +1227,7 @@ def reclassify(seed: int, known: str, path: Path = RESULTS) -> bool:
 
 def _failure(r: dict[str, Any]) -> dict[str, Any]:
     keep = ("seed", "outcome", "known", "fault", "fault_kind", "features", "layout", "steps", "keep", "nan_at", "rollback_after",
-            "detail", "fired", "seconds", "rerun")
+            "detail", "fired", "seconds", "rerun", "focus")
     return {k: r[k] for k in keep if k in r}
 
 
@@ -1207,7 +1251,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--reclassify needs --known")
         return 0 if reclassify(args.reclassify, args.known, Path(args.out)) else 1
     if args.seed_only is not None:
-        rec = run_trial(draw(args.seed_only))
+        rec = run_trial(draw(args.seed_only, _focus_of_failure(args.seed_only, Path(args.out))))
         print(json.dumps(rec, indent=1, default=str))
         return 0 if rec["outcome"] == "pass" else 1
     # SIGTERM (a stopped soak) unwinds like an exception: the trial's finally kills its stale
@@ -1220,6 +1264,8 @@ def main(argv: list[str] | None = None) -> int:
     batch: list[dict[str, Any]] = []
     t0 = time.time()
     bad = 0
+    # the pairs still short of FOCUS_TARGET fired signals in the file, re-read at every write
+    focus = focus_of(json.loads(out.read_text())) if out.exists() else {}
     try:
         for i in range(args.trials):
             if args.deadline and time.time() > args.deadline:
@@ -1227,11 +1273,12 @@ def main(argv: list[str] | None = None) -> int:
             while args.pause_file and os.path.exists(args.pause_file) and not (
                     args.deadline and time.time() > args.deadline):
                 time.sleep(1.0)
-            rec = run_trial(draw(base * 1_000_003 + i))
+            t = draw(base * 1_000_003 + i, focus)
+            rec = run_trial(t)
             if rec["outcome"] != "pass":
                 # run it again at once: a failure that repeats is deterministic, one that does not is a
                 # race or the host's load (a hang bound overrun by a starved nice-19 job); both are kept
-                again = run_trial(draw(rec["seed"]))
+                again = run_trial(draw(rec["seed"], t.focus))
                 rec["rerun"] = {"outcome": again["outcome"], "detail": again.get("detail", "")[:600]}
             batch.append(rec)
             run["trials"] += 1
@@ -1241,6 +1288,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(batch) >= args.flush_every:
                 run["seconds"] = round(time.time() - t0, 1)
                 doc = accumulate(batch, out, run)
+                focus = focus_of(doc)
                 batch = []
                 print(f"[{run['trials']}] {run['seconds']:.0f}s {run['seconds'] / run['trials']:.2f} s/trial; "
                       f"file: {doc['trials']} trials {doc['outcomes']}", flush=True)
@@ -1248,6 +1296,14 @@ def main(argv: list[str] | None = None) -> int:
         run["seconds"] = round(time.time() - t0, 1)
         accumulate(batch, out, run)  # the finished trials since the last write, even when stopped
     return 0 if bad == 0 else 1
+
+
+def _focus_of_failure(seed: int, path: Path) -> dict[str, int] | None:
+    """The focus the failure of ``seed`` in the results file was drawn under (None: none, or no such failure)."""
+    if not path.exists():
+        return None
+    hit = next((f for f in json.loads(path.read_text()).get("failures", []) if f["seed"] == seed), None)
+    return hit.get("focus") if hit else None
 
 
 def _commit() -> str:

@@ -125,3 +125,30 @@ def test_results_accumulate_in_one_file(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     assert doc["outcomes"] == {"pass": 2, "fail": 0, "known": 1} and doc["known"] == {"harness fix abc123": 1}
     assert doc["by_fault"]["wipe"] == {"fail": 0, "known": 1} and doc["failures"][0]["known"] == "harness fix abc123"
+
+
+def test_a_focused_draw_reaches_the_pairs_short_of_fired_signals() -> None:
+    doc = {"faults": {f"fired:{k}": st.FOCUS_TARGET for k in st.signal_pairs()}}
+    assert st.focus_of(doc) == {}
+    doc["faults"]["fired:replicate.after:SIGTERM"] = 5
+    doc["faults"]["fired:drain.before_metadata:SIGSTOP"] = 90
+    doc["faults"]["fired:rollback.marker:SIGKILL"] = 0
+    focus = st.focus_of(doc)
+    assert focus == {"replicate.after:SIGTERM": 95, "drain.before_metadata:SIGSTOP": 10,
+                     "rollback.marker:SIGKILL": 100}
+    trials = [st.draw(seed, focus) for seed in range(600)]
+    assert st.draw(11, focus) == st.draw(11, focus) and st.draw(11) != st.draw(11, focus)
+    signals = [t for t in trials if t.fault["kind"] == "signal"]
+    assert len(signals) > 0.8 * len(trials)
+    assert {f"{t.fault['phase']}:{t.fault['sig']}" for t in signals} == set(focus)
+    for t in signals:  # each with what its phase needs to be reached
+        phase = t.fault["phase"]
+        if phase.startswith("replicate."):
+            assert t.replicas >= 2 and t.parity is None, t
+        if phase.startswith("drain."):
+            assert t.features["persistent"] != "off", t
+        if phase == "rollback.marker":
+            assert t.rollback_after is not None, t
+        if t.features["placement"] == "group":
+            assert t.nodes % t.replicas == 0, t
+    assert all(t.focus == focus for t in trials)
