@@ -445,6 +445,40 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _exiting_holders(roots: list[str]) -> list[int]:
+    """Processes on their way out that still hold a file under any of ``roots``.
+
+    A process that exits releases its memory before its files: for that moment its
+    ``/proc/PID/cmdline`` reads empty (so :func:`_drain_pids` no longer sees a drain process)
+    while ``/proc/PID/fd`` still names the node's files (so ``gemini-dcp gc`` finds it holding
+    them). On a loaded host the moment lasts long enough to be met."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read():
+                    continue
+            fds = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")]
+        except OSError:
+            continue
+        if any(fd.startswith(r.rstrip("/") + "/") for fd in fds for r in roots):
+            pids.append(int(entry))
+    return pids
+
+
+def wait_exits(roots: list[str], bound_s: float = 10.0) -> list[int]:
+    """Wait for the processes still exiting with files under ``roots`` (:func:`_exiting_holders`)
+    to finish; those left after ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    pids = _exiting_holders(roots)
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = _exiting_holders(roots)
+    return pids
+
+
 def _wait_drains(roots: list[str], bound_s: float) -> list[int]:
     """Wait for the nodes' drain processes to exit; kill and return those still alive after ``bound_s``."""
     deadline = time.monotonic() + bound_s

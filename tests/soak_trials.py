@@ -917,6 +917,8 @@ def _gc(roots: list[Path], jobs: tuple[str, ...]) -> list[str]:
     from gemini_dcp.ops.housekeeping import remove_job
 
     left = []
+    # "once the job is gone": a drain process that idled out may still be closing its files
+    fh.wait_exits([str(r) for r in roots])
     for root in roots:
         for job in jobs:
             if (root / job).exists():
