@@ -192,8 +192,8 @@ def draw(seed: int, focus: dict[str, int] | None = None) -> Trial:
         sig = None
         if focus:
             phase, sig = rng.choices(list(focus), weights=list(focus.values()))[0].rsplit(":", 1)
-            if phase.startswith("drain.") and f["persistent"] == "off":
-                f["persistent"] = rng.choice(STORE_ON)
+            if phase.startswith("drain.") and f["persistent"] == "off":  # by the feature's weights (a drain
+                f["persistent"] = rng.choices(STORE_ON, weights=WEIGHTS["persistent"][1:])[0]  # process costs ~3 CPU-s)
             if phase.startswith("nixl."):
                 f["transport"] = "nixl"
             if phase.startswith("replicate.") and red in ("replicas1", "parity3", "parity4"):
