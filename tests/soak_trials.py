@@ -1295,6 +1295,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{run['trials']}] {run['seconds']:.0f}s {run['seconds'] / run['trials']:.2f} s/trial; "
                       f"file: {doc['trials']} trials {doc['outcomes']}", flush=True)
     finally:
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.kill()  # a rank the stopped trial left (SIGSTOPped: the exit's join would wait for it forever)
         run["seconds"] = round(time.time() - t0, 1)
         accumulate(batch, out, run)  # the finished trials since the last write, even when stopped
     return 0 if bad == 0 else 1
