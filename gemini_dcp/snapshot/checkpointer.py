@@ -419,12 +419,7 @@ class AsyncCheckpointer:
             for h in failed:
                 h._settled = True
             self._outstanding = [h for h in self._outstanding if self._kept(h)]
-        fresh = [h for h in failed if not h._surfaced]
-        for h in fresh[1:]:
-            h._surfaced = True
-            log.error("asynchronous checkpoint of step %s also failed: %r", h.step, h.error)
-        if fresh:
-            fresh[0]._raise()
+        self._surface([h for h in failed if not h._surfaced])
         if failed and not self._no_dist:
             log.warning("gemini_dcp: the save after the failed checkpoint of step %s is skipped: every rank "
                         "raises or skips it (this rank raised that failure from wait_copied() already)", failed[0].step)
@@ -508,11 +503,17 @@ class AsyncCheckpointer:
                     if h.finished.is_set() and h.error is not None:
                         h._settled = True
             self._outstanding = [h for h in self._outstanding if self._kept(h)]
+        self._surface(failed)
+
+    @staticmethod
+    def _surface(failed: list[SnapshotHandle]) -> None:
+        """Raise the first of ``failed`` (failures not reported yet, oldest first); log the others, so each
+        failure reaches the caller once."""
         for h in failed[1:]:
             h._surfaced = True
             log.error("asynchronous checkpoint of step %s also failed: %r", h.step, h.error)
         if failed:
-            failed[0]._raise(settle=settle)
+            failed[0]._raise(settle=False)  # the caller settled what it may (save() or wait(); wait_copied() not)
 
     def _finish(self, handle: SnapshotHandle) -> None:
         handle.copied.set()
