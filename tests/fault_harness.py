@@ -250,7 +250,6 @@ def run_group(specs: list[dict[str, Any]], bound_s: float, *, kill_on_death: boo
         p = ctx.Process(target=target or rank_main, args=({**s, "port": port},), daemon=False)
         p.start()
         procs.append(p)
-    killed: list[int] = []
     timed_out = False
     stopped = [False] * len(procs)
     timed_hit = False
@@ -273,10 +272,16 @@ def run_group(specs: list[dict[str, Any]], bound_s: float, *, kill_on_death: boo
         if not kill_on_death and _only_stopped_left(procs, stopped):
             break
         time.sleep(0.01)
-    for r, p in enumerate(procs):
+    killed = [r for r, p in enumerate(procs) if p.exitcode is None and not _is_stopped(p.pid)]
+    if timed_out and killed:  # where they wait: a rank that registered faulthandler on SIGUSR1 logs its stacks
+        for r in killed:
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
+    for p in procs:
         if p.exitcode is None:
-            if not _is_stopped(p.pid):
-                killed.append(r)
             try:
                 os.kill(p.pid, signal.SIGKILL)
             except ProcessLookupError:

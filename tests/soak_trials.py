@@ -408,6 +408,9 @@ def rank_main(spec: dict[str, Any]) -> None:
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_group asks a rank past its bound where it waits
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec["port"]), "RANK": str(rank),
         "WORLD_SIZE": str(spec["world"]), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
@@ -741,6 +744,19 @@ def _run(t: Trial, specs: list[dict[str, Any]], *, kill_on_death: bool) -> fh.Gr
     return fh.run_group(specs, bound, kill_on_death=kill_on_death, target=rank_main)
 
 
+def _stacks(out: Path, mode: str, run: fh.GroupRun, obs: dict[str, Any]) -> None:
+    """The stacks the ranks of a group past its bound logged (SIGUSR1, faulthandler): where a hang waited."""
+    if not run.timed_out:
+        return
+    for r in run.killed_by_parent:
+        try:
+            text = (out / f"{mode}-{r}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        marks = [i for i in (text.find("Thread 0x"), text.find("Current thread 0x")) if i >= 0]
+        obs.setdefault("stacks", {})[f"{mode}-{r}"] = text[min(marks) if marks else 0:][-6000:]
+
+
 def _results(out: Path, mode: str, world: int) -> list[dict[str, Any] | None]:
     return fh._results(out, mode, world)
 
@@ -805,6 +821,7 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
         obs["train"] = {"codes": train.codes, "timed_out": train.timed_out, "killed": train.killed_by_parent,
                         "seconds": round(train.seconds, 2)}
         obs["train_results"] = _results(out, "train", t.world)
+        _stacks(out, "train", train, obs)
         obs["journal"] = [read_journal(out, r) for r in range(t.world)]
         if train.timed_out:
             obs["hangs"].append(f"the training group outlived its bound (codes {train.codes})")
@@ -843,6 +860,7 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
                    kill_on_death=True)
         obs["restore"] = {"codes": run.codes, "timed_out": run.timed_out, "seconds": round(run.seconds, 2)}
         obs["restore_results"] = _results(out, "restore", t.world)
+        _stacks(out, "restore", run, obs)
         if run.timed_out:
             obs["hangs"].append(f"the restore outlived its bound (codes {run.codes})")
         if store:
@@ -851,6 +869,7 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
             run = _run(t, _specs(t, "restore", roots, out, fault=None, fault_log=None, store=store), kill_on_death=True)
             obs["store_restore"] = {"codes": run.codes, "timed_out": run.timed_out}
             obs["store_results"] = _results(out, "restore", t.world)
+            _stacks(out, "restore", run, obs)
             if run.timed_out:
                 obs["hangs"].append(f"the restore from the store outlived its bound (codes {run.codes})")
             # the store restore can start a drain process too (it imports torch afresh: tens of seconds
@@ -877,6 +896,8 @@ def run_trial(t: Trial, base: str | None = None) -> dict[str, Any]:
     rec["groups_s"] = {k: obs[k]["seconds"] for k in ("train", "restore") if k in obs}
     rec["ranks_s"] = {k: [(x or {}).get(f) for x in obs.get(f"{k}_results") or [] for f in ("init_s", "work_s", "cpu_s")]
                       for k in ("train", "restore")}
+    if obs.get("stacks"):
+        rec["stacks"] = obs["stacks"]
     rec["events"] = events(obs)
     rec.update(judge(t, obs))
     return rec
@@ -1229,7 +1250,7 @@ def reclassify(seed: int, known: str, path: Path = RESULTS) -> bool:
 
 def _failure(r: dict[str, Any]) -> dict[str, Any]:
     keep = ("seed", "outcome", "known", "fault", "fault_kind", "features", "layout", "steps", "keep", "nan_at", "rollback_after",
-            "detail", "fired", "seconds", "rerun", "focus")
+            "detail", "fired", "seconds", "rerun", "focus", "stacks")
     return {k: r[k] for k in keep if k in r}
 
 
