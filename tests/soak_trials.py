@@ -90,6 +90,9 @@ FEATURES: dict[str, tuple[str, ...]] = {
 #: on a loaded 2-core host): drawn less often than a drain thread, still some hundreds of times in 10,000.
 WEIGHTS: dict[str, tuple[float, ...]] = {"persistent": (6, 3, 0.6, 0.6)}
 STORE_ON = ("thread", "bridge", "no_bridge")
+#: the weights of a focused draw (:func:`draw`): drain processes were drawn some 500 times each before any
+#: focus, and their trials cost ~3x a drain thread's (each node's process imports torch, again after a kill)
+FOCUS_WEIGHTS: dict[str, tuple[float, ...]] = {"persistent": (6, 3, 0.2, 0.2)}
 
 SIGNALS = ("SIGKILL", "SIGTERM", "SIGSTOP")
 SAVE_PHASES = tuple(p for p in PHASES if p.split(".")[0] in ("save", "replicate", "commit", "health"))
@@ -164,10 +167,12 @@ def draw(seed: int, focus: dict[str, int] | None = None) -> Trial:
     """The trial of ``seed``: every feature drawn, then one fault fitted to them.
 
     ``focus`` (from :func:`focus_of`): nine trials in ten are then a signal, at a ``phase:SIGNAL`` drawn by
-    these weights, with the features its phase needs to be reached. The same seed and focus give the same
+    these weights, with the features its phase needs to be reached, and drain processes are drawn less often
+    (:data:`FOCUS_WEIGHTS`). The same seed and focus give the same
     trial; a failure's record keeps its focus so that ``--seed-only`` reproduces it."""
     rng = random.Random(seed)
-    f = {k: rng.choices(v, weights=WEIGHTS.get(k))[0] for k, v in FEATURES.items()}
+    weights_of = WEIGHTS | FOCUS_WEIGHTS if focus else WEIGHTS
+    f = {k: rng.choices(v, weights=weights_of.get(k))[0] for k, v in FEATURES.items()}
     red = f["redundancy"]
     if red in ("replicas3", "parity3"):
         layout = rng.choice(LAYOUTS_3N + LAYOUTS_4N)
@@ -193,7 +198,7 @@ def draw(seed: int, focus: dict[str, int] | None = None) -> Trial:
         if focus:
             phase, sig = rng.choices(list(focus), weights=list(focus.values()))[0].rsplit(":", 1)
             if phase.startswith("drain.") and f["persistent"] == "off":  # by the feature's weights (a drain
-                f["persistent"] = rng.choices(STORE_ON, weights=WEIGHTS["persistent"][1:])[0]  # process costs ~3 CPU-s)
+                f["persistent"] = rng.choices(STORE_ON, weights=weights_of["persistent"][1:])[0]  # process costs ~3 CPU-s)
             if phase.startswith("nixl."):
                 f["transport"] = "nixl"
             if phase.startswith("replicate.") and red in ("replicas1", "parity3", "parity4"):
