@@ -330,12 +330,13 @@ def ensure_server(
 
 
 def server_command(persist_dir: str | os.PathLike[str], options: DrainOptions, *, standby: bool = False,
-                   warm_first: bool = False, warming_fd: int | None = None) -> list[str]:
+                   warm_first: bool = False, warming_fd: int | None = None, starting_fd: int | None = None) -> list[str]:
     """The command line of a detached drain server (started by module name)."""
     return [sys.executable, "-m", SERVER_MODULE, str(persist_dir), "--options", options.to_json(),
             "--base-nice", str(os.getpriority(os.PRIO_PROCESS, 0))] + (
         ["--standby"] if standby else []
-    ) + (["--warm-first"] if warm_first else []) + (["--warming-fd", str(warming_fd)] if warming_fd is not None else [])
+    ) + (["--warm-first"] if warm_first else []) + (["--warming-fd", str(warming_fd)] if warming_fd is not None else []) + (
+        ["--starting-fd", str(starting_fd)] if starting_fd is not None else [])
 
 
 def _spawn(p: Paths, options: DrainOptions, *, standby: bool = False, warm_first: bool = False) -> None:
@@ -346,28 +347,37 @@ def _spawn(p: Paths, options: DrainOptions, *, standby: bool = False, warm_first
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     # A warming server's lock is taken here and handed to it (the same open file: the lock goes with
     # it), so a request this process writes right after already finds the server warming.
-    wfd = None
+    wfd = sfd = None
     if warm_first:
         wfd = os.open(p.warming_lock, os.O_RDWR | os.O_CREAT, 0o600)
         if not try_flock(wfd):
             os.close(wfd)
             return  # another server warms
+    elif not standby:
+        # A plain server is started by whichever call finds daemon.lock free (a due step, a wait_persisted()
+        # poll of every rank each second): until the process holds that lock (seconds on a loaded host) it
+        # holds starting.lock, so those calls do not start a process each. It serves every pending request.
+        sfd = os.open(p.starting_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        if not try_flock(sfd):
+            os.close(sfd)
+            return  # a server is starting
     try:
         with open(p.log, "ab") as logf:
             proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-                server_command(p.dir, options, standby=standby, warm_first=warm_first, warming_fd=wfd),
+                server_command(p.dir, options, standby=standby, warm_first=warm_first, warming_fd=wfd, starting_fd=sfd),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=logf,
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=() if wfd is None else (wfd,),
+                pass_fds=tuple(fd for fd in (wfd, sfd) if fd is not None),
                 env=env,
                 cwd="/",
             )
     finally:
-        if wfd is not None:
-            os.close(wfd)  # the server holds the lock now (or, if it did not start, nobody does)
+        for fd in (wfd, sfd):
+            if fd is not None:
+                os.close(fd)  # the server holds the lock now (or, if it did not start, nobody does)
     # Its own start-up (the interpreter, then torch) runs below training from the first instruction on.
     lower_priority(options.nice, pid=proc.pid)
     if warm_first:

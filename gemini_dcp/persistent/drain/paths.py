@@ -2,7 +2,8 @@
 
 ``<tier root>/<job_id>/persist/``: ``requests/step-N.json`` (one per step to drain),
 ``stage/step-N/`` (the staged bytes, the record snapshot, the upload progress),
-``daemon.lock`` / ``standby.lock`` / ``warming.lock`` / ``daemon.pid`` (the server), ``status.json`` (what it did),
+``daemon.lock`` / ``standby.lock`` / ``warming.lock`` / ``starting.lock`` / ``daemon.pid`` (the server),
+``status.json`` (what it did),
 ``drain.log`` and ``config.json`` (the drain settings a writer left, for adoption). The drain
 of adopted parts keeps the same layout under ``persist/adopt/``. Torch-free.
 """
@@ -30,6 +31,7 @@ class Paths:
         self.lock = self.dir / "daemon.lock"
         self.standby_lock = self.dir / "standby.lock"
         self.warming_lock = self.dir / "warming.lock"  # held by a server importing its upload side
+        self.starting_lock = self.dir / "starting.lock"  # held by a drain process until it holds daemon.lock
         self.pid = self.dir / "daemon.pid"
         self.status = self.dir / "status.json"
         self.log = self.dir / "drain.log"

@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-nice", type=int, default=None, help="the trainer's niceness (the drain's is relative)")
     parser.add_argument("--warming-fd", type=int, default=None,
                         help="with --warm-first: an inherited descriptor of warming.lock, already locked by the trainer")
+    parser.add_argument("--starting-fd", type=int, default=None,
+                        help="an inherited descriptor of starting.lock, locked by the trainer: closed once this "
+                             "server holds daemon.lock or gives up")
     args = parser.parse_args(argv)
     options = DrainOptions.from_json(args.options) if args.options else DrainOptions()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s drain[{os.getpid()}] %(levelname)s %(message)s")
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         warm_then_serve(args.persist_dir, options, warming_fd=args.warming_fd)
         return
     serve(args.persist_dir, options=options, idle_s=options.idle_s, standby_s=STANDBY_S if args.standby else 0.0,
-          prewarm=options.idle_s > 0)
+          prewarm=options.idle_s > 0, starting_fd=args.starting_fd)
 
 
 def warm_then_serve(persist_dir: str, options: DrainOptions, *, warming_fd: int | None = None) -> None:
@@ -136,7 +139,7 @@ def lower_priority(setting: int | str, *, pid: int = 0, base: int | None = None)
 
 def serve(
     persist_dir: str, *, options: DrainOptions | None = None, idle_s: float = 60.0, standby_s: float = 0.0,
-    prewarm: bool = False, bridge: bool = False,
+    prewarm: bool = False, bridge: bool = False, starting_fd: int | None = None,
 ) -> None:
     """Run the drain server of ``persist_dir`` until idle.
 
@@ -145,15 +148,20 @@ def serve(
     ``prewarm`` (the detached process only): once the lock is ours, ready the upload side in
     the background (:func:`_prewarm`). ``bridge`` (a thread of the training process, while the
     node's server imports its upload side: :func:`warm_then_serve`): return as soon as that
-    server is warm and no upload of ours runs.
+    server is warm and no upload of ours runs. ``starting_fd`` (``starting.lock``, held since the
+    trainer started this process): closed once the lock is ours or another server's.
     """
     p = Paths(persist_dir)
-    fd = _open_lock(p, p.lock)
-    if fd is None:
-        return
-    if not take_lock(p, fd, standby_s):
-        os.close(fd)
-        return
+    try:
+        fd = _open_lock(p, p.lock)
+        if fd is None:
+            return
+        if not take_lock(p, fd, standby_s):
+            os.close(fd)
+            return
+    finally:
+        if starting_fd is not None:
+            os.close(starting_fd)  # a call that finds daemon.lock free from now on starts a server again
     if prewarm:
         threading.Thread(target=_prewarm, name="gemini-drain-prewarm", daemon=True).start()
     _serve_locked(p, fd, idle_s, options or DrainOptions(), bridge=bridge)
