@@ -61,8 +61,9 @@ def render(doc: dict[str, Any]) -> str:
     lines += _table("feature=value", by_feature, sorted(by_feature))
     by_fault = doc.get("by_fault", {})
     faults = doc.get("faults", {})
-    lines += ["", "Signals at a named phase (`fired`: the process reached the phase and the signal hit it; "
-                  "the rest drew a phase their features never reach, e.g. `replicate.*` with one copy):", ""]
+    lines += ["", "Signals at a named phase, each signal's cell *drawn / fired* (`fired`: the process reached the "
+                  "phase and the signal hit it; the rest drew a phase their features never reached, e.g. a restore "
+                  "phase after a training fault that left nothing to restore):", ""]
     sigs = ("SIGKILL", "SIGTERM", "SIGSTOP")
     lines += ["| phase | trials | " + " | ".join(sigs) + " | fired | " + " | ".join(OUTCOMES) + " |",
               "|---|---:|" + "---:|" * (len(sigs) + 1 + len(OUTCOMES))]
@@ -70,7 +71,8 @@ def render(doc: dict[str, Any]) -> str:
     for ph in phases:
         counts = by_fault.get(f"phase:{ph}", {})
         fired = sum(faults.get(f"fired:{ph}:{s}", 0) for s in sigs)
-        lines.append(f"| `{ph}` | {sum(counts.values())} | " + " | ".join(str(faults.get(f"phase:{ph}:{s}", 0)) for s in sigs)
+        lines.append(f"| `{ph}` | {sum(counts.values())} | " + " | ".join(
+            f"{faults.get(f'phase:{ph}:{s}', 0)} / {faults.get(f'fired:{ph}:{s}', 0)}" for s in sigs)
                      + f" | {fired} | " + " | ".join(str(counts.get(o, 0)) for o in OUTCOMES) + " |")
     for s_ in sigs:
         counts = by_fault.get(f"signal:{s_}", {})

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -157,10 +158,18 @@ def signal_pairs() -> tuple[str, ...]:
 
 
 def focus_of(doc: dict[str, Any], target: int = FOCUS_TARGET) -> dict[str, int]:
-    """The (phase, signal) pairs that fired fewer than ``target`` times in a results file, each weighted by
-    what it lacks: a soak given this draws signals at them until each is reached (``{}``: none lacks)."""
-    fired = doc.get("faults", {})
-    return {k: target - fired.get(f"fired:{k}", 0) for k in signal_pairs() if fired.get(f"fired:{k}", 0) < target}
+    """The (phase, signal) pairs that fired fewer than ``target`` times in a results file, each weighted by the
+    draws it still needs: what it lacks over the share of its draws that fired so far (a restore phase fires in
+    about a third: a training fault may leave nothing to restore). A soak given this draws signals at them
+    until each is reached (``{}``: none lacks)."""
+    faults = doc.get("faults", {})
+    out = {}
+    for k in signal_pairs():
+        fired, drawn = faults.get(f"fired:{k}", 0), faults.get(f"phase:{k}", 0)
+        if fired < target:
+            rate = fired / drawn if drawn >= 20 else 1.0
+            out[k] = math.ceil((target - fired) / max(rate, 0.1))
+    return out
 
 
 def draw(seed: int, focus: dict[str, int] | None = None) -> Trial:

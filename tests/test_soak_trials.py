@@ -136,6 +136,8 @@ def test_a_focused_draw_reaches_the_pairs_short_of_fired_signals() -> None:
     focus = st.focus_of(doc)
     assert focus == {"replicate.after:SIGTERM": 95, "drain.before_metadata:SIGSTOP": 10,
                      "rollback.marker:SIGKILL": 100}
+    doc["faults"]["phase:replicate.after:SIGTERM"] = 20  # a quarter of its draws fired: it needs 4x its lack
+    assert st.focus_of(doc)["replicate.after:SIGTERM"] == 380
     trials = [st.draw(seed, focus) for seed in range(600)]
     assert st.draw(11, focus) == st.draw(11, focus) and st.draw(11) != st.draw(11, focus)
     signals = [t for t in trials if t.fault["kind"] == "signal"]
