@@ -492,3 +492,24 @@ def test_store_host_frozen_mid_replication_ends_in_bounded_time(on_peer_failure:
 def _run_frozen_rank(rank: int, world_size: int, port: int, roots: list[str], out_dir: str, on_peer_failure: str) -> None:
     """torch.multiprocessing entry: rank ``rank`` of the frozen-store-host scenario on node ``roots[rank]``."""
     _frozen_store_host_rank(rank, world_size, port, roots[rank], out_dir, on_peer_failure)
+
+
+def test_a_control_group_whose_store_host_is_stopped_ends_in_restart_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making the package's control group waits for its peers through the default store; once a store
+    wait timed out, torch's TCPStore client waits for the answer to its cancel with no deadline (the
+    soak: three ranks in ``new_group`` 96 s after rank 0, the store's host, was stopped). The making
+    is given up after its bound, on the caller's thread, with RestartRequiredError."""
+    from gemini_dcp.transport import comm
+
+    forever = threading.Event()
+    monkeypatch.setattr(comm.dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(comm.dist, "new_group", lambda **kw: forever.wait(60))  # a recv that never returns
+    monkeypatch.setattr(comm, "GROUP_DEADLINE_FACTOR", 0.0)
+    monkeypatch.setattr(comm, "GROUP_DEADLINE_SLACK_S", 0.2)
+    try:
+        with pytest.raises(RestartRequiredError, match="control group of ranks \\[0, 1\\].*stopped answering"):
+            comm._new_group((0, 1), 1.0)
+        assert comm.broken_reason() is not None  # every later save or load raises it at once
+    finally:
+        forever.set()
+        comm.reset_groups()

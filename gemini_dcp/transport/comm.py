@@ -68,6 +68,10 @@ _BROKEN: str | None = None
 _RETIRED: list[Any] = []
 # A store agreement is abandoned after this many timeout_s (its own store waits take at most 1.5 x).
 AGREE_DEADLINE_FACTOR = 2.0
+# Making a control group is abandoned after this many timeout_s, plus GROUP_DEADLINE_SLACK_S (gloo's own
+# connect waits timeout_s for the last peer to arrive).
+GROUP_DEADLINE_FACTOR = 2.0
+GROUP_DEADLINE_SLACK_S = 5.0
 # ... or after this many, if this rank's first post to the store is still unanswered (a stalled host).
 POST_GIVE_UP = 1.25
 _PHASE_CONNECT = "connecting to the store"
@@ -409,12 +413,20 @@ def _new_group(ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup:
     """A gloo group of ``ranks`` whose every operation waits at most ``timeout_s``.
 
     Over all ranks of the default group: ``new_group`` is collective over WORLD. Over a
-    subset: only its members take part (``use_local_synchronization``).
+    subset: only its members take part (``use_local_synchronization``). Made on a helper thread and
+    given up after :data:`GROUP_DEADLINE_FACTOR` x ``timeout_s`` (+ a slack): gloo meets its peers through the
+    default store, and once a store wait has timed out torch's TCPStore client waits for the
+    server's answer to its cancel with no deadline, forever if the store's host is stopped (a hung
+    rank 0). Then RestartRequiredError, and this process's control plane is broken.
     """
     timeout = timedelta(seconds=timeout_s)
-    if len(ranks) == dist.get_world_size():
-        return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
-    return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+    local = {} if len(ranks) == dist.get_world_size() else {"use_local_synchronization": True}
+    limit = GROUP_DEADLINE_FACTOR * timeout_s + GROUP_DEADLINE_SLACK_S
+    try:
+        return _bounded(f"making the checkpoint control group of ranks {list(ranks)}",
+                        lambda: dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, **local), limit)
+    except TimeoutError as exc:
+        raise restart_required(f"{exc}: a peer or the default store's host stopped answering") from exc
 
 
 def new_scope(what: str) -> str:
