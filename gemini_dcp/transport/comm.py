@@ -417,11 +417,15 @@ def _new_group(ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup:
     rank 0). Then RestartRequiredError, and this process's control plane is broken.
     """
     timeout = timedelta(seconds=timeout_s)
-    local = {} if len(ranks) == dist.get_world_size() else {"use_local_synchronization": True}
+
+    def make() -> dist.ProcessGroup:
+        if len(ranks) == dist.get_world_size():
+            return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
+        return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+
     limit = GROUP_DEADLINE_FACTOR * timeout_s + GROUP_DEADLINE_SLACK_S
     try:
-        return _bounded(f"making the checkpoint control group of ranks {list(ranks)}",
-                        lambda: dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, **local), limit)
+        return _bounded(f"making the checkpoint control group of ranks {list(ranks)}", make, limit)
     except TimeoutError as exc:
         raise restart_required(f"{exc}: a peer or the default store's host stopped answering") from exc
 
