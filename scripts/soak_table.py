@@ -48,7 +48,7 @@ def render(doc: dict[str, Any]) -> str:
     lines = [
         f"**{trials} trials** in {len(runs)} run(s) of `scripts/soak.sh` "
         f"(file `benchmarks/results/soak.json`; {seconds / max(trials, 1):.1f} s a trial, wall time of the "
-        "trial itself, at nice 19 on the shared 2-core development machine). Outcomes: "
+        "trial itself, several soaks side by side on the shared 2-core development machine). Outcomes: "
         + ", ".join(f"{o} {outcomes.get(o, 0)}" for o in OUTCOMES) + ". "
         "`known`: a failure since explained (its `known` field says how: an open issue, a documented "
         "limit, or a fixed harness error); a failing trial is rerun at once (`rerun`); "
